@@ -1,0 +1,7 @@
+"""lit-model: pretrain, fine-tune and run GPT-style language models without losing a run to OOM."""
+
+from lit_model.config import Config
+from lit_model.errors import UsageError, UserError
+from lit_model.model import GPT
+
+__all__ = ["Config", "GPT", "UsageError", "UserError"]

@@ -1,0 +1,157 @@
+"""One dataclass that describes every supported decoder architecture.
+
+Published configurations live in ``lit_model/configs/*.yaml`` (one file per family); ``Config.from_name``
+looks them up by the Hugging Face repo name, with or without the organisation.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from lit_model.errors import UsageError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class Config:
+    name: str = ""
+    hf_org: str = ""  # Hugging Face organisation of the published checkpoint ("" for project configs)
+    hf_type: str = "llama"  # transformers `model_type` this architecture converts to and from
+    block_size: int = 4096  # longest context the model supports
+    vocab_size: int = 50254  # tokenizer vocabulary
+    padded_vocab_size: Optional[int] = None  # embedding rows (vocab padded for speed); None: vocab_size
+    n_layer: int = 16
+    n_embd: int = 4096
+    n_head: int = 32
+    head_size: Optional[int] = None  # None: n_embd // n_head
+    n_query_groups: Optional[int] = None  # key/value heads; None: n_head (multi-head attention)
+    # Positional encoding
+    rotary_percentage: float = 1.0  # fraction of each head that gets rotary embeddings (GPT-NeoX, Phi)
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None  # Llama 3.1 style {"factor", "low_freq_factor", ...}
+    # Block layout
+    parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)) instead of sequential
+    shared_attention_norm: bool = False  # parallel residual with one norm for both branches (Phi)
+    post_attention_norm: bool = False  # extra norms after attention / MLP output (Gemma 2)
+    post_mlp_norm: bool = False
+    # Linear layers
+    bias: bool = False  # bias on every linear layer except the head
+    attn_bias: bool = False  # bias on query/key/value only (Qwen2)
+    lm_head_bias: bool = False
+    tie_embeddings: bool = False
+    # Normalisation
+    norm_class_name: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_eps: float = 1e-5
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
+    # MLP
+    mlp_class_name: Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"] = "LLaMAMLP"
+    intermediate_size: Optional[int] = None  # None: 4 * n_embd
+    gelu_approximate: str = "none"  # "tanh" for gelu_new / gelu_pytorch_tanh
+    # Attention and output variants
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(n_embd) (Gemma)
+    attention_scores_scalar: Optional[int] = None  # scores scaled by 1/sqrt(this) instead of head_size
+    attention_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    sliding_window_size: Optional[int] = None  # local attention window
+    sliding_window_layer_stride: int = 1  # 1: every layer is local; 2: every other layer (Gemma 2)
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific HF fields kept for export
+
+    def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size
+        if self.head_size is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+            self.head_size = self.n_embd // self.n_head
+        if self.n_query_groups is None:
+            self.n_query_groups = self.n_head
+        if self.n_head % self.n_query_groups:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_query_groups={self.n_query_groups}")
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.n_embd
+        self.rope_n_elem = int(self.rotary_percentage * self.head_size)
+
+    @property
+    def hf_name(self) -> str:
+        return f"{self.hf_org}/{self.name}" if self.hf_org else self.name
+
+    def layer_uses_sliding_window(self, layer_idx: int) -> bool:
+        return self.sliding_window_size is not None and layer_idx % self.sliding_window_layer_stride == 0
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "Config":
+        """Look up a published configuration by HF repo name (``org/name`` or ``name``)."""
+        registry = _registry()
+        key = name.split("/")[-1]
+        if key not in registry:
+            close = difflib.get_close_matches(key, list(registry), n=5, cutoff=0.4)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise UsageError(
+                f"Unknown model name {name!r}.{hint} Run `python -m lit_model.config` to list all "
+                f"{len(registry)} known names, or pass --model_config with a YAML of Config fields."
+            )
+        org = name.split("/")[0] if "/" in name else None
+        entry = dict(registry[key])
+        if org is not None and entry.get("hf_org") and org != entry["hf_org"]:
+            raise UsageError(
+                f"{name!r}: the registry knows {key!r} as {entry['hf_org']}/{key}, not under {org!r}."
+            )
+        entry.update(overrides)
+        return cls(**entry)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> "Config":
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"Model config {str(path)!r} does not exist: pass a YAML file of Config fields.")
+        data = yaml.safe_load(path.read_text()) or {}
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise UsageError(f"{path}: unknown Config fields {sorted(unknown)}.")
+        data.update(overrides)
+        return cls(**data)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, **overrides: Any) -> "Config":
+        return cls.from_file(Path(checkpoint_dir) / "model_config.yaml", **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, checkpoint_dir: str | Path) -> None:
+        path = Path(checkpoint_dir) / "model_config.yaml"
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, dict[str, Any]]:
+    """Every published config, keyed by name. Each YAML file holds a list of entries; an entry may
+    name a ``base`` entry (earlier in any file) whose fields it inherits and overrides."""
+    registry: dict[str, dict[str, Any]] = {}
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+        for entry in yaml.safe_load(path.read_text()) or []:
+            entry = dict(entry)
+            base = entry.pop("base", None)
+            if base is not None:
+                entry = {**registry[base], **entry}
+            if entry["name"] in registry:
+                raise ValueError(f"{path}: duplicate config name {entry['name']!r}")
+            registry[entry["name"]] = entry
+    return registry
+
+
+def known_names() -> list[str]:
+    return sorted(_registry())
+
+
+if __name__ == "__main__":
+    for model_name in known_names():
+        print(Config.from_name(model_name).hf_name)

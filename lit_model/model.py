@@ -1,0 +1,395 @@
+"""A GPT decoder that covers Llama, Mistral, GPT-NeoX/Pythia, Phi, Gemma (1 and 2) and Qwen2.
+
+Every architectural difference is a field of ``Config``; this file reads top to bottom: the model, a block,
+attention, the MLPs, normalisation, rotary embeddings and the KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lit_model.config import Config
+from lit_model.errors import UserError
+
+try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+
+class GPT(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = make_norm(config, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
+        self.loss_chunk_size = 1024
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._max_seq_length = config.block_size
+        self.reset_rope_cache()
+
+    @property
+    def max_seq_length(self) -> int:
+        return self._max_seq_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        """Context the model runs with: at most the config's block size; smaller saves RoPE/mask memory."""
+        if value > self.config.block_size:
+            raise UserError(
+                f"A sequence length of {value} is longer than {self.config.name or 'this model'} supports "
+                f"(block_size={self.config.block_size}). Use a length of at most {self.config.block_size}."
+            )
+        self._max_seq_length = value
+        self.reset_rope_cache()
+
+    def reset_rope_cache(self, device: Optional[torch.device] = None) -> None:
+        """(Re)build the cos/sin tables, e.g. after the model was created on the meta device."""
+        device = device if device is not None else self.embed.weight.device
+        cos, sin = rope_cache(self.config, self._max_seq_length, device)
+        self.cos, self.sin = cos, sin
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        targets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with ``targets`` (-100 = ignore) the mean loss instead.
+
+        ``input_pos`` (1-D, the positions of ``idx``'s tokens) switches to KV-cache decoding; see
+        ``set_kv_cache``.
+        """
+        T = idx.size(1)
+        if input_pos is None:
+            if T > self.max_seq_length:
+                raise UserError(
+                    f"Input of {T} tokens is longer than the model's max_seq_length={self.max_seq_length}. "
+                    "Crop the input or raise max_seq_length (at most the config's block_size)."
+                )
+            cos, sin = self.cos[:T], self.sin[:T]
+        else:
+            cos, sin = self.cos.index_select(0, input_pos), self.sin.index_select(0, input_pos)
+
+        x = self.embed(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin, input_pos)
+        x = self.norm_f(x)
+        if targets is None:
+            return self.head(x)
+        return self.chunked_loss(x, targets)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x)
+        if self.config.final_logit_softcapping is not None:
+            logits = softcap(logits, self.config.final_logit_softcapping)
+        return logits
+
+    def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in fp32. Each chunk's logits are recomputed in backward (checkpointed), so
+        at most ``loss_chunk_size`` rows of (tokens x vocab) logits are alive at once."""
+        x = x.reshape(-1, x.size(-1))
+        targets = targets.reshape(-1)
+        chunk = self.loss_chunk_size if self.loss_chunk_size > 0 else x.size(0)
+        total = x.new_zeros((), dtype=torch.float32)
+        for start in range(0, x.size(0), chunk):
+            x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
+            if chunk < x.size(0) and torch.is_grad_enabled():
+                total = total + checkpoint(self._loss_sum, x_chunk, t_chunk, use_reentrant=False)
+            else:
+                total = total + self._loss_sum(x_chunk, t_chunk)
+        return total / (targets != -100).sum().clamp(min=1)
+
+    def _loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x).float(), targets, ignore_index=-100, reduction="sum")
+
+    # ---- generation --------------------------------------------------------------------------
+    def set_kv_cache(
+        self, batch_size: int, max_length: int, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
+    ) -> None:
+        """Preallocate the cache for exactly ``max_length`` positions (prompt + new tokens)."""
+        if max_length > self.max_seq_length:
+            raise UserError(
+                f"Prompt plus new tokens ({max_length}) exceed the model's context of {self.max_seq_length} "
+                f"tokens. Ask for at most {self.max_seq_length} tokens in total."
+            )
+        device = device or self.embed.weight.device
+        dtype = dtype or self.embed.weight.dtype
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config, max_length, device, dtype)
+
+    def clear_kv_cache(self) -> None:
+        for block in self.blocks:
+            block.attn.kv_cache = None
+
+    # ---- weights ----------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """GPT-2 style init: N(0, 0.02), residual output projections scaled down by depth."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(".proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: Optional[torch.dtype] = None,
+        **config_overrides,
+    ) -> "GPT":
+        """Build on the meta device and assign the stored tensors, so only one copy of the weights is
+        ever in memory."""
+        from lit_model.checkpoint import load_model_weights
+
+        checkpoint_dir = Path(checkpoint_dir)
+        config = Config.from_checkpoint(checkpoint_dir, **config_overrides)
+        with torch.device("meta"):
+            model = cls(config)
+        load_model_weights(model, checkpoint_dir, device=device, dtype=dtype)
+        model.reset_rope_cache(torch.device(device))
+        return model.eval()
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.norm_1 = make_norm(config, config.n_embd)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.post_attention_norm = make_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
+        self.norm_2 = None if config.shared_attention_norm else make_norm(config, config.n_embd)
+        self.mlp = MLP_CLASSES[config.mlp_class_name](config)
+        self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        x_normed = self.norm_1(x)
+        attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos))
+        if self.config.parallel_residual:
+            mlp_input = x_normed if self.norm_2 is None else self.norm_2(x)
+            return x + attention_output + self.post_mlp_norm(self.mlp(mlp_input))
+        x = x + attention_output
+        return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = config.bias or config.attn_bias
+        self.query = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=qkv_bias)
+        self.key = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
+        self.value = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
+        self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        self.sliding_window = config.sliding_window_size if config.layer_uses_sliding_window(layer_idx) else None
+        self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hs, n_head, n_kv = self.config.head_size, self.config.n_head, self.config.n_query_groups
+        # (B, heads, T, head_size)
+        q = self.query(x).view(B, T, n_head, hs).transpose(1, 2)
+        k = self.key(x).view(B, T, n_kv, hs).transpose(1, 2)
+        v = self.value(x).view(B, T, n_kv, hs).transpose(1, 2)
+        q = apply_rope(q, cos, sin, self.config.rope_n_elem)
+        k = apply_rope(k, cos, sin, self.config.rope_n_elem)
+
+        if input_pos is not None:
+            if self.kv_cache is None:
+                raise RuntimeError("Call `model.set_kv_cache(...)` before decoding with input_pos.")
+            k, v = self.kv_cache(input_pos, k, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            mask = attention_mask(input_pos, k.size(2), self.sliding_window)
+        elif self.sliding_window is not None and T > self.sliding_window:
+            mask = attention_mask(torch.arange(T, device=x.device), T, self.sliding_window)
+        else:
+            mask = None  # plain causal
+
+        y = self.attend(q, k, v, mask)
+        return self.proj(y.reshape(B, T, n_head * hs))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Returns (B, T, heads, head_size)."""
+        softcapping = self.config.attention_logit_softcapping
+        if softcapping is not None:
+            # Soft-capping needs the scores themselves, so this path is explicit (Gemma 2).
+            if k.size(1) != q.size(1):
+                k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+                v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+            scores = softcap((q @ k.transpose(-2, -1)) * self.scale, softcapping)
+            if mask is None:
+                T = q.size(2)
+                mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return (probs @ v).transpose(1, 2)
+        if (
+            flash_attn_func is not None
+            and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and mask is None
+        ):
+            out = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scale, causal=True
+            )
+            return out
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=k.size(1) != q.size(1)
+        )
+        return y.transpose(1, 2)
+
+
+def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:
+    """Boolean (T, key_length) mask: query at position p sees keys at positions <= p (and > p - window)."""
+    key_pos = torch.arange(key_length, device=input_pos.device)
+    mask = key_pos[None, :] <= input_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > input_pos[:, None] - sliding_window
+    return mask
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+class GptNeoxMLP(nn.Module):
+    """Linear -> GELU -> Linear (GPT-NeoX, Phi)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+class LLaMAMLP(nn.Module):
+    """SwiGLU: proj(silu(fc_1(x)) * fc_2(x)) (Llama, Mistral, Qwen, Phi-3)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.activation(self.fc_1(x)) * self.fc_2(x))
+
+
+class GemmaMLP(LLaMAMLP):
+    """GeGLU: the gate goes through GELU instead of SiLU (Gemma)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.approximate = config.gelu_approximate
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=self.approximate)
+
+
+MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32; Gemma scales by (1 + weight)."""
+
+    def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: Config, size: int) -> nn.Module:
+    if config.norm_class_name == "LayerNorm":
+        return nn.LayerNorm(size, eps=config.norm_eps)
+    return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+
+
+def rope_cache(config: Config, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, rope_n_elem) in fp32, with Llama 3.1 frequency scaling."""
+    n_elem = config.rope_n_elem
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, n_elem, 2, device=device, dtype=torch.float32) / n_elem))
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.get("rope_type", "llama3") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > original / low, inv_freq / factor, torch.where(wavelen < original / high, inv_freq, smoothed)
+        )
+    elif scaling is not None and scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
+    """Rotate the first ``n_elem`` channels of each head (the "rotate half" convention of HF weights)."""
+    if n_elem == 0:
+        return x
+    rotated, passthrough = x[..., :n_elem], x[..., n_elem:]
+    x1, x2 = rotated.chunk(2, dim=-1)
+    rotate_half = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rotated = rotated * cos + rotate_half * sin
+    return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
+
+
+class KVCache(nn.Module):
+    """Keys and values for ``max_length`` positions, written in place at ``input_pos``."""
+
+    def __init__(self, batch_size: int, config: Config, max_length: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (batch_size, config.n_query_groups, max_length, config.head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k, self.v

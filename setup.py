@@ -1,0 +1,35 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+# torch is left unpinned here so a GPU machine keeps its CUDA build; on a CPU-only machine install
+# `torch==2.13.0` (the CPU wheel) first, as the README says, and this requirement is already met.
+setup(
+    name="lit-model",
+    version="0.1.0",
+    description="Pretrain, fine-tune and run GPT-style language models without losing a run to OOM",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lit_model", "lit_model.*"]),
+    package_data={"lit_model": ["configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.5",
+        "lightning>=2.5",
+        "jsonargparse[signatures]>=4.30",
+        "pyyaml",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "sentencepiece>=0.2",
+        "tqdm",
+        "psutil",
+    ],
+    extras_require={
+        "quantize": ["bitsandbytes>=0.45"],
+        "optimizers": ["pytorch_optimizer>=3.0"],
+        "plot": ["matplotlib"],
+        "flash": ["flash-attn"],
+        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib"],
+        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib"],
+    },
+)
