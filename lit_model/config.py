@@ -6,6 +6,7 @@ looks them up by the Hugging Face repo name, with or without the organisation.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
@@ -66,6 +67,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
             self.padded_vocab_size = self.vocab_size
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
         if self.head_size is None:
             if self.n_embd % self.n_head:
                 raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
@@ -99,7 +102,7 @@ class Config:
                 f"{len(registry)} known names, or pass --model_config with a YAML of Config fields."
             )
         org = name.split("/")[0] if "/" in name else None
-        entry = dict(registry[key])
+        entry = copy.deepcopy(registry[key])
         if org is not None and entry.get("hf_org") and org != entry["hf_org"]:
             raise UsageError(
                 f"{name!r}: the registry knows {key!r} as {entry['hf_org']}/{key}, not under {org!r}."
@@ -141,7 +144,9 @@ def _registry() -> dict[str, dict[str, Any]]:
             entry = dict(entry)
             base = entry.pop("base", None)
             if base is not None:
-                entry = {**registry[base], **entry}
+                if base not in registry:
+                    raise ValueError(f"{path}: {entry['name']!r} names base {base!r}, which no earlier entry defines")
+                entry = {**copy.deepcopy(registry[base]), **entry}
             if entry["name"] in registry:
                 raise ValueError(f"{path}: duplicate config name {entry['name']!r}")
             registry[entry["name"]] = entry

@@ -36,6 +36,8 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed.weight
         # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
         self.loss_chunk_size = 1024
+        # Recompute every k-th block's activations in backward (0: off, 1: every block); see training/fabric.py.
+        self.activation_checkpointing_interval = 0
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._max_seq_length = config.block_size
@@ -87,8 +89,12 @@ class GPT(nn.Module):
         x = self.embed(idx)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
-        for block in self.blocks:
-            x = block(x, cos, sin, input_pos)
+        interval = self.activation_checkpointing_interval
+        for i, block in enumerate(self.blocks):
+            if interval and i % interval == 0 and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, input_pos, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, input_pos)
         x = self.norm_f(x)
         if targets is None:
             return self.head(x)

@@ -1,0 +1,532 @@
+"""KV-cache decoding, sampling and streaming text for ``generate/base.py`` and ``generate/chat.py``.
+
+``generate`` prefills the prompt (positions ``start_pos ..``) in one call, then decodes one token per step
+with static shapes ((batch, 1) tokens, a 1-element position tensor that is advanced in place), so the step
+can be ``torch.compile``d once (``decode_step(model, compile=True)``). The cache holds exactly the positions a
+call needs (prompt + new tokens), so memory grows with ``--max_new_tokens``, never with the block size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from lit_model.config import Config
+from lit_model.errors import UsageError, UserError
+from lit_model.model import GPT, KVCache
+from lit_model.precision import param_dtype, resolve_precision
+
+# ---------------------------------------------------------------------------------------------------------
+# Setup: devices, precision, lengths, loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def resolve_devices(devices: int) -> list[torch.device]:
+    """``--devices N``: N CUDA GPUs running consecutive blocks (a pipeline), or the one CPU."""
+    if not isinstance(devices, int) or devices < 1:
+        raise UsageError(f"--devices must be a positive number of GPUs, not {devices!r}.")
+    if torch.cuda.is_available():
+        if devices > torch.cuda.device_count():
+            raise UsageError(
+                f"--devices {devices} asks for more GPUs than the {torch.cuda.device_count()} visible here. "
+                f"Pass --devices {torch.cuda.device_count()} or fewer."
+            )
+        return [torch.device("cuda", i) for i in range(devices)]
+    if devices > 1:
+        raise UsageError(
+            f"--devices {devices} splits the model over several GPUs, and none is available: on the CPU "
+            "generation runs on one device. Pass --devices 1."
+        )
+    return [torch.device("cpu")]
+
+
+@dataclass
+class Precision:
+    name: str  # the resolved --precision string
+    dtype: torch.dtype  # parameters (and the KV cache without autocast)
+    autocast: Optional[torch.dtype]  # "-mixed": compute dtype under torch.autocast
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.autocast or self.dtype
+
+    def context(self, device_type: str) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast)
+
+
+def resolve_generation_precision(precision: Optional[str], device_type: str, quantize: Optional[str]) -> Precision:
+    from lit_model.quantize import check_quantize
+
+    if precision is None and quantize == "bnb.int8" and device_type == "cuda":
+        precision = "16-true"  # LLM.int8() computes in float16 on CUDA
+    name = resolve_precision(precision, device_type)
+    autocast = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
+    check_quantize(quantize, device_type, param_dtype(name), mixed=autocast is not None)
+    return Precision(name, param_dtype(name), autocast)
+
+
+def check_lengths(prompt_length: int, max_new_tokens: int, config: Config) -> int:
+    """Return prompt + new tokens, or raise naming the limit (and the largest --max_new_tokens that fits)."""
+    limit = config.block_size
+    if max_new_tokens < 1:
+        raise UsageError(f"--max_new_tokens must be at least 1, not {max_new_tokens}.")
+    if prompt_length >= limit:
+        raise UsageError(
+            f"The prompt is {prompt_length} tokens long, but {config.name or 'this model'} has a context of "
+            f"{limit} tokens, which must also hold at least one new token. Shorten the prompt to at most "
+            f"{limit - 1} tokens."
+        )
+    if prompt_length + max_new_tokens > limit:
+        largest = limit - prompt_length
+        raise UsageError(
+            f"--max_new_tokens {max_new_tokens} does not fit: the prompt is {prompt_length} tokens and "
+            f"{config.name or 'this model'} has a context of {limit} tokens, so at most {largest} new tokens fit. "
+            f"Pass --max_new_tokens {largest} (or less), or shorten the prompt."
+        )
+    return prompt_length + max_new_tokens
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: float, num_samples: int = 1) -> None:
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), not {temperature}.")
+    if top_k is not None and top_k < 1:
+        raise UsageError(f"--top_k must be at least 1 (or left out for no limit), not {top_k}.")
+    if not 0.0 < top_p <= 1.0:
+        raise UsageError(f"--top_p must be in (0, 1] (1 = no nucleus filtering), not {top_p}.")
+    if num_samples < 1:
+        raise UsageError(f"--num_samples must be at least 1, not {num_samples}.")
+
+
+def device_map(config: Config, devices: Sequence[torch.device]) -> dict[str, torch.device]:
+    """Consecutive blocks on consecutive devices; the embedding on the first, the final norm and head on the
+    last (a tied head stays with the embedding it shares its weight with)."""
+    mapping = {"embed": devices[0], "norm_f": devices[-1], "lm_head": devices[-1]}
+    for i in range(config.n_layer):
+        mapping[f"blocks.{i}"] = devices[i * len(devices) // config.n_layer]
+    if config.tie_embeddings:
+        mapping["lm_head"] = devices[0]
+    return mapping
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    devices: Sequence[torch.device | str] = ("cpu",),
+    dtype: torch.dtype = torch.float32,
+    quantize: Optional[str] = None,
+    max_seq_length: Optional[int] = None,
+) -> GPT:
+    """The checkpoint's model for inference, built on the meta device and filled part by part: every tensor
+    goes straight to its final dtype and device, and with ``quantize`` each block is quantized before the next
+    one is read. ``max_seq_length`` (default: the block size) sizes the RoPE tables."""
+    from lit_model.quantize import load_weights
+
+    devices = [torch.device(d) for d in devices]
+    config = Config.from_checkpoint(checkpoint_dir)
+    with torch.device("meta"):
+        model = GPT(config)
+    if max_seq_length is not None:
+        model.max_seq_length = max_seq_length  # cheap on meta: the real tables are built once, below
+    load_weights(model, checkpoint_dir, dtype, device_map(config, devices), quantize)
+    model.reset_rope_cache(devices[0])
+    return model.eval().requires_grad_(False)
+
+
+def set_kv_cache(model: GPT, batch_size: int, max_length: int, dtype: Optional[torch.dtype] = None) -> None:
+    """Preallocate exactly ``max_length`` positions, each block's cache on the device of its weights."""
+    if max_length > model.max_seq_length:
+        model.set_kv_cache(batch_size, max_length)  # raises the model's "exceeds the context" error
+    dtype = dtype or model.embed.weight.dtype
+    for block in model.blocks:
+        block.attn.kv_cache = KVCache(batch_size, model.config, max_length, block.norm_1.weight.device, dtype)
+
+
+def kv_cache_nbytes(model: GPT) -> int:
+    return sum(
+        buf.numel() * buf.element_size()
+        for block in model.blocks
+        if block.attn.kv_cache is not None
+        for buf in (block.attn.kv_cache.k, block.attn.kv_cache.v)
+    )
+
+
+def kv_cache_shape(model: GPT) -> Optional[tuple[int, int]]:
+    """(batch size, positions) of the allocated cache, or None."""
+    cache = model.blocks[0].attn.kv_cache
+    return None if cache is None else (cache.k.size(0), cache.k.size(2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward, sampling and the decode loop
+# ---------------------------------------------------------------------------------------------------------
+
+
+def forward_last(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """``model(idx, input_pos)[:, -1]`` (logits of shape (batch, vocab)) without the head over every prompt
+    position; activations hop to the next device where consecutive blocks live on different GPUs."""
+    x = model.embed(idx)
+    if model.config.scale_embeddings:
+        x = x * torch.tensor(model.config.n_embd**0.5, dtype=x.dtype)
+    cos, sin = model.cos.index_select(0, input_pos), model.sin.index_select(0, input_pos)
+    for block in model.blocks:
+        device = block.norm_1.weight.device
+        if x.device != device:
+            x, cos, sin, input_pos = x.to(device), cos.to(device), sin.to(device), input_pos.to(device)
+        x = block(x, cos, sin, input_pos)
+    x = model.norm_f(x[:, -1:].to(model.norm_f.weight.device))
+    return model.head(x.to(model.lm_head.weight.device))[:, -1]
+
+
+def decode_step(model: GPT, compile: bool = False) -> Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The single-token step: ``forward_last``, compiled once for its static shapes when ``compile``."""
+    if not compile:
+        return forward_last
+    return torch.compile(forward_last, dynamic=False)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Next tokens of shape (batch, 1) from logits (batch, vocab): greedy at temperature 0, else top-k, then
+    nucleus (top-p) filtering and a draw from ``generator``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token once the more likely ones already cover top_p (the most likely one always stays)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator)
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # per sample: the new tokens, without the eos / stop sequence that ended it
+    steps: int  # tokens sampled per sample (the last one is never fed back through the model)
+    end_pos: int  # next free cache position: start_pos + prompt length + steps - 1
+    time_to_first_token: float  # seconds: prefill + first sample
+    decode_time: float  # seconds for steps 3.. (steps 2.. when there are only 2), timed after the first compiled call
+    stopped: list[bool] = field(default_factory=list)  # ended by eos / a stop sequence / on_token
+
+    @property
+    def decode_tokens_per_sec(self) -> float:
+        n = (self.steps - (2 if self.steps > 2 else 1)) * len(self.tokens)
+        return n / self.decode_time if n and self.decode_time > 0 else float("nan")
+
+
+@torch.inference_mode()
+def generate(
+    model: GPT,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    eos_ids: Sequence[int] = (),
+    stop_sequences: Sequence[Sequence[int]] = (),
+    on_token: Optional[Callable[[int, int], Optional[bool]]] = None,
+    num_samples: int = 1,
+    generator: Optional[torch.Generator] = None,
+    start_pos: int = 0,
+    step: Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tensor] = forward_last,
+) -> Generation:
+    """Sample up to ``max_new_tokens`` tokens after ``prompt_ids`` for ``num_samples`` samples in one batch.
+
+    ``prompt_ids`` is 1-D (shared by every sample) or (batch, T). It is written to cache positions
+    ``start_pos ..``: 0 starts afresh (a cache of exactly prompt + new positions is allocated unless one of the
+    right batch size and at least that length exists); a chat passes the position after its history.
+    A sample ends at one of ``eos_ids``, at the end of one of the token ``stop_sequences`` (both left out of
+    the result), or when ``on_token(sample, token)`` returns True. ``on_token`` sees every kept token as soon
+    as it is sampled (held back only while it might start a multi-token stop sequence).
+    """
+    prompt = prompt_ids.reshape(1, -1).expand(num_samples, -1) if prompt_ids.ndim == 1 else prompt_ids
+    batch, length = prompt.shape
+    if length < 1:
+        raise UsageError("The prompt is empty: give at least one token to continue from.")
+    needed = start_pos + length + max_new_tokens
+    if needed > model.max_seq_length:
+        model.set_kv_cache(batch, needed)  # raises the model's "exceeds the context" error
+    shape = kv_cache_shape(model)
+    if start_pos == 0 and (shape is None or shape[0] != batch or shape[1] < needed):
+        set_kv_cache(model, batch, needed)
+    elif shape is None or shape[0] != batch or shape[1] < needed - 1:
+        raise ValueError(f"The KV cache {shape} does not hold batch {batch} and positions up to {needed - 1}.")
+
+    device = model.embed.weight.device
+    prompt = prompt.to(device)
+    eos = set(int(i) for i in eos_ids)
+    stops = [list(map(int, s)) for s in stop_sequences if len(s)]
+    hold = max((len(s) for s in stops), default=1) - 1
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    emitted, done = [0] * batch, [False] * batch
+
+    def emit(row: int, upto: int) -> None:
+        while emitted[row] < upto and not done[row]:
+            value = tokens[row][emitted[row]]
+            emitted[row] += 1
+            if on_token is not None and on_token(row, value):
+                del tokens[row][emitted[row]:]
+                done[row] = True
+
+    start = time.perf_counter()
+    logits = forward_last(model, prompt, torch.arange(start_pos, start_pos + length, device=device))
+    token = sample(logits, temperature, top_k, top_p, generator)
+    input_pos = torch.tensor([start_pos + length], device=device)
+    steps, first_token_at, second_token_at = 0, 0.0, 0.0
+    while True:
+        values = token.reshape(-1).tolist()  # the one host sync per step
+        steps += 1
+        if steps <= 2:  # a compiled step compiles on its first call: the rate is measured after it
+            second_token_at = time.perf_counter()
+            first_token_at = first_token_at or second_token_at
+        for row, value in enumerate(values):
+            if done[row]:
+                continue
+            if value in eos:
+                emit(row, len(tokens[row]))
+                done[row] = True
+                continue
+            tokens[row].append(value)
+            matched = next((s for s in stops if tokens[row][-len(s):] == s), None)
+            if matched is not None:
+                del tokens[row][-len(matched):]
+                emit(row, len(tokens[row]))
+                done[row] = True
+            else:
+                emit(row, len(tokens[row]) - hold)
+        if all(done) or steps >= max_new_tokens:
+            break
+        logits = step(model, token, input_pos)
+        input_pos.add_(1)
+        token = sample(logits, temperature, top_k, top_p, generator)
+    stopped = list(done)
+    for row in range(batch):
+        emit(row, len(tokens[row]))
+    return Generation(
+        tokens=tokens,
+        steps=steps,
+        end_pos=start_pos + length + steps - 1,
+        time_to_first_token=first_token_at - start,
+        decode_time=time.perf_counter() - (second_token_at if steps > 2 else first_token_at),
+        stopped=stopped,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streaming text
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Turns tokens into text as they arrive, correct for byte-level BPE and SentencePiece.
+
+    A window of recent tokens is decoded, and only the growth of its text is emitted; text that ends in an
+    incomplete UTF-8 sequence (decoded as U+FFFD) waits for the next token. ``context`` (a few prompt tokens)
+    keeps SentencePiece from dropping the first new word's leading space. Text that could be the start of one
+    of ``stop`` strings is held back until it is clear; ``add`` returns True once a stop string appears (the
+    text before it is kept).
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), context: Sequence[int] = (), write: Optional[Callable[[str], object]] = None) -> None:
+        self.tokenizer, self.stop, self.write = tokenizer, [s for s in stop if s], write
+        self.ids = [int(i) for i in context][-4:]
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.text, self.printed, self.stopped = "", 0, False
+
+    def add(self, token: int) -> bool:
+        if self.stopped:
+            return True
+        self.ids.append(int(token))
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._flush(final=False)
+
+    def finish(self) -> str:
+        """Emit what is left (even an incomplete character) and return the whole text."""
+        if not self.stopped:
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+            self.text += full[len(prefix) :]
+            self.read_offset = len(self.ids)
+            self._flush(final=True)
+        return self.text
+
+    def _flush(self, final: bool) -> bool:
+        start = max(0, self.printed - max((len(s) for s in self.stop), default=0))
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+            end = len(self.text)
+        elif final:
+            end = len(self.text)
+        else:  # hold back a tail that a stop string may begin with
+            held = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end = len(self.text) - held
+        if end > self.printed:
+            if self.write is not None:
+                self.write(self.text[self.printed : end])
+            self.printed = end
+        return self.stopped
+
+
+def stdout_writer(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chat: the conversation lives in the KV cache
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ChatSession:
+    """A multi-turn conversation whose tokens stay in the KV cache: each turn prefills only what the cache
+    does not hold yet (the end of the previous reply and the new user turn), at the positions after it."""
+
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer,
+        style,
+        max_length: int,
+        system: Optional[str] = None,
+        stop: Sequence[str] = (),
+        cache_dtype: Optional[torch.dtype] = None,
+        **sampling,
+    ) -> None:
+        self.model, self.tokenizer, self.style, self.system = model, tokenizer, style, system
+        self.max_length = max_length
+        self.stop_sequences = style.stop_tokens(tokenizer)
+        self.stop_strings = [*style.stop_strings, *stop]
+        self.sampling = sampling  # temperature, top_k, top_p, generator, step
+        set_kv_cache(model, 1, max_length, cache_dtype)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache is overwritten from position 0 on the next turn)."""
+        self.tokens: list[int] = []  # the whole conversation, token by token
+        self.cached = 0  # self.tokens[:cached] are in the KV cache
+        self.turns = 0
+        self.last: Optional[Generation] = None
+        self.last_start_pos = 0
+
+    def turn_ids(self, message: str) -> list[int]:
+        if self.turns == 0:
+            return self.tokenizer.encode(self.style.turn(message, system=self.system)).tolist()
+        return self.tokenizer.encode(self.style.next_turn(message), bos=False).tolist()
+
+    def send(self, message: str, max_new_tokens: int, write: Optional[Callable[[str], object]] = None,
+             notify: Callable[[str], object] = lambda text: None) -> str:
+        """Answer ``message``; the reply streams through ``write``. A conversation that would overflow the
+        context is started over with this message (``notify`` says so)."""
+        new_ids = self.turn_ids(message)
+        if self.turns and len(self.tokens) + len(new_ids) + max_new_tokens > self.max_length:
+            notify(
+                f"The conversation ({len(self.tokens)} tokens) plus this message ({len(new_ids)}) and a reply of up "
+                f"to {max_new_tokens} tokens would not fit the context of {self.max_length} tokens; starting over "
+                "with this message."
+            )
+            self.reset()
+            new_ids = self.turn_ids(message)
+        if len(new_ids) + max_new_tokens > self.max_length:
+            raise UserError(
+                f"This message is {len(new_ids)} tokens long; with a reply of up to {max_new_tokens} tokens it does "
+                f"not fit the context of {self.max_length} tokens. Send a shorter message (or pass a smaller "
+                "--max_new_tokens or a larger --max_seq_length)."
+            )
+        self.tokens.extend(new_ids)
+        pending = torch.tensor(self.tokens[self.cached:], dtype=torch.long)
+        stream = TextStream(self.tokenizer, self.stop_strings, context=self.tokens[-4:], write=write)
+        self.last_start_pos = self.cached
+        result = generate(
+            self.model, pending, max_new_tokens, eos_ids=self.tokenizer.eos_ids, stop_sequences=self.stop_sequences,
+            on_token=lambda row, token: stream.add(token), start_pos=self.cached, **self.sampling,
+        )
+        reply = stream.finish()
+        kept = result.tokens[0]
+        reply_ids = self.tokenizer.encode(reply, bos=False).tolist() if stream.stopped else kept
+        fed = result.steps - 1  # every sampled token but the last went through the model
+        same = next((i for i, (a, b) in enumerate(zip(reply_ids, kept)) if a != b), min(len(reply_ids), len(kept)))
+        self.cached = len(self.tokens) + min(same, fed)
+        self.tokens.extend(reply_ids)
+        self.turns += 1
+        self.last = result
+        return reply
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------------------
+
+
+def peak_memory_bytes(devices: Sequence[torch.device]) -> int:
+    """CUDA: max_memory_reserved summed over the devices; CPU: the process's peak RSS."""
+    if devices and devices[0].type == "cuda":
+        return sum(torch.cuda.max_memory_reserved(d) for d in devices)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def stats_line(result: Generation, devices: Sequence[torch.device]) -> str:
+    tps = result.decode_tokens_per_sec
+    total = sum(len(t) for t in result.tokens)
+    rate = "n/a" if math.isnan(tps) else f"{tps:.2f}"
+    return (
+        f"time to first token: {result.time_to_first_token:.3f} s, decode: {rate} tokens/s "
+        f"({total} tokens in {len(result.tokens)} sample(s)), peak memory: "
+        f"{peak_memory_bytes(devices) / 2**30:.2f} GiB"
+    )
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(what: str) -> Iterator[None]:
+    """Turn a CUDA out-of-memory error into a one-paragraph message with the flags that reduce memory."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise UserError(
+            f"Out of GPU memory while {what}. Reduce --max_new_tokens or --num_samples (the KV cache grows with "
+            "both), load the weights in 4 bits with --quantize bnb.nf4, or spread the blocks over more GPUs with "
+            "--devices N."
+        ) from None
+
+
+def run_script(entry: Callable[..., object]) -> object:
+    """``lit_model.cli.main(entry)``, also accepting bare boolean flags (``--compile`` = ``--compile true``)."""
+    from lit_model.cli import main
+
+    hints = typing.get_type_hints(entry)
+    flags = {f"--{name}" for name, hint in hints.items() if hint is bool}
+    argv = sys.argv[1:]
+    for i in reversed(range(len(argv))):
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if argv[i] in flags and (following is None or following.startswith("--")):
+            argv.insert(i + 1, "true")
+    sys.argv[1:] = argv
+    return main(entry)

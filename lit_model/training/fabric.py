@@ -1,0 +1,142 @@
+"""The one Fabric setup every training script uses: accelerator, precision, strategy, sharding, offload,
+activation checkpointing.
+
+FSDP is FSDP2 (``fully_shard`` per transformer block) through Fabric's ``ModelParallelStrategy``: it runs
+on GPUs and, with gloo, on the CPU, which Fabric's FSDP1 strategy refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+from lit_model.errors import UsageError
+from lit_model.model import GPT
+from lit_model.precision import resolve_precision
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+
+
+@dataclass
+class DistributedSettings:
+    """The memory levers that decide how the model is placed; shared by every training script."""
+
+    devices: Union[int, Literal["auto"]] = 1
+    num_nodes: int = 1
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"] = "FULL_SHARD"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    activation_checkpointing_interval: int = 1  # with activation_checkpointing: every k-th block
+    forward_prefetch: bool = True
+    backward_prefetch: bool = True
+
+
+def accelerator_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_devices(devices: Union[int, str]) -> int:
+    if devices == "auto":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    devices = int(devices)
+    if devices < 1:
+        raise UsageError(f"--devices must be at least 1 (got {devices}).")
+    if torch.cuda.is_available() and devices > torch.cuda.device_count():
+        raise UsageError(
+            f"--devices {devices} asks for more GPUs than this machine has ({torch.cuda.device_count()}). "
+            "Use --num_nodes to spread over machines, or lower --devices."
+        )
+    return devices
+
+
+def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fabric:
+    """Build (not launch) the Fabric for these settings; ``fabric.precision_name`` holds the resolved precision."""
+    accelerator = accelerator_type()
+    precision = resolve_precision(precision, accelerator)
+    devices = resolve_devices(settings.devices)
+    world_size = devices * settings.num_nodes
+    strategy = settings.strategy
+    if strategy == "auto":
+        # Offload needs FSDP's machinery even on one device; several processes replicate with DDP.
+        strategy = "fsdp" if settings.cpu_offload else ("ddp" if world_size > 1 else "single")
+    if settings.cpu_offload and strategy != "fsdp":
+        raise UsageError(
+            f"--cpu_offload works through FSDP, not --strategy {strategy}. Use --strategy fsdp (or auto) "
+            "with --cpu_offload, or drop --cpu_offload."
+        )
+    if settings.sharding_strategy == "HYBRID_SHARD" and settings.num_nodes < 2:
+        raise UsageError(
+            "--sharding_strategy HYBRID_SHARD shards within a node and replicates across nodes, so it needs "
+            "--num_nodes >= 2. Use FULL_SHARD or SHARD_GRAD_OP on one node."
+        )
+    backend = "nccl" if accelerator == "cuda" else "gloo"
+    if strategy == "single":
+        fabric_strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if accelerator == "cuda" else "cpu"))
+    elif strategy == "ddp":
+        fabric_strategy = DDPStrategy(process_group_backend=backend)
+    elif strategy == "fsdp":
+        fabric_strategy = ModelParallelStrategy(
+            parallelize_fn=lambda model, mesh: shard_model(model, mesh, settings, accelerator),
+            data_parallel_size=world_size,
+            tensor_parallel_size=1,
+            process_group_backend=backend,
+        )
+    else:
+        raise UsageError(f"Unknown --strategy {strategy!r}: use auto, ddp or fsdp.")
+    fabric = Fabric(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=settings.num_nodes,
+        strategy=fabric_strategy,
+        precision=precision,
+    )
+    fabric.precision_name = precision
+    fabric.strategy_name = strategy
+    return fabric
+
+
+def shard_model(model: nn.Module, mesh, settings: DistributedSettings, accelerator: str) -> nn.Module:
+    """FSDP2: one shard group per transformer block, then the root (embedding, final norm, head)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if settings.sharding_strategy == "HYBRID_SHARD":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        per_node = mesh.size() // settings.num_nodes
+        mesh = init_device_mesh(accelerator, (settings.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = mesh["data_parallel"]
+    kwargs = {
+        "mesh": mesh,
+        # SHARD_GRAD_OP keeps gathered parameters between forward and backward: less communication, more memory.
+        "reshard_after_forward": settings.sharding_strategy != "SHARD_GRAD_OP",
+    }
+    if settings.cpu_offload:
+        # Pinned host memory needs a GPU; without one plain pageable memory still works (tests on CPU).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator == "cuda")
+    blocks = list(model.blocks)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if settings.forward_prefetch or settings.backward_prefetch:
+        for current, following in zip(blocks, blocks[1:]):
+            if settings.forward_prefetch:
+                current.set_modules_to_forward_prefetch([following])
+            if settings.backward_prefetch:
+                following.set_modules_to_backward_prefetch([current])
+    return model
+
+
+def configure_model(model: GPT, settings: DistributedSettings) -> GPT:
+    """Apply the per-model levers that are not Fabric's business (activation checkpointing)."""
+    if settings.activation_checkpointing:
+        if settings.activation_checkpointing_interval < 1:
+            raise UsageError("--activation_checkpointing_interval must be >= 1 (1 = every block).")
+        model.activation_checkpointing_interval = settings.activation_checkpointing_interval
+    return model

@@ -1,0 +1,350 @@
+"""The fit loop pieces shared by pretrain/ and finetune/: accumulation, evaluation, logging, checkpoints,
+resume, signals. A script builds model, optimizer and data, then calls ``fit``.
+
+Determinism: every optimizer step reseeds the RNG from (seed, step, rank), so a resumed run draws exactly
+the random numbers (dropout) an uninterrupted run would, without storing RNG state.
+"""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import fnmatch
+import gc
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric import Fabric
+
+from lit_model.config import Config
+from lit_model.errors import UsageError, UserError
+from lit_model.training.args import TrainArgs
+from lit_model.training.optimizers import lr_at, set_lr
+
+CHECKPOINTS = "checkpoints"
+STATE_NAME = "state.pt"
+
+
+def freeze_layers(model: nn.Module, spec: Optional[Union[int, list[str]]]) -> int:
+    """Freeze the embedding and the first N blocks, or every parameter matching a name pattern.
+    Returns the number of frozen parameters."""
+    if spec is None:
+        return 0
+    if isinstance(spec, int):
+        n_layer = len(model.blocks)
+        if not 0 <= spec <= n_layer:
+            raise UsageError(f"--freeze_layers {spec}: the model has {n_layer} blocks; use 0..{n_layer}.")
+        patterns = ["embed.*"] + [f"blocks.{i}.*" for i in range(spec)]
+    else:
+        patterns = list(spec)
+    frozen = 0
+    matched = set()
+    for name, parameter in model.named_parameters():
+        for pattern in patterns:
+            if fnmatch.fnmatch(name, pattern):
+                parameter.requires_grad_(False)
+                frozen += parameter.numel()
+                matched.add(pattern)
+                break
+    unmatched = [p for p in patterns if p not in matched]
+    if unmatched:
+        raise UsageError(
+            f"--freeze_layers patterns {unmatched} match no parameter. Names look like 'embed.weight', "
+            "'blocks.0.attn.query.weight'; patterns use shell wildcards, e.g. 'blocks.[0-3].*'."
+        )
+    return frozen
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def release_cached_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back to the OS
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # training tokens seen (all ranks, excluding padding/ignored)
+    fit_seconds: float = 0.0
+    last_train_loss: float = float("nan")
+    last_val_loss: float = float("nan")
+
+    # Fabric saves and restores objects with these two methods in place.
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT ask the loop to save a checkpoint and exit 0 at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> float:
+    """Mean loss over the same number of batches on every rank (no rank waits for another)."""
+    model.eval()
+    total = torch.zeros(2, device=fabric.device)
+    for input_ids, targets in batches:
+        loss = model(input_ids, targets=targets)
+        count = (targets != -100).sum()
+        total += torch.stack([loss.float() * count, count.float()])
+    model.train()
+    total = fabric.all_reduce(total, reduce_op="sum")
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    found = [p for p in (out_dir / CHECKPOINTS).glob("step-*") if re.fullmatch(r"step-\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_resumable(fabric: Fabric, out_dir: Path, state: dict[str, Any], step: int, keep_last: int) -> Path:
+    """Write into a temporary directory and rename it in, so a crash mid-save leaves the last good one."""
+    final = out_dir / CHECKPOINTS / f"step-{step:08d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    if fabric.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    fabric.barrier()
+    fabric.save(tmp / STATE_NAME, state)
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(out_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    fabric.barrier()
+    return final
+
+
+def find_resume_path(out_dir: Path, resume: Optional[Union[str, Path]]) -> Optional[Path]:
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = checkpoint_dirs(out_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if path.is_dir() and (path / STATE_NAME).exists():
+        return path
+    raise UsageError(f"--resume {path}: no checkpoint there (expected {path / STATE_NAME}). Use --resume auto.")
+
+
+def check_out_dir(out_dir: Path, args: TrainArgs) -> None:
+    """Refuse to mix two runs in one directory unless asked to resume or overwrite."""
+    holds_run = (out_dir / "metrics.csv").exists() or bool(checkpoint_dirs(out_dir))
+    if holds_run and args.resume is None and not args.overwrite:
+        raise UsageError(
+            f"{out_dir} already holds a run. Continue it with --resume auto, start over with --overwrite, or "
+            "pick another --out_dir."
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+# ---- logging -------------------------------------------------------------------------------------
+class MetricsWriter:
+    COLUMNS = ["step", "tokens", "train_loss", "val_loss", "learning_rate", "tokens_per_sec", "peak_memory_bytes"]
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int) -> None:
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        if resume_step == 0 or not path.exists():
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(self.COLUMNS)
+        else:  # drop rows logged after the checkpoint we resume from
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, self.COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, self.COLUMNS).writerow({k: row.get(k, "") for k in self.COLUMNS})
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def fit(
+    fabric: Fabric,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_batches: Iterator[Any],
+    val_batches: list[Any],
+    args: TrainArgs,
+    max_steps: int,
+    accumulation: int,
+    run: RunState,
+    config: Config,
+) -> RunState:
+    """Train until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals."""
+    from lit_model.training.optimizers import hessian_step, needs_create_graph
+
+    out_dir = args.out_dir
+    create_graph = needs_create_graph(optimizer)
+    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
+    stop = StopRequest()
+    # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
+    state = {"model": model, "optimizer": optimizer, "run": run, "config": config.to_dict()}
+    window_start, window_tokens = time.perf_counter(), 0
+    fit_start = time.perf_counter() - run.fit_seconds
+    steps_at_start = run.step
+    model.train()
+    while run.step < max_steps:
+        torch.manual_seed(args.seed + 1_000_003 * run.step + 7919 * fabric.global_rank)
+        lr = lr_at(run.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
+        set_lr(optimizer, lr)
+        step_loss = torch.zeros((), device=fabric.device)
+        step_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
+        for micro_step in range(accumulation):
+            input_ids, targets = next(train_batches)
+            with fabric.no_backward_sync(model, enabled=micro_step < accumulation - 1):
+                loss = model(input_ids, targets=targets)
+                fabric.backward(loss / accumulation, create_graph=create_graph)
+            step_loss += loss.detach() / accumulation
+            step_tokens += (targets != -100).sum()
+        if args.grad_clip > 0:
+            fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
+        if create_graph:
+            hessian_step(optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.step += 1
+
+        reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
+        run.last_train_loss = reduced[0].item() / fabric.world_size
+        run.tokens += int(reduced[1].item())
+        window_tokens += int(reduced[1].item())
+        if not math.isfinite(run.last_train_loss):
+            raise UserError(
+                f"The training loss became {run.last_train_loss} at step {run.step}. Lower --learning_rate, "
+                "keep --grad_clip on, or use --precision bf16-true/32-true instead of 16-true; resume from the "
+                f"last checkpoint in {out_dir / CHECKPOINTS} with --resume auto."
+            )
+        if args.empty_cache_interval and run.step % args.empty_cache_interval == 0:
+            release_cached_memory(fabric.device)
+
+        is_last = run.step >= max_steps
+        row: dict[str, Any] = {}
+        if run.step % args.eval_interval == 0 or is_last:
+            run.last_val_loss = evaluate(fabric, model, val_batches)
+            row["val_loss"] = f"{run.last_val_loss:.4f}"
+        if run.step % args.log_interval == 0 or is_last or "val_loss" in row:
+            now = time.perf_counter()
+            run.fit_seconds = now - fit_start
+            tokens_per_sec = window_tokens / max(now - window_start, 1e-9)
+            peak = fabric.all_reduce(torch.tensor(peak_memory_bytes(fabric.device), device=fabric.device), reduce_op="max")
+            row.update(
+                step=run.step, tokens=run.tokens, train_loss=f"{run.last_train_loss:.4f}", learning_rate=f"{lr:.3e}",
+                tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
+            )
+            metrics.write(row)
+            done = run.step - steps_at_start
+            eta = (max_steps - run.step) * run.fit_seconds / max(done, 1) if done else 0
+            val = f" | val {run.last_val_loss:.4f}" if "val_loss" in row else ""
+            fabric.print(
+                f"step {run.step}/{max_steps} | loss {run.last_train_loss:.4f}{val} | {tokens_per_sec:,.0f} tok/s | "
+                f"peak {format_bytes(peak.item())} | ETA {format_duration(eta)}",
+                flush=True,
+            )
+            window_start, window_tokens = now, 0
+        stop_now = fabric.all_reduce(torch.tensor(float(stop.requested), device=fabric.device), reduce_op="max").item()
+        if (args.save_interval and run.step % args.save_interval == 0) or is_last or stop_now:
+            run.fit_seconds = time.perf_counter() - fit_start
+            path = save_resumable(fabric, out_dir, state, run.step, args.keep_last)
+            if stop_now:
+                fabric.print(f"Stopped by signal at step {run.step}; saved {path}. Continue with --resume auto.")
+                break
+    run.fit_seconds = time.perf_counter() - fit_start
+    return run
+
+
+def write_summary(fabric: Fabric, out_dir: Path, run: RunState, args: TrainArgs, extra: dict[str, Any]) -> dict[str, Any]:
+    peak = torch.tensor(peak_memory_bytes(fabric.device), device=fabric.device, dtype=torch.float64)
+    peak_max = fabric.all_reduce(peak, reduce_op="max").item()
+    peak_sum = fabric.all_reduce(peak, reduce_op="sum").item()
+    summary = {
+        "tokens_per_sec": run.tokens / max(run.fit_seconds, 1e-9),
+        "peak_memory_bytes": int(peak_max),
+        "peak_memory_bytes_all_ranks": int(peak_sum),
+        "train_loss": run.last_train_loss,
+        "val_loss": run.last_val_loss,
+        "steps": run.step,
+        "tokens": run.tokens,
+        "wall_time_s": run.fit_seconds,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "precision": fabric.precision_name,
+        "devices": fabric.world_size,
+        "strategy": fabric.strategy_name,
+        **extra,
+    }
+    if fabric.global_rank == 0:
+        tmp = out_dir / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, out_dir / "summary.json")
+    return summary
+
+
+def save_final(fabric: Fabric, model: nn.Module, config: Config, final_dir: Path, tokenizer_dir: Optional[Path]) -> None:
+    """Gather the full weights (FSDP shards included) on rank 0 and write a checkpoint directory atomically."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lit_model.checkpoint import save_checkpoint_dir
+
+    module = getattr(model, "module", model)
+    if fabric.strategy_name == "fsdp":
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(module, options=options)
+    else:
+        state_dict = {k: v.detach().to("cpu") for k, v in module.state_dict().items()}
+    if fabric.global_rank == 0:
+        save_checkpoint_dir(state_dict, config, final_dir, tokenizer_dir=tokenizer_dir)
+    fabric.barrier()

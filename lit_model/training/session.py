@@ -1,0 +1,132 @@
+"""Setup steps every training script runs in the same order: Fabric, model placement, optimizer, data
+loaders, resume, and a clean end of the processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader, Dataset
+
+from lit_model.config import Config
+from lit_model.errors import UsageError
+from lit_model.model import GPT
+from lit_model.precision import param_dtype
+from lit_model.training.args import TrainArgs
+from lit_model.training.fabric import configure_model, setup_fabric
+from lit_model.training.loop import RunState, find_resume_path, freeze_layers, STATE_NAME
+from lit_model.training.optimizers import build_optimizer
+
+
+def create_fabric(args: TrainArgs) -> Fabric:
+    if args.micro_batch_size == "auto":
+        raise UsageError(
+            "--micro_batch_size auto needs the memory planner, which is not built yet. Pass a number "
+            "(e.g. --micro_batch_size 4) and keep --global_batch_size for the effective batch."
+        )
+    if args.plan is not None:
+        raise UsageError("--plan is not built yet. Run without it.")
+    return setup_fabric(args, args.precision)
+
+
+def finish(fabric: Fabric) -> None:
+    """With several processes, end them deliberately once all output is written: letting the interpreter
+    tear down gloo sometimes aborts rank 0 after a successful run."""
+    if fabric.world_size > 1:
+        fabric.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def sequence_length(config: Config, override: int | None) -> int:
+    if override is None:
+        return config.block_size
+    if not 1 <= override <= config.block_size:
+        raise UsageError(
+            f"--override_max_seq_length {override} is outside 1..{config.block_size}, the context "
+            f"{config.name or 'this model'} supports. Use a value of at most {config.block_size}."
+        )
+    return override
+
+
+def setup_model_and_optimizer(fabric: Fabric, model: GPT, args: TrainArgs) -> tuple[nn.Module, Any]:
+    frozen = freeze_layers(model, args.freeze_layers)
+    if frozen:
+        fabric.print(f"Frozen: {frozen:,} parameters ({args.freeze_layers})")
+    configure_model(model, args)
+    model.loss_chunk_size = args.loss_chunk_size
+    if args.compile:
+        model = torch.compile(model)
+    model = fabric.setup(model)
+    optimizer = build_optimizer(
+        model,
+        args.optimizer,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        device_type=fabric.device.type,
+        param_dtype=param_dtype(fabric.precision_name),
+    )
+    return model, fabric.setup_optimizers(optimizer)
+
+
+def resume_if_asked(fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, run: RunState, config: Config) -> None:
+    path = find_resume_path(args.out_dir, args.resume)
+    if path is None:
+        if args.resume is not None:
+            fabric.print(f"--resume {args.resume}: no checkpoint in {args.out_dir} yet, starting fresh.")
+        return
+    stored = fabric.load(path / STATE_NAME, {"model": model, "optimizer": optimizer, "run": run}, strict=False)
+    if stored.get("config") != config.to_dict():
+        raise UsageError(
+            f"Checkpoint {path} was written for another model config; resuming it into this one would mix two "
+            "runs. Use the same --model_name/--model_config, or start over with --overwrite or a new --out_dir."
+        )
+    fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
+
+
+def train_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, start_step: int) -> tuple[Iterator[Any], Any]:
+    """An endless iterator of this rank's micro batches, starting at optimizer step ``start_step``."""
+    from lit_model.data.text import GlobalBatchSampler
+
+    sampler = GlobalBatchSampler(
+        len(dataset), args.global_batch_size, args.micro_batch_size, fabric.global_rank, fabric.world_size,
+        seed=args.seed, start_step=start_step,
+    )
+    workers = 2 if fabric.device.type == "cuda" else 0  # on CPU the cores are busy training
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=fabric.device.type == "cuda")
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    return iter(loader), sampler
+
+
+def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs) -> list[Any]:
+    """The same fixed evaluation batches every time, an equal number on every rank."""
+    batch_size = args.eval_batch_size or args.micro_batch_size
+    per_rank = min(args.eval_iters, len(dataset) // (batch_size * fabric.world_size))
+    if per_rank < 1:
+        batch_size, per_rank = 1, 1
+    batches = []
+    for i in range(per_rank):
+        start = (i * fabric.world_size + fabric.global_rank) * batch_size
+        items = [dataset[j % len(dataset)] for j in range(start, start + batch_size)]
+        batches.append(tuple(torch.stack(parts).to(fabric.device) for parts in zip(*items)))
+    return batches
+
+
+def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, max_new_tokens: int = 60) -> str:
+    """A short sample from the saved model, on rank 0 (a separate CPU copy, so FSDP shards don't matter)."""
+    from lit_model.generation import generate
+
+    if fabric.global_rank != 0:
+        return ""
+    model = GPT.from_checkpoint(final_dir, device="cpu", dtype=torch.float32)
+    result = generate(
+        model, tokenizer.encode(prompt), max_new_tokens, temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return tokenizer.decode(result.tokens[0])

@@ -1,0 +1,105 @@
+"""Pretrain a GPT from scratch: setup -> fit -> save.
+
+    python pretrain/main.py                       # the tiny default on the Python standard library
+    python pretrain/main.py --devices 4           # 4 processes (GPUs, or CPU processes with gloo)
+    python pretrain/main.py --config config_hub/pretrain/tinyllama.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from lightning.fabric import Fabric
+
+from lit_model import GPT, Config
+from lit_model.cli import parse
+from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_loss
+from lit_model.errors import UsageError, run_cli
+from lit_model.tokenizer import Tokenizer
+from lit_model.training import session
+from lit_model.training.args import TrainArgs
+from lit_model.training.loop import RunState, check_out_dir, fit, save_final, write_summary
+
+
+@dataclass
+class PretrainArgs(TrainArgs):
+    """Pretrain a GPT from scratch on text files, or on the Python standard library by default.
+
+    Args:
+        model_name: architecture from the config registry (python -m lit_model.config lists them)
+        model_config: YAML of Config fields for a custom architecture (overrides model_name)
+        tokenizer_dir: directory with tokenizer.json/tokenizer.model; default: a BPE trained on the stdlib
+        sample_prompt: prompt for the sample generated at the end
+    """
+
+    model_name: str = "lit-model-5m"
+    model_config: Optional[Path] = None
+    tokenizer_dir: Optional[Path] = None
+    max_steps: Optional[int] = 300
+    sample_prompt: str = "def fibonacci(n):\n"
+
+
+def main(args: PretrainArgs) -> None:
+    fabric = session.create_fabric(args)
+    fabric.launch(train, args)
+    session.finish(fabric)
+
+
+def train(fabric: Fabric, args: PretrainArgs) -> None:
+    config = Config.from_file(args.model_config) if args.model_config else Config.from_name(args.model_name)
+    seq_length = session.sequence_length(config, args.override_max_seq_length)
+    check_out_dir(args.out_dir, args)
+    tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)
+    if tokenizer.vocab_size > config.padded_vocab_size:
+        raise UsageError(
+            f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} embeds only "
+            f"{config.padded_vocab_size}. Use a model config with vocab_size >= {tokenizer.vocab_size}."
+        )
+    train_data, val_data, description = load_pretrain_data(args.data_path, tokenizer, seq_length)
+    fabric.print(f"Data: {description}")
+
+    fabric.seed_everything(args.seed)
+    model = GPT(config)
+    model.init_weights()
+    model.max_seq_length = seq_length
+    fabric.print(f"Model: {config.name}, {sum(p.numel() for p in model.parameters()):,} parameters")
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
+
+    run = RunState()
+    session.resume_if_asked(fabric, args, model, optimizer, run, config)
+    train_batches, sampler = session.train_batches(fabric, train_data, args, run.step)
+    val_batches = session.val_batches(fabric, val_data, args)
+    tokens_per_step = args.global_batch_size * seq_length
+    max_steps = args.max_steps or math.ceil((args.max_tokens or 0) / tokens_per_step)
+    if max_steps < 1:
+        raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
+    fabric.print(
+        f"Training {max_steps} steps of {args.global_batch_size} x {seq_length} tokens "
+        f"(micro batch {args.micro_batch_size}, {sampler.accumulation_steps} accumulation steps, "
+        f"{fabric.world_size} process(es), {fabric.precision_name})"
+    )
+    run = fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps, run, config)
+
+    final_dir = args.out_dir / "final"
+    save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)
+    baseline = unigram_loss(train_data.tokens, val_data.tokens, config.padded_vocab_size)
+    summary = write_summary(
+        fabric, args.out_dir, run, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)}
+    )
+    sample = session.sample_text(fabric, final_dir, tokenizer, args.sample_prompt)
+    fabric.print(
+        f"\nValidation loss {summary['val_loss']:.3f} vs unigram baseline {baseline:.3f} | "
+        f"{summary['tokens_per_sec']:,.0f} tok/s | peak memory {summary['peak_memory_bytes'] / 2**20:,.0f} MB\n"
+        f"Saved {final_dir} (generate: python generate/base.py --checkpoint_dir {final_dir}), "
+        f"metrics in {args.out_dir / 'metrics.csv'}, summary in {args.out_dir / 'summary.json'}\n"
+        f"Sample:\n{args.sample_prompt}{sample}"
+    )
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(parse(PretrainArgs, sys.argv[1:])))

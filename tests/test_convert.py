@@ -1,0 +1,328 @@
+"""HF <-> lit-model conversion: logits parity for every supported family, both directions, plus the
+weight-file layouts, the CLI and its error messages. Tiny random models built here; nothing is downloaded."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from lit_model.config import Config  # noqa: E402
+from lit_model.convert import config_from_hf, config_to_hf, hf_to_lit, lit_to_hf  # noqa: E402
+from lit_model.errors import UserError  # noqa: E402
+from lit_model.model import GPT  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, SEQ = 128, 16
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short, so every branch of the llama3 scaling is used
+}
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama3_tied": ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "mistral": ("mistral", {"sliding_window": 5, "head_dim": 8}),
+    "gpt_neox": ("gpt_neox", {"num_key_value_heads": None}),
+    "gpt_neox_sequential": (
+        "gpt_neox",
+        {"num_key_value_heads": None, "use_parallel_residual": False,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}},
+    ),
+    "phi": ("phi", {}),
+    "phi3": ("phi3", {}),
+    "gemma": ("gemma", {"head_dim": 16}),
+    "gemma2": (
+        "gemma2",
+        {"head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 2.0,
+         "final_logit_softcapping": 8.0},
+    ),
+    "qwen2": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+}
+
+
+def make_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    model_type, overrides = FAMILIES[family]
+    kwargs = {**SMALL, **overrides}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    # HF's init (std 0.02, norms at 1, biases at 0) would hide swapped norms or biases: randomize everything.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.3)
+            else:
+                param.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    return model(idx).logits
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
+    hf_model = make_hf_model(family)
+    hf_model.save_pretrained(tmp_path / "hf")
+    idx = tokens()
+    expected = hf_logits(hf_model, idx)
+
+    hf_to_lit(tmp_path / "hf", tmp_path / "lit")
+    model = GPT.from_checkpoint(tmp_path / "lit")
+    with torch.no_grad():
+        assert_same(model(idx), expected)
+        if model.config.sliding_window_size is not None:  # the window must matter for the test to mean anything
+            model_global = GPT.from_checkpoint(tmp_path / "lit", sliding_window_size=None)
+            assert (model_global(idx) - expected).abs().max() > 1e-3
+        if model.config.final_logit_softcapping is not None:
+            uncapped = GPT.from_checkpoint(
+                tmp_path / "lit", final_logit_softcapping=None, attention_logit_softcapping=None
+            )
+            assert (uncapped(idx) - expected).abs().max() > 1e-3
+        if family == "llama3_tied":
+            assert model.config.rope_scaling["rope_type"] == "llama3"
+            unscaled = GPT.from_checkpoint(tmp_path / "lit", rope_scaling=None)
+            assert (unscaled(idx) - expected).abs().max() > 1e-3
+
+    lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    assert_same(hf_logits(reloaded, idx), expected)
+    written = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    original = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "vocab_size"):
+        assert written.get(key) == original.get(key), key
+    if original["tie_word_embeddings"]:
+        assert "lm_head.weight" not in load_file(tmp_path / "hf2" / "model.safetensors")
+
+
+def test_config_roundtrip_and_rejections() -> None:
+    hf = make_hf_model("gemma2").config.to_dict()
+    config = config_from_hf(hf)
+    assert (config.sliding_window_size, config.sliding_window_layer_stride) == (5, 2)
+    assert config.layer_uses_sliding_window(0) and not config.layer_uses_sliding_window(1)
+    assert config.attention_scores_scalar == 12 and config.norm_unit_offset and config.post_mlp_norm
+    assert config_from_hf(config_to_hf(config)) == config
+    # legacy (transformers 4) layout: rope_theta / rope_scaling / rotary_pct at the top level
+    legacy = {**SMALL, "model_type": "gpt_neox", "rotary_pct": 0.5, "rotary_emb_base": 500.0}
+    config = config_from_hf(legacy)
+    assert (config.rotary_percentage, config.rope_base, config.bias) == (0.5, 500.0, True)
+    legacy = {**SMALL, "model_type": "llama", "rope_theta": 5e5, "rope_scaling": {**LLAMA3_ROPE, "rope_type": None,
+                                                                                     "type": "llama3"}}
+    assert config_from_hf(legacy).rope_scaling["factor"] == 8.0
+    with pytest.raises(UserError, match="llama, mistral"):
+        config_from_hf({**SMALL, "model_type": "bert"})
+    with pytest.raises(UserError, match="yarn"):
+        config_from_hf({**SMALL, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(UserError, match="parallel_residual"):
+        config_to_hf(Config(hf_type="llama", n_layer=2, n_embd=32, n_head=4, parallel_residual=True))
+
+
+def test_lit_model_from_scratch_to_hf(tmp_path: Path) -> None:
+    """A checkpoint that never came from HF (empty Config.extra) still exports."""
+    from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+
+    config = Config(hf_type="gemma", n_layer=2, n_embd=32, n_head=4, n_query_groups=1, head_size=16,
+                    vocab_size=VOCAB, intermediate_size=48, block_size=64, tie_embeddings=True, norm_unit_offset=True,
+                    scale_embeddings=True, mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path / "lit")
+    lit_to_hf(tmp_path / "lit", tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert_same(hf_logits(reloaded, tokens()), model.eval()(tokens()))
+
+
+def _save_bin(state_dict: dict, out_dir: Path, shards: int) -> None:
+    names = sorted(state_dict)
+    if shards == 1:
+        torch.save(state_dict, out_dir / "pytorch_model.bin")
+        return
+    weight_map = {}
+    for number in range(shards):
+        file = f"pytorch_model-{number + 1:05d}-of-{shards:05d}.bin"
+        part = {n: state_dict[n] for n in names[number::shards]}
+        torch.save(part, out_dir / file)
+        weight_map.update({n: file for n in part})
+    (out_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_weight_file_layouts(tmp_path: Path) -> None:
+    hf_model = make_hf_model("phi3")  # fused qkv / gate_up tensors split across shards
+    hf_model.save_pretrained(tmp_path / "single")
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    for name, shards in (("bin", 1), ("bin_sharded", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
+        _save_bin(state, tmp_path / name, shards)
+
+    reference = None
+    for name in ("single", "sharded", "bin", "bin_sharded"):
+        hf_to_lit(tmp_path / name, tmp_path / f"lit_{name}")
+        weights = load_file(tmp_path / f"lit_{name}" / "model.safetensors")
+        if reference is None:
+            reference = weights
+        assert weights.keys() == reference.keys()
+        assert all(torch.equal(weights[k], reference[k]) for k in weights)
+
+    # and sharded output, with an index transformers can follow
+    lit_to_hf(tmp_path / "lit_single", tmp_path / "hf_sharded", max_shard_size="20KB")
+    index = json.loads((tmp_path / "hf_sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_sharded", attn_implementation="eager").eval()
+    idx = tokens()
+    assert_same(hf_logits(reloaded, idx), hf_logits(hf_model, idx))
+
+    # bf16 on request
+    hf_to_lit(tmp_path / "single", tmp_path / "lit_bf16", dtype="bfloat16")
+    assert load_file(tmp_path / "lit_bf16" / "model.safetensors")["embed.weight"].dtype == torch.bfloat16
+
+
+def test_tokenizer_files_are_copied(tmp_path: Path) -> None:
+    hf_model = make_hf_model("llama")
+    hf_model.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    hf_to_lit(tmp_path / "hf", tmp_path / "lit")
+    assert (tmp_path / "lit" / "tokenizer_config.json").is_file()
+    lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
+    assert (tmp_path / "hf2" / "tokenizer_config.json").read_text() == '{"bos_token": "<s>"}'
+
+
+def test_lit_shape_mismatch(tmp_path: Path) -> None:
+    make_hf_model("llama").save_pretrained(tmp_path / "hf")
+    hf_to_lit(tmp_path / "hf", tmp_path / "lit")
+    weights = load_file(tmp_path / "lit" / "model.safetensors")
+    weights["blocks.0.mlp.fc_1.weight"] = torch.zeros(3, 32)
+    save_file(weights, tmp_path / "lit" / "model.safetensors")
+    with pytest.raises(UserError, match=r"blocks\.0\.mlp\.fc_1\.weight.*\(3, 32\).*\(64, 32\)"):
+        lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LIT_MODEL_DEBUG", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lit_model.convert", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_cli(tmp_path: Path) -> None:
+    """The real entry point in a subprocess: one conversion and one refusal, run side by side."""
+    hf_dir = tmp_path / "hf"
+    hf_model = make_hf_model("qwen2")
+    hf_model.save_pretrained(hf_dir)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("do not delete")
+    ok = _cli("hf_to_lit", "--hf_dir", str(hf_dir), "--out_dir", str(tmp_path / "lit"))
+    refused = _cli("hf_to_lit", "--hf_dir", str(hf_dir), "--out_dir", str(busy))
+    out, err = ok.communicate(timeout=120)
+    assert ok.returncode == 0, err
+    assert str(tmp_path / "lit") in out and "model.safetensors" in err  # final line; per-shard progress
+    with torch.no_grad():
+        assert_same(GPT.from_checkpoint(tmp_path / "lit")(tokens()), hf_logits(hf_model, tokens()))
+    _, err = refused.communicate(timeout=120)
+    assert refused.returncode == 1 and "Traceback" not in err and "--overwrite" in err
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+
+
+def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """``python -m lit_model.convert ARGS`` in this process (saves a torch import per case)."""
+    from lit_model import convert
+
+    monkeypatch.setattr(sys, "argv", ["convert.py", *args])
+    monkeypatch.delenv("LIT_MODEL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return exit_info.value.code, " ".join(err.split())
+
+
+def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    hf_dir = tmp_path / "hf"
+    make_hf_model("qwen2").save_pretrained(hf_dir)
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_bytes(b"")
+    unsupported = tmp_path / "unsupported"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({**SMALL, "model_type": "bert"}))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((hf_dir / "config.json").read_text())
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("do not delete")
+    bad_shape = tmp_path / "bad_shape"
+    make_hf_model("qwen2").save_pretrained(bad_shape)
+    weights = load_file(bad_shape / "model.safetensors")
+    weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+    save_file(weights, bad_shape / "model.safetensors", metadata={"format": "pt"})
+
+    cases = {
+        no_config: "no config.json",
+        unsupported: "Supported model types: llama, mistral, gpt_neox, phi, phi3, gemma, gemma2, qwen2",
+        no_weights: "looked for model.safetensors.index.json, model.safetensors, pytorch_model.bin.index.json, "
+        "pytorch_model.bin",
+        bad_shape: "'model.layers.1.self_attn.k_proj.weight' has shape (8, 32) but config.json implies (16, 32)",
+    }
+    for source, fragment in cases.items():
+        code, err = run_main(monkeypatch, capsys, "hf_to_lit", "--hf_dir", str(source), "--out_dir", str(tmp_path / "o"))
+        assert code == 1 and fragment in err, (source.name, err)
+        assert not (tmp_path / "o").exists()
+
+    code, err = run_main(monkeypatch, capsys, "hf_to_lit", "--hf_dir", str(hf_dir), "--out_dir", str(busy))
+    assert code == 1 and "--overwrite" in err
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    code, err = run_main(monkeypatch, capsys, "lit_to_hf", "--checkpoint_dir", str(hf_dir), "--out_dir", str(busy))
+    assert code == 1 and "hf_to_lit" in err  # an HF directory is not a lit checkpoint: says how to convert it
+    # with --overwrite the refusal turns into a conversion
+    from lit_model import convert
+
+    convert.main(["hf_to_lit", "--hf_dir", str(hf_dir), "--out_dir", str(busy), "--overwrite"])
+    assert {"model.safetensors", "model_config.yaml"} <= {p.name for p in busy.iterdir()}
+    assert not (busy / "keep.txt").exists()
