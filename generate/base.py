@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -17,7 +17,8 @@ from lit_model.config import Config
 from lit_model.errors import UsageError
 from lit_model.generation import (
     TextStream, check_lengths, check_sampling, decode_step, generate, load_model, make_generator,
-    out_of_memory_hint, resolve_devices, resolve_generation_precision, run_script, stats_line, stdout_writer,
+    out_of_memory_hint, resolve_devices, resolve_generation_precision, run_script, set_kv_cache, stats_line,
+    stdout_writer,
 )
 from lit_model.prompts import PromptStyle
 from lit_model.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ def main(
     quantize: Optional[str] = None,
     compile: bool = False,
     seed: int = 1234,
-    stop: Optional[list[str]] = None,
+    stop: Optional[Union[list[str], str]] = None,
     devices: int = 1,
     prompt_style: Optional[str] = None,
 ) -> None:
@@ -53,7 +54,7 @@ def main(
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8: load the linear layers' weights quantized
         compile: torch.compile the single-token decode step
         seed: random seed for sampling
-        stop: strings that end the generation (not printed)
+        stop: a string, or a list like '["\\n\\n", "User:"]', that ends the generation (not printed)
         devices: GPUs to place consecutive blocks on, for models that do not fit one (CPU: 1)
         prompt_style: how to wrap the prompt (default, alpaca, chatml, llama-3, ...); default: the checkpoint's
     """
@@ -75,8 +76,9 @@ def main(
     torch.manual_seed(seed)
     with out_of_memory_hint("loading the model"):
         model = load_model(checkpoint_dir, device_list, settings.dtype, quantize, max_seq_length=total)
+        set_kv_cache(model, num_samples, total, settings.compute_dtype)
     generator = make_generator(seed, model.lm_head.weight.device)
-    stop_strings = [*style.stop_strings, *(stop or [])]
+    stop_strings = [*style.stop_strings, *([stop] if isinstance(stop, str) else stop or [])]
     write = stdout_writer if num_samples == 1 else None
     streams = [TextStream(tokenizer, stop_strings, prompt_ids[-4:].tolist(), write) for _ in range(num_samples)]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -37,7 +37,7 @@ def main(
     quantize: Optional[str] = None,
     compile: bool = False,
     seed: int = 1234,
-    stop: Optional[list[str]] = None,
+    stop: Optional[Union[list[str], str]] = None,
     devices: int = 1,
     prompt_style: Optional[str] = None,
 ) -> None:
@@ -55,7 +55,7 @@ def main(
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8: load the linear layers' weights quantized
         compile: torch.compile the single-token decode step
         seed: random seed for sampling
-        stop: strings that end a reply (not printed)
+        stop: a string, or a list like '["\\n\\n", "User:"]', that ends a reply (not printed)
         devices: GPUs to place consecutive blocks on, for models that do not fit one (CPU: 1)
         prompt_style: default, alpaca, chatml, llama-3, ...; default: the checkpoint's
     """
@@ -79,8 +79,8 @@ def main(
     with out_of_memory_hint("loading the model"):
         model = load_model(checkpoint_dir, device_list, settings.dtype, quantize, max_seq_length=context)
         session = ChatSession(
-            model, tokenizer, style, context, system=system, stop=stop or (), cache_dtype=settings.compute_dtype,
-            temperature=temperature, top_k=top_k, top_p=top_p,
+            model, tokenizer, style, context, system=system, stop=[stop] if isinstance(stop, str) else stop or (),
+            cache_dtype=settings.compute_dtype, temperature=temperature, top_k=top_k, top_p=top_p,
             generator=make_generator(seed, model.lm_head.weight.device), step=decode_step(model, compile),
         )
     interactive = sys.stdin.isatty()

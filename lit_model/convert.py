@@ -370,7 +370,8 @@ def config_to_hf(config: Config) -> dict[str, Any]:
 def _canonical(config: Config, name: str) -> Any:
     value = getattr(config, name)
     if name == "rope_scaling" and value:
-        return {**{k: float(v) for k, v in value.items() if k != "rope_type"}, "rope_type": value.get("rope_type", "llama3")}
+        numbers = {k: float(v) for k, v in value.items() if k != "rope_type"}
+        return {**numbers, "rope_type": value.get("rope_type", "llama3")}
     if name == "gelu_approximate" and config.mlp_class_name == "LLaMAMLP":
         return None
     if name == "attention_scores_scalar" and value == config.head_size:
@@ -625,9 +626,21 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def hf_to_lit(
-    hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optional[str] = None
-) -> Path:
+def _name_from_registry(config: Config, name: str) -> None:
+    """Name the config after its directory; a published model's registry entry also gives the organisation
+    and the tokenizer's vocabulary size (HF's vocab_size is the padded embedding size)."""
+    config.name = name
+    try:
+        known = Config.from_name(name)
+    except UsageError:
+        return
+    if (known.hf_type, known.padded_vocab_size, known.n_layer, known.n_embd) == (
+        config.hf_type, config.padded_vocab_size, config.n_layer, config.n_embd
+    ):
+        config.hf_org, config.vocab_size = known.hf_org, known.vocab_size
+
+
+def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optional[str] = None) -> Path:
     """Convert a Hugging Face checkpoint directory into a lit-model checkpoint directory.
 
     Args:
@@ -646,7 +659,7 @@ def hf_to_lit(
             "that holds config.json and the model's weight files."
         )
     config = config_from_hf(_read_json(hf_dir / "config.json"))
-    config.name = hf_dir.resolve().name
+    _name_from_registry(config, hf_dir.resolve().name)
     _check_out_dir(out_dir, overwrite, (hf_dir,))
     files = hf_weight_files(hf_dir)
 
@@ -756,7 +769,8 @@ def lit_to_hf(
         for name in TOKENIZER_FILES:
             if (checkpoint_dir / name).is_file():
                 shutil.copy2(checkpoint_dir / name, tmp_dir / name)
-    print(f"Saved a Hugging Face {config.hf_type} checkpoint ({shards} weight file(s)) of {checkpoint_dir} to {out_dir}")
+    print(f"Saved a Hugging Face {config.hf_type} checkpoint ({shards} weight file(s)) of {checkpoint_dir} "
+          f"to {out_dir}")
     return out_dir
 
 

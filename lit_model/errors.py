@@ -31,6 +31,11 @@ def run_cli(entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except UserError as error:
         if os.environ.get("LIT_MODEL_DEBUG") == "1":
             raise
-        message = textwrap.fill(str(error), width=100, break_long_words=False, break_on_hyphens=False)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        # Every rank validates the same inputs and fails alike; one copy of the message is enough.
+        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+            message = textwrap.fill(str(error), width=100, break_long_words=False, break_on_hyphens=False)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            sys.stdout.flush()
+            os._exit(error.exit_code)  # skip process-group teardown, which can hang or abort
         sys.exit(error.exit_code)

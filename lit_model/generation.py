@@ -226,7 +226,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 class Generation:
     tokens: list[list[int]]  # per sample: the new tokens, without the eos / stop sequence that ended it
     steps: int  # tokens sampled per sample (the last one is never fed back through the model)
-    end_pos: int  # next free cache position: start_pos + prompt length + steps - 1
+    end_pos: int  # start_pos + prompt length + steps - 1: the cache holds prompt and kept tokens before it
     time_to_first_token: float  # seconds: prefill + first sample
     decode_time: float  # seconds for steps 3.. (steps 2.. when there are only 2), timed after the first compiled call
     stopped: list[bool] = field(default_factory=list)  # ended by eos / a stop sequence / on_token
@@ -296,7 +296,14 @@ def generate(
     token = sample(logits, temperature, top_k, top_p, generator)
     input_pos = torch.tensor([start_pos + length], device=device)
     steps, first_token_at, second_token_at = 0, 0.0, 0.0
+    # On an accelerator the next step is queued before this token is read on the host, so the device keeps
+    # computing while Python looks at the token (an early stop wastes one step, written past the kept tokens)
+    lookahead = device.type != "cpu"
     while True:
+        next_token = None
+        if lookahead and 0 < steps < max_new_tokens - 1:
+            next_token = sample(step(model, token, input_pos), temperature, top_k, top_p, generator)
+            input_pos.add_(1)
         values = token.reshape(-1).tolist()  # the one host sync per step
         steps += 1
         if steps <= 2:  # a compiled step compiles on its first call: the rate is measured after it
@@ -319,9 +326,10 @@ def generate(
                 emit(row, len(tokens[row]) - hold)
         if all(done) or steps >= max_new_tokens:
             break
-        logits = step(model, token, input_pos)
-        input_pos.add_(1)
-        token = sample(logits, temperature, top_k, top_p, generator)
+        if next_token is None:
+            next_token = sample(step(model, token, input_pos), temperature, top_k, top_p, generator)
+            input_pos.add_(1)
+        token = next_token
     stopped = list(done)
     for row in range(batch):
         emit(row, len(tokens[row]))

@@ -10,7 +10,9 @@ model nor a copy in the checkpoint's stored dtype is ever in memory.
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -24,8 +26,10 @@ QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
 
 def import_bitsandbytes() -> Any:
     try:
-        # Its CPU backend logs a harmless warning about an optional kernel package on every import
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        # Its CPU backend logs a harmless warning about an optional kernel package on every import, and
+        # LLM.int8() one per forward about casting bf16/fp32 activations to fp16 (the CPU runs int8 in any dtype)
+        for name in ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions"):
+            logging.getLogger(name).setLevel(logging.ERROR)
         import bitsandbytes
     except ImportError:
         raise UsageError(
@@ -90,6 +94,10 @@ def quantize_linear(linear: nn.Linear, mode: str, compute_dtype: Optional[torch.
             weight, requires_grad=False, compress_statistics=double_quant, quant_type=quant_type, module=new
         )
     new.weight = param._quantize(device)  # replaces the data by the quantized tensor on `device`
+    if mode != "bnb.int8" and getattr(new, "support_avx512bf16_for_cpu", False):
+        # bitsandbytes' packed CPU inference layout needs in_features % blocksize == 0 and out_features % 32 == 0
+        fits = linear.in_features % new.weight.blocksize == 0 and linear.out_features % 32 == 0
+        new.support_avx512bf16_for_cpu = fits
     if has_bias:
         new.bias = nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
     new.train(linear.training)
@@ -151,43 +159,76 @@ def load_weights(
     as ``"blocks.3"`` or ``"embed"`` to a device; default CPU); with ``quantize`` every part's linear layers are
     quantized before the next part is read. Names and shapes are checked before anything is read.
     """
-    from safetensors import SafetensorError, safe_open
-
     from lit_model.checkpoint import WEIGHTS_NAME, check_checkpoint_dir, check_state_dict
 
     path = check_checkpoint_dir(checkpoint_dir) / WEIGHTS_NAME
     devices = devices or {}
     tied = bool(getattr(model.config, "tie_embeddings", False))
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as file:
-            names = list(file.keys())
-            shapes = {name: torch.empty(file.get_slice(name).get_shape(), device="meta") for name in names}
-            check_state_dict(model, shapes, source=str(path))
-            for part_name, part in _parts(model):
-                prefix, device = part_name + ".", torch.device(devices.get(part_name, "cpu"))
-                state: dict[str, torch.Tensor] = {}
-                for name in names:
-                    if name.startswith(prefix):
-                        tensor = file.get_tensor(name)
-                        tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
-                        state[name[len(prefix):]] = tensor.to(device)
-                if tied and part_name == "lm_head":
-                    state["weight"] = model.embed.weight
-                if not state:
-                    continue
-                part.load_state_dict(state, strict=True, assign=True)
-                del state
-                if quantize is None or part_name in skip or (tied and part_name == "lm_head"):
-                    continue
-                if type(part) is nn.Linear:
-                    parent_name, _, child = part_name.rpartition(".")
-                    parent = model.get_submodule(parent_name) if parent_name else model
-                    setattr(parent, child, quantize_linear(part, quantize, dtype))
-                else:
-                    quantize_model(part, quantize, dtype, skip=skip)
-    except (SafetensorError, OSError) as error:
-        raise UserError(f"Could not read {path}: {error}. The file is damaged; re-create or re-convert it.") from None
+    with SafetensorsReader(path) as file:
+        shapes = {name: torch.empty(shape, device="meta") for name, shape in file.shapes.items()}
+        check_state_dict(model, shapes, source=str(path))
+        for part_name, part in _parts(model):
+            prefix, device = part_name + ".", torch.device(devices.get(part_name, "cpu"))
+            state: dict[str, torch.Tensor] = {}
+            for name in file.shapes:
+                if name.startswith(prefix):
+                    tensor = file.read(name)
+                    tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    state[name[len(prefix):]] = tensor.to(device)
+            if tied and part_name == "lm_head":
+                state["weight"] = model.embed.weight
+            if not state:
+                continue
+            part.load_state_dict(state, strict=True, assign=True)
+            del state
+            if quantize is None or part_name in skip or (tied and part_name == "lm_head"):
+                continue
+            if type(part) is nn.Linear:
+                parent_name, _, child = part_name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, child, quantize_linear(part, quantize, dtype))
+            else:
+                quantize_model(part, quantize, dtype, skip=skip)
     return model
+
+
+class SafetensorsReader:
+    """Reads one tensor of a .safetensors file at a time with plain file reads: unlike a memory map, the
+    file's pages never count towards the process's memory, so peak RSS shows only the tensors kept."""
+
+    DTYPES = {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.file = open(self.path, "rb")
+            (length,) = struct.unpack("<Q", self.file.read(8))
+            header = json.loads(self.file.read(length))
+            header.pop("__metadata__", None)
+            self.entries = {name: (self.DTYPES[e["dtype"]], e["shape"], *e["data_offsets"]) for name, e in header.items()}
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            raise UserError(f"Could not read {self.path}: {error!r}. The file is damaged; re-create or re-convert it.") from None
+        self.base = 8 + length
+        self.shapes = {name: tuple(entry[1]) for name, entry in self.entries.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, start, end = self.entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        buffer = tensor.reshape(-1).view(torch.uint8).numpy()
+        self.file.seek(self.base + start)
+        if end - start != buffer.nbytes or self.file.readinto(memoryview(buffer)) != buffer.nbytes:
+            raise UserError(f"{self.path} is truncated or damaged at tensor {name!r}; re-create or re-convert it.")
+        return tensor
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 def _parts(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -148,6 +148,13 @@ def test_config_roundtrip_and_rejections() -> None:
         config_from_hf({**SMALL, "model_type": "bert"})
     with pytest.raises(UserError, match="yarn"):
         config_from_hf({**SMALL, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    # every published config can be written as its HF model type and read back unchanged
+    from lit_model.config import known_names
+
+    for name in known_names():
+        published = Config.from_name(name)
+        back = config_from_hf(config_to_hf(published))
+        assert back.padded_vocab_size == published.padded_vocab_size and back.n_layer == published.n_layer, name
     with pytest.raises(UserError, match="parallel_residual"):
         config_to_hf(Config(hf_type="llama", n_layer=2, n_embd=32, n_head=4, parallel_residual=True))
 
@@ -311,7 +318,8 @@ def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pyt
         bad_shape: "'model.layers.1.self_attn.k_proj.weight' has shape (8, 32) but config.json implies (16, 32)",
     }
     for source, fragment in cases.items():
-        code, err = run_main(monkeypatch, capsys, "hf_to_lit", "--hf_dir", str(source), "--out_dir", str(tmp_path / "o"))
+        args = ("hf_to_lit", "--hf_dir", str(source), "--out_dir", str(tmp_path / "o"))
+        code, err = run_main(monkeypatch, capsys, *args)
         assert code == 1 and fragment in err, (source.name, err)
         assert not (tmp_path / "o").exists()
 

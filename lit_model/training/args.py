@@ -45,7 +45,7 @@ class TrainArgs(DistributedSettings):
         max_tokens: length of the run in training tokens (used when max_steps is not given)
         log_interval: print and log a metrics row every N steps
         eval_interval: evaluate every N steps (and at the end)
-        eval_iters: evaluation batches per evaluation (per rank)
+        eval_iters: evaluation batches of eval_batch_size per evaluation (split over the ranks)
         eval_batch_size: evaluation micro batch (default: micro_batch_size)
         save_interval: write a resumable checkpoint every N steps (0: only at the end)
         keep_last: keep the newest N resumable checkpoints

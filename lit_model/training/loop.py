@@ -20,7 +20,6 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -81,21 +80,23 @@ def release_cached_memory(device: torch.device) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back to the OS
 
 
-@dataclass
 class RunState:
-    step: int = 0  # optimizer steps done
-    tokens: int = 0  # training tokens seen (all ranks, excluding padding/ignored)
-    fit_seconds: float = 0.0
-    last_train_loss: float = float("nan")
-    last_val_loss: float = float("nan")
+    """Progress of a run. A plain class, not a dataclass: Fabric copies dataclasses while unwrapping the
+    state it saves and loads, so a dataclass would not be restored in place."""
 
-    # Fabric saves and restores objects with these two methods in place.
+    def __init__(self) -> None:
+        self.step = 0  # optimizer steps done
+        self.tokens = 0  # training tokens seen (all ranks, excluding padding/ignored)
+        self.fit_seconds = 0.0
+        self.last_train_loss = float("nan")
+        self.last_val_loss = float("nan")
+
+    # Fabric saves and restores objects with these two methods.
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return dict(vars(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        vars(self).update(state)
 
 
 class StopRequest:
@@ -131,13 +132,15 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save_resumable(fabric: Fabric, out_dir: Path, state: dict[str, Any], step: int, keep_last: int) -> Path:
-    """Write into a temporary directory and rename it in, so a crash mid-save leaves the last good one."""
+def save_resumable(fabric: Fabric, out_dir: Path, state: dict[str, Any], config: Config, step: int, keep_last: int) -> Path:
+    """Write into a temporary directory and rename it in, so a crash mid-save leaves the last good one.
+    The model config goes beside the state so a resume can check it before loading anything large."""
     final = out_dir / CHECKPOINTS / f"step-{step:08d}"
     tmp = final.with_name(f".{final.name}.tmp")
     if fabric.global_rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        config.save(tmp)
     fabric.barrier()
     fabric.save(tmp / STATE_NAME, state)
     fabric.barrier()
@@ -232,7 +235,7 @@ def fit(
     metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
     stop = StopRequest()
     # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
-    state = {"model": model, "optimizer": optimizer, "run": run, "config": config.to_dict()}
+    state = {"model": model, "optimizer": optimizer, "run": run}
     window_start, window_tokens = time.perf_counter(), 0
     fit_start = time.perf_counter() - run.fit_seconds
     steps_at_start = run.step
@@ -298,7 +301,7 @@ def fit(
         stop_now = fabric.all_reduce(torch.tensor(float(stop.requested), device=fabric.device), reduce_op="max").item()
         if (args.save_interval and run.step % args.save_interval == 0) or is_last or stop_now:
             run.fit_seconds = time.perf_counter() - fit_start
-            path = save_resumable(fabric, out_dir, state, run.step, args.keep_last)
+            path = save_resumable(fabric, out_dir, state, config, run.step, args.keep_last)
             if stop_now:
                 fabric.print(f"Stopped by signal at step {run.step}; saved {path}. Continue with --resume auto.")
                 break

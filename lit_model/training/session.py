@@ -81,12 +81,12 @@ def resume_if_asked(fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer
         if args.resume is not None:
             fabric.print(f"--resume {args.resume}: no checkpoint in {args.out_dir} yet, starting fresh.")
         return
-    stored = fabric.load(path / STATE_NAME, {"model": model, "optimizer": optimizer, "run": run}, strict=False)
-    if stored.get("config") != config.to_dict():
+    if Config.from_checkpoint(path) != config:
         raise UsageError(
             f"Checkpoint {path} was written for another model config; resuming it into this one would mix two "
             "runs. Use the same --model_name/--model_config, or start over with --overwrite or a new --out_dir."
         )
+    fabric.load(path / STATE_NAME, {"model": model, "optimizer": optimizer, "run": run})
     fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
 
 
@@ -105,15 +105,16 @@ def train_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, start_step:
 
 
 def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs) -> list[Any]:
-    """The same fixed evaluation batches every time, an equal number on every rank."""
+    """The same fixed evaluation windows for any world size, split evenly so every rank runs the same
+    number of batches (no rank waits for another)."""
     batch_size = args.eval_batch_size or args.micro_batch_size
-    per_rank = min(args.eval_iters, len(dataset) // (batch_size * fabric.world_size))
-    if per_rank < 1:
-        batch_size, per_rank = 1, 1
+    total = min(args.eval_iters * batch_size, len(dataset))
+    per_rank = max(1, total // fabric.world_size)
+    first = fabric.global_rank * per_rank
+    indices = [(first + i) % len(dataset) for i in range(per_rank)]
     batches = []
-    for i in range(per_rank):
-        start = (i * fabric.world_size + fabric.global_rank) * batch_size
-        items = [dataset[j % len(dataset)] for j in range(start, start + batch_size)]
+    for start in range(0, per_rank, batch_size):
+        items = [dataset[j] for j in indices[start : start + batch_size]]
         batches.append(tuple(torch.stack(parts).to(fabric.device) for parts in zip(*items)))
     return batches
 
@@ -125,8 +126,9 @@ def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, ma
     if fabric.global_rank != 0:
         return ""
     model = GPT.from_checkpoint(final_dir, device="cpu", dtype=torch.float32)
+    prompt_ids = tokenizer.encode(prompt)[-(model.max_seq_length // 2) :]
     result = generate(
-        model, tokenizer.encode(prompt), max_new_tokens, temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
+        model, prompt_ids, min(max_new_tokens, model.max_seq_length - len(prompt_ids)), temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
         generator=torch.Generator().manual_seed(0),
     )
     return tokenizer.decode(result.tokens[0])

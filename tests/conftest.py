@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny corpus, tokenizer and model config, so training tests take seconds."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TINY_CONFIG = """\
+name: test-tiny
+block_size: 64
+vocab_size: 512
+n_layer: 2
+n_embd: 64
+n_head: 4
+n_query_groups: 2
+intermediate_size: 128
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_setup(tmp_path_factory) -> dict[str, Path]:
+    """A 5-file corpus, a 512-token BPE tokenizer trained on it, and a ~140k-parameter model config."""
+    from lit_model.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("tiny")
+    data = root / "data"
+    data.mkdir()
+    sources = [STDLIB / f"{name}.py" for name in ("textwrap", "shlex", "fnmatch", "argparse", "string")]
+    for source in sources:
+        (data / f"{source.stem}.txt").write_text(source.read_text())
+    train_bpe(sources, 512, root / "tokenizer")
+    (root / "tiny.yaml").write_text(TINY_CONFIG)
+    return {"root": root, "data": data, "tokenizer": root / "tokenizer", "config": root / "tiny.yaml"}
+
+
+def run_script(script: str, *args: str, cache: Path | None = None, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LIT_MODEL_DEBUG", None)
+    if cache is not None:
+        env["LIT_MODEL_CACHE"] = str(cache)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *map(str, args)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout, **popen,
+    )
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, str]]:
+    with open(out_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))

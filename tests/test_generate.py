@@ -1,0 +1,302 @@
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_model import GPT, Config
+from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+from lit_model.errors import UsageError, UserError
+from lit_model.generation import (
+    ChatSession, TextStream, check_lengths, forward_last, generate, kv_cache_nbytes, load_model, make_generator,
+    sample, set_kv_cache,
+)
+from lit_model.prompts import STYLES, PromptStyle
+from lit_model.tokenizer import Tokenizer, train_bpe
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TINY = dict(name="tiny", block_size=256, vocab_size=300, n_layer=2, n_embd=32, n_head=4, n_query_groups=2)
+# Gemma-2-like: local attention on every other layer, soft-capped attention scores and logits
+LOCAL_SOFTCAP = dict(
+    TINY, name="tiny-local-softcap", sliding_window_size=4, sliding_window_layer_stride=2,
+    attention_logit_softcapping=20.0, final_logit_softcapping=10.0, post_attention_norm=True, post_mlp_norm=True,
+    norm_unit_offset=True, scale_embeddings=True, mlp_class_name="GemmaMLP",
+)
+
+
+def tiny_model(seed: int = 0, **fields) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(Config(**{**TINY, **fields}))
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out_dir = tmp_path_factory.mktemp("bpe") / "tokenizer"
+    train_bpe([STDLIB / "textwrap.py", STDLIB / "shlex.py"], vocab_size=300, out_dir=out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    model = tiny_model()
+    out_dir = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return save_checkpoint_dir(lit_state_dict(model, model.config), model.config, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def greedy_without_cache(model: GPT, prompt: torch.Tensor, n: int) -> list[int]:
+    ids = prompt.tolist()
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def run(script: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LIT_MODEL_DEBUG", None)
+    proc = subprocess.run(  # bytes in and out: no newline translation of generated text
+        [sys.executable, str(ROOT / script), *args], input=stdin.encode(), capture_output=True, env=env, timeout=300
+    )
+    proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
+    return proc
+
+
+# ---- decoding ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields", [{}, LOCAL_SOFTCAP], ids=["llama-like", "sliding-window-softcap"])
+def test_greedy_with_kv_cache_equals_full_recomputation(fields: dict) -> None:
+    model = tiny_model(**fields)
+    prompt = torch.randint(0, 300, (7,), generator=torch.Generator().manual_seed(1))
+    expected = greedy_without_cache(model, prompt, 12)
+    result = generate(model, prompt, 12, temperature=0)
+    assert result.tokens == [expected]
+    assert result.steps == 12 and result.end_pos == 7 + 12 - 1
+    # batched samples share one cache and decode the same tokens
+    assert generate(model, prompt, 12, temperature=0, num_samples=3).tokens == [expected] * 3
+    # forward_last is the model's forward at the last position
+    set_kv_cache(model, 1, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(forward_last(model, prompt[None], torch.arange(7)), model(prompt[None])[:, -1])
+
+
+def test_eos_and_stop_sequences_end_a_sample() -> None:
+    model = tiny_model()
+    prompt = torch.tensor([5, 6, 7])
+    full = generate(model, prompt, 10, temperature=0).tokens[0]
+    assert generate(model, prompt, 10, temperature=0, eos_ids=[full[3]]).tokens[0] == full[: full.index(full[3])]
+    streamed: list[int] = []
+    result = generate(model, prompt, 10, temperature=0, stop_sequences=[full[4:6]],
+                      on_token=lambda row, token: streamed.append(token))
+    assert result.tokens[0] == streamed == full[:4] and result.stopped == [True]
+    stopped_by_callback = generate(model, prompt, 10, temperature=0, on_token=lambda row, token: token == full[2])
+    assert stopped_by_callback.tokens[0] == full[:3] and stopped_by_callback.steps == 3
+
+
+def test_sampling_top_k_one_is_greedy_and_seeds_reproduce() -> None:
+    model = tiny_model()
+    prompt = torch.tensor([1, 2, 3, 4])
+    greedy = generate(model, prompt, 8, temperature=0).tokens
+    top1 = generate(model, prompt, 8, temperature=1.5, top_k=1, generator=make_generator(3, "cpu")).tokens
+    assert top1 == greedy
+    draw = lambda seed: generate(  # noqa: E731
+        model, prompt, 8, temperature=1.0, top_k=50, top_p=0.9, num_samples=2, generator=make_generator(seed, "cpu")
+    ).tokens
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    # top_p keeps the smallest set of most likely tokens that covers p: here only token 3 (p=0.64 > 0.5)
+    assert {int(sample(logits, 1.0, None, 0.5, make_generator(i, "cpu"))) for i in range(20)} == {3}
+    assert {int(sample(logits, 1.0, 2, 1.0, make_generator(i, "cpu"))) for i in range(40)} == {2, 3}
+
+
+def test_kv_cache_is_sized_by_prompt_plus_new_tokens_not_block_size(checkpoint_dir: Path) -> None:
+    prompt, new, batch = torch.tensor([1, 2, 3, 4, 5]), 7, 2
+    for block_size in (256, 4096):
+        model = tiny_model(block_size=block_size)
+        generate(model, prompt, new, temperature=0, num_samples=batch)
+        c = model.config
+        assert kv_cache_nbytes(model) == 2 * c.n_layer * batch * c.n_query_groups * (5 + new) * c.head_size * 4
+    model = load_model(checkpoint_dir, dtype=torch.bfloat16, max_seq_length=12)
+    assert model.cos.shape[0] == 12 and model.embed.weight.dtype == torch.bfloat16
+    generate(model, prompt, new, temperature=0)
+    assert kv_cache_nbytes(model) == 2 * 2 * 1 * 2 * 12 * 8 * 2
+
+
+def test_loaded_checkpoint_generates_like_the_model(checkpoint_dir: Path) -> None:
+    prompt = torch.tensor([9, 8, 7])
+    loaded = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=20)
+    assert generate(loaded, prompt, 10, temperature=0).tokens == generate(tiny_model(), prompt, 10, temperature=0).tokens
+
+
+def test_length_errors_name_the_limit() -> None:
+    config = Config(**TINY)
+    assert check_lengths(56, 200, config) == 256
+    with pytest.raises(UsageError, match="at most 200 new tokens fit. Pass --max_new_tokens 200"):
+        check_lengths(56, 201, config)
+    with pytest.raises(UsageError, match="The prompt is 300 tokens long.*context of 256"):
+        check_lengths(300, 1, config)
+
+
+# ---- streaming text --------------------------------------------------------------------------------------
+def test_text_stream_waits_for_complete_characters_and_holds_back_stop_strings(tokenizer_dir: Path) -> None:
+    tokenizer = Tokenizer(tokenizer_dir)
+    text = "naïve café — 漢字 😀 def f(x):\n\treturn x"
+    ids = tokenizer.encode(text).tolist()
+    pieces: list[str] = []
+    stream = TextStream(tokenizer, write=pieces.append)
+    for token in ids:
+        assert not stream.add(token)
+    assert stream.finish() == text == "".join(pieces)
+    assert all("\ufffd" not in piece for piece in pieces) and len(pieces) > 5
+
+    pieces.clear()
+    stream = TextStream(tokenizer, stop=["return"], write=pieces.append)
+    stopped = [stream.add(token) for token in ids]
+    assert stopped[-1] and stream.finish() == "".join(pieces) == text[: text.index("return")]
+
+
+# ---- chat ----------------------------------------------------------------------------------------------------
+def test_chat_keeps_the_conversation_in_the_kv_cache(checkpoint_dir: Path) -> None:
+    tokenizer = Tokenizer(checkpoint_dir)
+    model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
+    style = PromptStyle.from_name("chatml")
+    session = ChatSession(model, tokenizer, style, 256, temperature=0)
+    first = session.send("def add(a, b):", 6)
+    after_first, cached_after_first = list(session.tokens), session.cached
+    assert after_first[: -len(session.last.tokens[0])] == tokenizer.encode(style.apply("def add(a, b):")).tolist()
+    # all of the first turn but its last sampled token (never fed back) is in the cache
+    assert cached_after_first == len(after_first) - 1
+    session.send("return a + b", 6)
+    # the second turn was prefilled from where the first stopped, not from position 0 ...
+    assert session.last_start_pos == cached_after_first
+    prompt = session.tokens[: len(session.tokens) - len(session.last.tokens[0])]
+    assert prompt == after_first + tokenizer.encode(style.next_turn("return a + b"), bos=False).tolist()
+    # ... and continues exactly as a single pass over the whole conversation would
+    fresh = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
+    assert generate(fresh, torch.tensor(prompt), 6, temperature=0).tokens == session.last.tokens
+    # /reset: the next message starts a new conversation
+    session.reset()
+    assert session.send("def add(a, b):", 6) == first and session.last_start_pos == 0
+
+
+def test_chat_script_reads_piped_input_until_exit(checkpoint_dir: Path) -> None:
+    messages = ["hello there", "and then?", "/reset", "hello there", "/exit", "never read"]
+    proc = run("generate/chat.py", "--checkpoint_dir", str(checkpoint_dir), "--max_new_tokens", "5",
+               "--temperature", "0", "--precision", "32-true", stdin="\n".join(messages) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "conversation reset" in proc.stderr
+    model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
+    tokenizer = Tokenizer(checkpoint_dir)
+    session = ChatSession(model, tokenizer, PromptStyle.from_checkpoint(checkpoint_dir), 256, temperature=0)
+    first, second = session.send("hello there", 5), session.send("and then?", 5)
+    assert proc.stdout == f"{first}\n{second}\n{first}\n"
+
+
+# ---- generate/base.py ------------------------------------------------------------------------------------
+def test_base_script_streams_text_and_reports_speed_and_memory(checkpoint_dir: Path) -> None:
+    proc = run("generate/base.py", "--checkpoint_dir", str(checkpoint_dir), "--prompt", "def f(x):",
+               "--max_new_tokens", "8", "--temperature", "0", "--precision", "32-true")
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load_model(checkpoint_dir, max_seq_length=256), Tokenizer(checkpoint_dir)
+    tokens = generate(model, tokenizer.encode("def f(x):"), 8, temperature=0, eos_ids=tokenizer.eos_ids).tokens[0]
+    assert proc.stdout == tokenizer.decode(tokens) + "\n"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "time to first token" in lines[0] and "tokens/s" in lines[0]
+    assert "peak memory" in lines[0]
+
+
+def test_base_script_errors_are_one_paragraph_without_traceback(checkpoint_dir: Path, tmp_path: Path) -> None:
+    proc = run("generate/base.py", "--checkpoint_dir", str(tmp_path / "missing"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "does not exist" in " ".join(proc.stderr.split()) and proc.stdout == ""
+    prompt_length = len(Tokenizer(checkpoint_dir).encode("def f(x):"))
+    proc = run("generate/base.py", "--checkpoint_dir", str(checkpoint_dir), "--prompt", "def f(x):",
+               "--max_new_tokens", "1000", "--quantize", "bnb.nf4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"Pass --max_new_tokens {256 - prompt_length}" in " ".join(proc.stderr.split())
+
+
+# ---- quantization ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
+def test_quantized_models_generate_on_cpu_with_fewer_bytes(checkpoint_dir: Path, mode: str) -> None:
+    pytest.importorskip("bitsandbytes")
+    from lit_model.quantize import is_quantized, quantized_nbytes
+
+    full = load_model(checkpoint_dir, dtype=torch.float32)
+    model = load_model(checkpoint_dir, dtype=torch.float32, quantize=mode)
+    linears = [name for name, m in model.named_modules() if is_quantized(m)]
+    assert len(linears) == 2 * 7 and "lm_head" not in linears  # q, k, v, proj, fc_1, fc_2, proj per block
+    assert quantized_nbytes(model.blocks) < quantized_nbytes(full.blocks) / 2
+    prompt = torch.tensor([3, 4, 5, 6])
+    set_kv_cache(model, 1, 12)
+    with torch.no_grad():
+        logits = forward_last(model, prompt[None], torch.arange(4))
+    assert torch.isfinite(logits).all()
+    result = generate(model, prompt, 8, temperature=0)
+    assert result.steps == 8 and len(result.tokens[0]) == 8
+
+
+def test_quantize_model_replaces_linear_layers_of_a_built_model() -> None:
+    pytest.importorskip("bitsandbytes")
+    from lit_model.quantize import check_quantize, is_quantized, quantize_model
+
+    model = tiny_model().to(torch.bfloat16)
+    quantize_model(model, "bnb.nf4-dq")
+    assert is_quantized(model.blocks[0].attn.query) and not is_quantized(model.lm_head)
+    assert isinstance(model.embed, torch.nn.Embedding)
+    assert len(generate(model, torch.tensor([1, 2]), 4, temperature=0).tokens[0]) == 4
+    with pytest.raises(UsageError, match="bnb.int8 computes in float16 on CUDA"):
+        check_quantize("bnb.int8", "cuda", torch.bfloat16)
+    with pytest.raises(UsageError, match="Choose one of"):
+        check_quantize("int4", "cpu", torch.float32)
+
+
+# ---- Hugging Face parity -------------------------------------------------------------------------------
+def test_converted_hf_llama_matches_transformers_greedy(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    try:
+        from lit_model.convert import hf_to_lit
+    except ImportError:
+        pytest.skip("lit_model.convert.hf_to_lit is not available yet")
+    hf_config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    hf_to_lit(str(tmp_path / "hf"), str(tmp_path / "lit"))
+    model = GPT.from_checkpoint(tmp_path / "lit")
+    prompt = torch.tensor([[11, 22, 33, 44, 55, 66]])
+    with torch.no_grad():
+        expected = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+    assert generate(model, prompt[0], 12, temperature=0).tokens[0] == expected[0, 6:].tolist()
+
+
+# ---- prompt styles -----------------------------------------------------------------------------------------
+def test_prompt_styles() -> None:
+    assert PromptStyle.from_config(Config(**{**TINY, "name": "Llama-3.2-1B-Instruct"})).name == "llama-3"
+    for name, style in [("Qwen2.5-0.5B-Instruct", "qwen2.5"), ("SmolLM2-135M-Instruct", "chatml"),
+                        ("Llama-2-7b-chat-hf", "llama-2"), ("gemma-2-2b-it", "gemma"), ("phi-2", "phi-2"),
+                        ("Phi-3-mini-4k-instruct", "phi-3"), ("Mistral-7B-Instruct-v0.2", "mistral"),
+                        ("TinyLlama-1.1B-Chat-v1.0", "tinyllama"), ("Llama-3.2-1B", "default"), ("tiny", "default")]:
+        assert PromptStyle.from_config(name).name == style, name
+    with pytest.raises(UsageError, match="Choose one of: default, alpaca"):
+        PromptStyle.from_name("vicuna")
+    assert PromptStyle.from_name("default").apply("plain text") == "plain text"
+    llama3 = PromptStyle.from_name("llama-3")
+    assert llama3.apply("Hi", system="Be brief.") == (
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert PromptStyle.from_name("llama-2").apply("Hi", system="S") == "[INST] <<SYS>>\nS\n<</SYS>>\n\nHi [/INST]"
+    assert "### Input:\nxyz" in STYLES["alpaca"].apply("Sort it", input="xyz")
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    for style in STYLES.values():  # a chat built turn by turn renders exactly like the whole conversation
+        assert style.apply_chat(messages) == style.turn("a", system="S") + "b" + style.next_turn("c"), style.name

@@ -1,0 +1,176 @@
+"""pretrain/main.py end to end on a tiny model: outputs, exact resume, 1 vs N processes, FSDP, signals,
+and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, read_metrics, run_script
+
+
+def tiny_args(setup: dict[str, Path], out_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model_config", setup["config"], "--tokenizer_dir", setup["tokenizer"], "--data_path", setup["data"],
+        "--out_dir", out_dir, "--micro_batch_size", "2", "--global_batch_size", "8", "--eval_iters", "2",
+        "--max_steps", "6", "--log_interval", "1", "--eval_interval", "3", "--warmup_steps", "2", *extra,
+    ]
+
+
+def pretrain(setup: dict[str, Path], out_dir: Path, *extra: str, **kwargs) -> subprocess.CompletedProcess:
+    return run_script("pretrain/main.py", *tiny_args(setup, out_dir, *extra), cache=setup["root"] / "cache", **kwargs)
+
+
+def losses(out_dir: Path) -> list[tuple[str, str]]:
+    return [(row["train_loss"], row["val_loss"]) for row in read_metrics(out_dir)]
+
+
+def test_run_writes_final_checkpoint_metrics_summary_and_sample(tiny_setup, tmp_path):
+    proc = pretrain(tiny_setup, tmp_path / "run", "--max_steps", "20", "--learning_rate", "0.01")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "run"
+    for name in ("model.safetensors", "model_config.yaml", "tokenizer.json"):
+        assert (out / "final" / name).is_file()
+    rows = read_metrics(out)
+    assert [int(r["step"]) for r in rows] == list(range(1, 21))
+    assert set(rows[0]) >= {"step", "tokens", "train_loss", "val_loss", "learning_rate", "tokens_per_sec", "peak_memory_bytes"}
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"]) - 0.5
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("tokens_per_sec", "peak_memory_bytes", "train_loss", "val_loss", "steps", "wall_time_s",
+                "micro_batch_size", "global_batch_size", "precision", "devices"):
+        assert key in summary
+    assert summary["steps"] == 20 and summary["tokens"] == 20 * 8 * 64 and summary["precision"] == "32-true"
+    assert "Sample:" in proc.stdout and "step 20/20" in proc.stdout and "unigram baseline" in proc.stdout
+
+    from lit_model import GPT
+
+    model = GPT.from_checkpoint(out / "final")
+    assert model.config.name == "test-tiny"
+
+
+def test_resume_gives_exactly_the_uninterrupted_losses(tiny_setup, tmp_path):
+    full = tmp_path / "full"
+    assert pretrain(tiny_setup, full, "--save_interval", "2", "--keep_last", "10").returncode == 0
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(full, interrupted)
+    # Pretend the run died right after the step-2 checkpoint.
+    for path in ("checkpoints/step-00000004", "checkpoints/step-00000006", "final", "summary.json"):
+        shutil.rmtree(interrupted / path, ignore_errors=True) if "." not in path else (interrupted / path).unlink()
+    proc = pretrain(tiny_setup, interrupted, "--save_interval", "2", "--keep_last", "10", "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr
+    assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
+    assert losses(interrupted) == losses(full)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy_args", [("--strategy", "ddp"), ("--strategy", "fsdp"), ("--strategy", "fsdp", "--cpu_offload")])
+def test_two_processes_match_one(tiny_setup, tmp_path, strategy_args):
+    single = tmp_path / "single"
+    assert pretrain(tiny_setup, single).returncode == 0
+    multi = tmp_path / "multi"
+    proc = pretrain(tiny_setup, multi, "--devices", "2", *strategy_args)
+    assert proc.returncode == 0, proc.stderr
+    for (train_1, val_1), (train_2, val_2) in zip(losses(single), losses(multi)):
+        assert float(train_1) == pytest.approx(float(train_2), abs=1e-4)
+        assert (val_1 == "") == (val_2 == "")
+    summary = json.loads((multi / "summary.json").read_text())
+    assert summary["devices"] == 2 and summary["peak_memory_bytes_all_ranks"] > summary["peak_memory_bytes"]
+    assert (multi / "final" / "model.safetensors").is_file()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_torchrun_two_nodes_on_loopback(tiny_setup, tmp_path):
+    port = str(free_port())
+    out = tmp_path / "nodes"
+    args = tiny_args(tiny_setup, out, "--num_nodes", "2", "--devices", "1", "--strategy", "ddp")
+    env_cache = {"LIT_MODEL_CACHE": str(tiny_setup["root"] / "cache")}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port,
+             str(ROOT / "pretrain/main.py"), *map(str, args)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**__import__("os").environ, **env_cache},
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["devices"] == 2 and summary["steps"] == 6
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tiny_setup, tmp_path):
+    out = tmp_path / "signal"
+    args = tiny_args(tiny_setup, out, "--max_steps", "100000", "--save_interval", "0", "--eval_interval", "1000")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "pretrain/main.py"), *map(str, args)], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**__import__("os").environ, "LIT_MODEL_CACHE": str(tiny_setup["root"] / "cache"), "PYTHONUNBUFFERED": "1"},
+    )
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "Stopped by signal" in stdout
+    checkpoints = sorted((out / "checkpoints").glob("step-*"))
+    assert checkpoints and int(checkpoints[-1].name.split("-")[1]) >= 3
+
+
+@pytest.mark.parametrize(
+    "extra, code, needle",
+    [
+        (("--data_path", "/nonexistent/corpus"), 1, "does not exist"),
+        (("--micro_batch_size", "3"), 2, "micro_batch_size"),
+        (("--override_max_seq_length", "4096"), 2, "at most 64"),
+        (("--optimizer", "Adamm"), 2, "AdamW"),
+        (("--precision", "16-mixed"), 2, "CUDA"),
+        (("--cpu_offload", "--strategy", "ddp"), 2, "FSDP"),
+        (("--freeze_layers", "[nothing.*]"), 2, "match no parameter"),
+        (("--model_name", "Llama-2-7b"), 2, "Did you mean"),
+    ],
+)
+def test_bad_input_is_one_clear_message(tiny_setup, tmp_path, extra, code, needle):
+    args = list(extra)
+    if "--model_name" in args:  # --model_config would win over --model_name
+        proc = run_script("pretrain/main.py", "--out_dir", tmp_path / "x", *args, cache=tiny_setup["root"] / "cache")
+    else:
+        proc = pretrain(tiny_setup, tmp_path / "bad", *args)
+    assert proc.returncode == code, proc.stderr
+    assert needle in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
+
+
+def test_out_dir_with_another_run_is_refused_and_other_config_cannot_resume(tiny_setup, tmp_path):
+    out = tmp_path / "taken"
+    assert pretrain(tiny_setup, out, "--max_steps", "2").returncode == 0
+    again = pretrain(tiny_setup, out, "--max_steps", "2")
+    assert again.returncode == 2 and "--resume auto" in again.stderr and "--overwrite" in again.stderr
+    other = tiny_setup["root"] / "other.yaml"
+    other.write_text(tiny_setup["config"].read_text().replace("n_layer: 2", "n_layer: 3"))
+    args = tiny_args(tiny_setup, out, "--max_steps", "4", "--resume", "auto")
+    args[args.index("--model_config") + 1] = other
+    proc = run_script("pretrain/main.py", *args, cache=tiny_setup["root"] / "cache")
+    assert proc.returncode == 2 and "another model config" in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
+
+
+def test_nan_loss_stops_with_the_step_and_a_hint(tiny_setup, tmp_path):
+    proc = pretrain(tiny_setup, tmp_path / "nan", "--learning_rate", "1e30", "--grad_clip", "0", "--warmup_steps", "1")
+    assert proc.returncode == 1
+    message = " ".join(proc.stderr.split())
+    assert "at step" in message and "--learning_rate" in message and "Traceback" not in proc.stderr
