@@ -174,7 +174,7 @@ def kv_cache_shape(model: GPT) -> Optional[tuple[int, int]]:
 def forward_last(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
     """``model(idx, input_pos)[:, -1]`` (logits of shape (batch, vocab)) without the head over every prompt
     position; activations hop to the next device where consecutive blocks live on different GPUs."""
-    x = model.embed(idx)
+    x = model.embed(idx.to(model.embed.weight.device))  # sampled on the head's device
     if model.config.scale_embeddings:
         x = x * torch.tensor(model.config.n_embd**0.5, dtype=x.dtype)
     cos, sin = model.cos.index_select(0, input_pos), model.sin.index_select(0, input_pos)
@@ -453,7 +453,14 @@ class ChatSession:
              notify: Callable[[str], object] = lambda text: None) -> str:
         """Answer ``message``; the reply streams through ``write``. A conversation that would overflow the
         context is started over with this message (``notify`` says so)."""
-        new_ids = self.turn_ids(message)
+        first_ids = self.tokenizer.encode(self.style.turn(message, system=self.system)).tolist()
+        if len(first_ids) + max_new_tokens > self.max_length:
+            raise UserError(
+                f"This message is {len(first_ids)} tokens long; with a reply of up to {max_new_tokens} tokens it "
+                f"does not fit the context of {self.max_length} tokens. Send a shorter message (or pass a smaller "
+                "--max_new_tokens or a larger --max_seq_length)."
+            )
+        new_ids = self.turn_ids(message) if self.turns else first_ids
         if self.turns and len(self.tokens) + len(new_ids) + max_new_tokens > self.max_length:
             notify(
                 f"The conversation ({len(self.tokens)} tokens) plus this message ({len(new_ids)}) and a reply of up "
@@ -461,21 +468,15 @@ class ChatSession:
                 "with this message."
             )
             self.reset()
-            new_ids = self.turn_ids(message)
-        if len(new_ids) + max_new_tokens > self.max_length:
-            raise UserError(
-                f"This message is {len(new_ids)} tokens long; with a reply of up to {max_new_tokens} tokens it does "
-                f"not fit the context of {self.max_length} tokens. Send a shorter message (or pass a smaller "
-                "--max_new_tokens or a larger --max_seq_length)."
-            )
-        self.tokens.extend(new_ids)
-        pending = torch.tensor(self.tokens[self.cached:], dtype=torch.long)
-        stream = TextStream(self.tokenizer, self.stop_strings, context=self.tokens[-4:], write=write)
-        self.last_start_pos = self.cached
-        result = generate(
+            new_ids = first_ids
+        pending = torch.tensor(self.tokens[self.cached:] + new_ids, dtype=torch.long)
+        stream = TextStream(self.tokenizer, self.stop_strings, context=(self.tokens + new_ids)[-4:], write=write)
+        result = generate(  # on an error (e.g. out of memory) the conversation stays as it was
             self.model, pending, max_new_tokens, eos_ids=self.tokenizer.eos_ids, stop_sequences=self.stop_sequences,
             on_token=lambda row, token: stream.add(token), start_pos=self.cached, **self.sampling,
         )
+        self.last_start_pos = self.cached
+        self.tokens.extend(new_ids)
         reply = stream.finish()
         kept = result.tokens[0]
         reply_ids = self.tokenizer.encode(reply, bos=False).tolist() if stream.stopped else kept

@@ -11,7 +11,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 from lightning.fabric import Fabric
@@ -40,7 +40,12 @@ class PretrainArgs(TrainArgs):
     model_name: str = "lit-model-5m"
     model_config: Optional[Path] = None
     tokenizer_dir: Optional[Path] = None
-    max_steps: Optional[int] = 300
+    micro_batch_size: Union[int, Literal["auto"]] = 8
+    global_batch_size: int = 16
+    max_steps: Optional[int] = 100  # ~5 minutes of the default model on 2 CPU cores
+    warmup_steps: int = 10
+    eval_interval: int = 50
+    save_interval: int = 50
     sample_prompt: str = "def fibonacci(n):\n"
 
 
@@ -75,7 +80,7 @@ def train(fabric: Fabric, args: PretrainArgs) -> None:
     train_batches, sampler = session.train_batches(fabric, train_data, args, run.step)
     val_batches = session.val_batches(fabric, val_data, args)
     tokens_per_step = args.global_batch_size * seq_length
-    max_steps = args.max_steps or math.ceil((args.max_tokens or 0) / tokens_per_step)
+    max_steps = args.max_steps if args.max_tokens is None else math.ceil(args.max_tokens / tokens_per_step)
     if max_steps < 1:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
     fabric.print(

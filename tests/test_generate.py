@@ -160,6 +160,25 @@ def test_text_stream_waits_for_complete_characters_and_holds_back_stop_strings(t
     assert stopped[-1] and stream.finish() == "".join(pieces) == text[: text.index("return")]
 
 
+def test_text_stream_keeps_sentencepiece_spaces(tmp_path: Path) -> None:
+    sentencepiece = pytest.importorskip("sentencepiece")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(STDLIB / "textwrap.py"), model_prefix=str(tmp_path / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+    )
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.backend == "sentencepiece"
+    ids = tokenizer.encode("Hello world  naïve 漢字 😀 end", bos=False).tolist()
+    for split in (2, 3, 5):  # the first new token may or may not start a word ("▁world")
+        pieces: list[str] = []
+        stream = TextStream(tokenizer, context=ids[:split], write=pieces.append)
+        for token in ids[split:]:
+            stream.add(token)
+        stream.finish()
+        full, prompt = tokenizer.decode(ids), tokenizer.decode(ids[:split])
+        assert "".join(pieces) == full[len(prompt):] and all("\ufffd" not in piece for piece in pieces)
+
+
 # ---- chat ----------------------------------------------------------------------------------------------------
 def test_chat_keeps_the_conversation_in_the_kv_cache(checkpoint_dir: Path) -> None:
     tokenizer = Tokenizer(checkpoint_dir)
@@ -182,6 +201,21 @@ def test_chat_keeps_the_conversation_in_the_kv_cache(checkpoint_dir: Path) -> No
     # /reset: the next message starts a new conversation
     session.reset()
     assert session.send("def add(a, b):", 6) == first and session.last_start_pos == 0
+
+
+def test_chat_starts_over_when_the_context_would_overflow(checkpoint_dir: Path) -> None:
+    tokenizer = Tokenizer(checkpoint_dir)
+    model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=40)
+    session = ChatSession(model, tokenizer, PromptStyle.from_name("default"), 40, temperature=0)
+    notices: list[str] = []
+    session.send("def f(x):", 8, notify=notices.append)
+    session.send("return x", 8, notify=notices.append)
+    assert notices == [] and session.last_start_pos > 0
+    session.send("import os, sys", 20, notify=notices.append)
+    assert len(notices) == 1 and "starting over" in notices[0] and session.last_start_pos == 0
+    with pytest.raises(UserError, match="does not fit the context of 40 tokens"):
+        session.send("x" * 200, 8)
+    assert session.turns == 1  # the failed message left the conversation as it was
 
 
 def test_chat_script_reads_piped_input_until_exit(checkpoint_dir: Path) -> None:

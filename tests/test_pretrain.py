@@ -174,3 +174,19 @@ def test_nan_loss_stops_with_the_step_and_a_hint(tiny_setup, tmp_path):
     assert proc.returncode == 1
     message = " ".join(proc.stderr.split())
     assert "at step" in message and "--learning_rate" in message and "Traceback" not in proc.stderr
+
+
+def test_config_hub_yamls_parse_into_flags():
+    sys.path.insert(0, str(ROOT / "pretrain"))
+    try:
+        from main import PretrainArgs
+    finally:
+        sys.path.pop(0)
+    from lit_model import Config
+    from lit_model.cli import parse
+
+    for path in sorted((ROOT / "config_hub" / "pretrain").glob("*.yaml")):
+        args = parse(PretrainArgs, ["--config", str(path)])
+        Config.from_name(args.model_name)  # a registry name
+    default = parse(PretrainArgs, ["--config", str(ROOT / "config_hub/pretrain/lit-model-5m.yaml")])
+    assert default == parse(PretrainArgs, ["--precision", "32-true"])  # the YAML spells out the defaults

@@ -42,7 +42,7 @@ class TrainArgs(DistributedSettings):
         weight_decay: decoupled weight decay (matrices only)
         grad_clip: clip the global gradient norm to this (0: off)
         max_steps: length of the run in optimizer steps
-        max_tokens: length of the run in training tokens (used when max_steps is not given)
+        max_tokens: length of the run in training tokens (overrides max_steps when given)
         log_interval: print and log a metrics row every N steps
         eval_interval: evaluate every N steps (and at the end)
         eval_iters: evaluation batches of eval_batch_size per evaluation (split over the ranks)
