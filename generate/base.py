@@ -15,9 +15,10 @@ import torch
 from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
 from lit_model.errors import UsageError
+from lit_model import cli
 from lit_model.generation import (
     TextStream, check_lengths, check_sampling, decode_step, generate, load_model, make_generator,
-    out_of_memory_hint, resolve_devices, resolve_generation_precision, run_script, set_kv_cache, stats_line,
+    out_of_memory_hint, resolve_devices, resolve_generation_precision, set_kv_cache, stats_line,
     stdout_writer,
 )
 from lit_model.prompts import PromptStyle
@@ -98,4 +99,4 @@ def main(
 
 
 if __name__ == "__main__":
-    run_script(main)
+    cli.main(main)

@@ -17,9 +17,10 @@ import torch
 from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
+from lit_model import cli
 from lit_model.generation import (
     ChatSession, check_sampling, decode_step, load_model, make_generator, out_of_memory_hint, resolve_devices,
-    resolve_generation_precision, run_script, stdout_writer,
+    resolve_generation_precision, stdout_writer,
 )
 from lit_model.prompts import PromptStyle
 from lit_model.tokenizer import Tokenizer
@@ -119,4 +120,4 @@ def _notify(text: str) -> None:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    cli.main(main)

@@ -819,24 +819,10 @@ def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, li
 COMMANDS = {"hf_to_lit": hf_to_lit, "lit_to_hf": lit_to_hf}
 
 
-def _bare_bool_flags(argv: list[str]) -> list[str]:
-    """Let ``--overwrite`` mean ``--overwrite true``, as users of other CLIs expect."""
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        following = argv[i + 1] if i + 1 < len(argv) else None
-        if arg == "--overwrite" and (following is None or following.startswith("-")):
-            out.append("true")
-    return out
-
-
 def main(argv: Optional[list[str]] = None) -> None:
-    from jsonargparse import CLI
+    from lit_model.cli import main as cli_main
 
-    from lit_model.errors import run_cli
-
-    argv = _bare_bool_flags(sys.argv[1:] if argv is None else list(argv))
-    run_cli(CLI, COMMANDS, args=argv, as_positional=False)
+    cli_main(COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import math
 import resource
 import sys
 import time
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -515,27 +514,16 @@ def stats_line(result: Generation, devices: Sequence[torch.device]) -> str:
 
 @contextlib.contextmanager
 def out_of_memory_hint(what: str) -> Iterator[None]:
-    """Turn a CUDA out-of-memory error into a one-paragraph message with the flags that reduce memory."""
+    """Turn running out of (GPU or CPU) memory into a one-paragraph message with the flags that reduce it."""
     try:
         yield
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
         raise UserError(
-            f"Out of GPU memory while {what}. Reduce --max_new_tokens or --num_samples (the KV cache grows with "
+            f"Out of memory while {what}. Reduce --max_new_tokens or --num_samples (the KV cache grows with "
             "both), load the weights in 4 bits with --quantize bnb.nf4, or spread the blocks over more GPUs with "
             "--devices N."
         ) from None
 
 
-def run_script(entry: Callable[..., object]) -> object:
-    """``lit_model.cli.main(entry)``, also accepting bare boolean flags (``--compile`` = ``--compile true``)."""
-    from lit_model.cli import main
-
-    hints = typing.get_type_hints(entry)
-    flags = {f"--{name}" for name, hint in hints.items() if hint is bool}
-    argv = sys.argv[1:]
-    for i in reversed(range(len(argv))):
-        following = argv[i + 1] if i + 1 < len(argv) else None
-        if argv[i] in flags and (following is None or following.startswith("--")):
-            argv.insert(i + 1, "true")
-    sys.argv[1:] = argv
-    return main(entry)

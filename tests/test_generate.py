@@ -28,6 +28,16 @@ LOCAL_SOFTCAP = dict(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy machine does not stall them (in this process and in
+    the scripts it starts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(seed: int = 0, **fields) -> GPT:
     torch.manual_seed(seed)
     model = GPT(Config(**{**TINY, **fields}))
@@ -58,7 +68,7 @@ def greedy_without_cache(model: GPT, prompt: torch.Tensor, n: int) -> list[int]:
 
 
 def run(script: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LIT_MODEL_DEBUG", None)
     proc = subprocess.run(  # bytes in and out: no newline translation of generated text
         [sys.executable, str(ROOT / script), *args], input=stdin.encode(), capture_output=True, env=env, timeout=300
@@ -279,7 +289,7 @@ def test_quantize_model_replaces_linear_layers_of_a_built_model() -> None:
     pytest.importorskip("bitsandbytes")
     from lit_model.quantize import check_quantize, is_quantized, quantize_model
 
-    model = tiny_model().to(torch.bfloat16)
+    model = tiny_model(n_embd=64).to(torch.bfloat16)  # widths that bitsandbytes' packed CPU kernels take
     quantize_model(model, "bnb.nf4-dq")
     assert is_quantized(model.blocks[0].attn.query) and not is_quantized(model.lm_head)
     assert isinstance(model.embed, torch.nn.Embedding)

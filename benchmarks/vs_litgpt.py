@@ -1,0 +1,99 @@
+"""lit-model vs litgpt on the same tiny Llama-style model, side by side in one run: training tokens/s and
+peak RSS, and greedy decode tokens/s.
+
+    python benchmarks/vs_litgpt.py            # installs litgpt into benchmarks/.venv-litgpt first
+
+Training (benchmarks/_train_worker.py): Fabric, AdamW, micro batch 4 x 512 tokens, 4 layers, 256 wide, vocab
+8192, untied head; lit-model's chunked fp32 cross-entropy inside the model vs litgpt's step as in its
+pretrain script (full logits, then chunked_cross_entropy). Generation (benchmarks/_generate_worker.py): 32
+prompt tokens, 256 new, greedy, KV cache. Runs alternate between implementations, each in a fresh process,
+`--repeats` times; tables report medians and ratios to litgpt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LITGPT_VENV = HERE / ".venv-litgpt"
+LITGPT_VERSION = "0.5.13"
+BENCHMARKS = {  # name: (worker, speed metric, lit-model variants as extra worker flags)
+    "train": ("_train_worker.py", "tokens_per_sec", [[], ["--compile"]]),
+    "generate": ("_generate_worker.py", "decode_tokens_per_sec", [[]]),
+}
+
+
+def litgpt_python() -> str:
+    python = LITGPT_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LITGPT_VENV)], check=True)
+        # The CPU build of torch first, pinned, so litgpt's own torch requirement installs nothing more.
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", f"litgpt=={LITGPT_VERSION}"], check=True)
+    return str(python)
+
+
+def run(python: str, worker: str, impl: str, precision: str, flags: list[str]) -> dict:
+    command = [python, str(HERE / worker), "--impl", impl, "--precision", precision, *flags]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)} if impl == "lit_model" else dict(os.environ)
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=HERE).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int) -> list[dict]:
+    worker, metric, lit_variants = BENCHMARKS[name]
+    variants = [("litgpt", litgpt, [])] + [("lit_model", sys.executable, flags) for flags in lit_variants]
+    rows = []
+    for precision in precisions:
+        results: dict[str, list[dict]] = {}
+        for _ in range(repeats):
+            for impl, python, flags in variants:
+                label = " ".join([impl, *flags])
+                results.setdefault(label, []).append(run(python, worker, impl, precision, flags))
+        median = {label: {key: statistics.median(r[key] for r in runs) for key in (metric, "peak_rss_bytes")}
+                  for label, runs in results.items()}
+        base = median["litgpt"]
+        for label, values in median.items():
+            rows.append({
+                "precision": precision, "implementation": label, metric: round(values[metric], 1),
+                "speed_vs_litgpt": round(values[metric] / base[metric], 3),
+                "peak_rss_mb": round(values["peak_rss_bytes"] / 2**20),
+                "rss_vs_litgpt": round(values["peak_rss_bytes"] / base["peak_rss_bytes"], 3),
+            })
+    return rows
+
+
+def write_table(name: str, rows: list[dict], repeats: int) -> str:
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
+    table = "\n".join(lines)
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    csv_lines = [",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]
+    (results / f"{name}_vs_litgpt.csv").write_text("\n".join(csv_lines) + "\n")
+    (results / f"{name}_vs_litgpt.md").write_text(
+        f"# {name}: lit-model vs litgpt {LITGPT_VERSION} (CPU, {os.cpu_count()} cores, median of {repeats})\n\n"
+        f"Regenerate: `python benchmarks/vs_litgpt.py`\n\n{table}\n"
+    )
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-true"])
+    parser.add_argument("--only", choices=list(BENCHMARKS), nargs="+", default=list(BENCHMARKS))
+    args = parser.parse_args()
+    litgpt = litgpt_python()
+    for name in args.only:
+        print(f"\n{name}\n" + write_table(name, benchmark(name, litgpt, args.precisions, args.repeats), args.repeats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""LoRA: low-rank adapters on a GPT's linear layers, also on bitsandbytes quantized ones (QLoRA).
+
+A LoRA layer computes ``base(x) + scaling * B(A(dropout(x)))`` with ``A`` (r x in) and ``B`` (out x r, zero at
+the start), ``scaling = alpha / r``. ``apply_lora`` turns the chosen layers into LoRA layers in place by
+swapping their class for a subclass that adds the adapter (``LoRANLinear``, ``LoRALinear4bit``, ...), so the
+base parameters keep their names (``blocks.0.attn.query.weight``) and a quantized base stays what it was; the
+adapter parameters sit beside them (``blocks.0.attn.query.lora_A``). Only adapter parameters (and, on request,
+the biases of the adapted layers) get gradients and optimizer state.
+
+Merging adds ``scaling * B @ A`` to the base weights of a checkpoint directory, in full precision, from the
+stored base weights (never from a quantized copy):
+
+    python -m lit_model.lora merge --checkpoint_dir DIR    # DIR: base weights + lora.safetensors + lora.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+from lit_model.errors import UsageError, UserError
+
+LORA_WEIGHTS = "lora.safetensors"
+LORA_CONFIG = "lora.yaml"
+# flag -> the module names (last parts of the qualified name) it adapts
+TARGETS = {
+    "query": ("attn.query",),
+    "key": ("attn.key",),
+    "value": ("attn.value",),
+    "projection": ("attn.proj",),
+    "mlp": ("mlp.fc_1", "mlp.fc_2", "mlp.fc", "mlp.proj"),
+    "head": ("lm_head",),
+}
+
+
+@dataclass
+class LoRAConfig:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    query: bool = True
+    key: bool = False
+    value: bool = True
+    projection: bool = False
+    mlp: bool = False
+    head: bool = False
+    bias: bool = False  # also train the biases of the adapted layers
+    merged: bool = False  # in a checkpoint directory: the weights beside this file already include the adapter
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise UsageError(f"--lora_r {self.r}: the LoRA rank must be a positive integer, e.g. --lora_r 8.")
+        if self.alpha <= 0:
+            raise UsageError(f"--lora_alpha {self.alpha} must be positive (the update is scaled by alpha / r).")
+        if not 0 <= self.dropout < 1:
+            raise UsageError(f"--lora_dropout {self.dropout} must be in [0, 1).")
+        if not any(getattr(self, flag) for flag in TARGETS):
+            raise UsageError(
+                "No layer to adapt: turn on at least one of --lora_query, --lora_key, --lora_value, "
+                "--lora_projection, --lora_mlp, --lora_head."
+            )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    def targets(self, name: str) -> bool:
+        return any(
+            name == suffix or name.endswith("." + suffix)
+            for flag, suffixes in TARGETS.items() if getattr(self, flag) for suffix in suffixes
+        )
+
+    def save(self, directory: Path) -> None:
+        (Path(directory) / LORA_CONFIG).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "LoRAConfig":
+        path = Path(directory) / LORA_CONFIG
+        if not path.is_file():
+            raise UserError(f"{directory} has no {LORA_CONFIG} (the LoRA hyperparameters); it is not a LoRA checkpoint.")
+        data = yaml.safe_load(path.read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class LoRALayer:
+    """Mixed in before a linear layer class (nn.Linear, bnb Linear4bit/Linear8bitLt) by ``apply_lora``."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+
+    def _init_lora(self, config: LoRAConfig, dtype: torch.dtype) -> None:
+        device = self.bias.device if self.bias is not None else self.weight.device
+        self.lora_A = nn.Parameter(torch.empty(config.r, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, config.r, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear; B = 0 makes the start exact
+        self.lora_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+        self.lora_scaling = config.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # type: ignore[misc]
+        low_rank = F.linear(F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
+        return out + (low_rank * self.lora_scaling).to(out.dtype)
+
+    def lora_delta(self) -> torch.Tensor:
+        """The update to the base weight, in fp32: scaling * B @ A."""
+        return (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.lora_scaling
+
+
+_LORA_CLASSES: dict[type, type] = {}
+
+
+def _lora_class(base: type) -> type:
+    if base not in _LORA_CLASSES:
+        _LORA_CLASSES[base] = type(f"LoRA{base.__name__}", (LoRALayer, base), {"__module__": __name__})
+    return _LORA_CLASSES[base]
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or a bitsandbytes linear layer (which subclass it)."""
+    return isinstance(module, nn.Linear) and not isinstance(module, LoRALayer)
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Turn the targeted linear layers of ``model`` into LoRA layers, freeze everything else; returns their
+    names. ``dtype`` of the adapter weights: default the model's floating-point dtype."""
+    if config.head and getattr(getattr(model, "config", None), "tie_embeddings", False):
+        raise UsageError(
+            "--lora_head with a model whose output head shares its weight with the embedding "
+            f"({model.config.name}: tie_embeddings) cannot be merged into one weight afterwards. Leave --lora_head off."
+        )
+    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+    model.requires_grad_(False)
+    names = []
+    for name, module in model.named_modules():
+        if is_linear(module) and config.targets(name):
+            module.__class__ = _lora_class(type(module))
+            module._init_lora(config, dtype)
+            if config.bias and module.bias is not None:
+                module.bias.requires_grad_(True)
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                # bitsandbytes repacks 4-bit weights for CPU inference in eval mode; training needs them as they are
+                module.support_avx512bf16_for_cpu = False
+            names.append(name)
+    if not names:
+        raise UsageError(f"No linear layer of the model matches the LoRA targets {config}; check the --lora_* flags.")
+    return names
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALayer)}
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that train (adapter weights, trainable biases), detached on the CPU."""
+    return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:
+    """Base weights with the adapter added (in fp32, stored back in each weight's dtype); trained biases replace
+    the base ones. ``base`` is changed in place and returned."""
+    prefixes = sorted({name[: -len(".lora_A")] for name in lora if name.endswith(".lora_A")})
+    for prefix in prefixes:
+        weight_name = f"{prefix}.weight"
+        if weight_name not in base or f"{prefix}.lora_B" not in lora:
+            raise UserError(f"The LoRA weights adapt {prefix!r}, which the base weights do not have ({weight_name}).")
+        weight = base[weight_name]
+        delta = (lora[f"{prefix}.lora_B"].float() @ lora[f"{prefix}.lora_A"].float()) * config.scaling
+        if delta.shape != weight.shape:
+            raise UserError(f"LoRA update for {weight_name} has shape {tuple(delta.shape)}, the weight {tuple(weight.shape)}.")
+        base[weight_name] = (weight.float() + delta).to(weight.dtype)
+    for name, tensor in lora.items():
+        if not name.endswith((".lora_A", ".lora_B")):  # a trained bias
+            if name not in base:
+                raise UserError(f"The LoRA weights hold {name!r}, which the base weights do not have.")
+            base[name] = tensor.to(base[name].dtype)
+    return base
+
+
+def save_merged_checkpoint(
+    base_dir: Path, lora: dict[str, torch.Tensor], config: LoRAConfig, out_dir: Path, extra_files: dict[str, Path] = {}
+) -> Path:
+    """Write ``out_dir`` (atomically): ``base_dir``'s files with its weights merged with ``lora``, and the
+    adapter weights + hyperparameters (``merged: true``) beside them. ``extra_files`` adds/replaces files."""
+    from safetensors.torch import load_file, save_file
+
+    from lit_model.checkpoint import WEIGHTS_NAME, atomic_directory, check_checkpoint_dir
+
+    base_dir = check_checkpoint_dir(base_dir)
+    merged = merge_state_dict(load_file(str(base_dir / WEIGHTS_NAME)), lora, config)
+    with atomic_directory(out_dir) as tmp:
+        for path in sorted(base_dir.iterdir()):
+            if path.is_file() and path.name not in (WEIGHTS_NAME, LORA_WEIGHTS, LORA_CONFIG):
+                shutil.copy2(path, tmp / path.name)
+        for name, path in extra_files.items():
+            shutil.copy2(path, tmp / name)
+        save_file({k: v.contiguous() for k, v in merged.items()}, str(tmp / WEIGHTS_NAME))
+        save_file({k: v.contiguous() for k, v in lora.items()}, str(tmp / LORA_WEIGHTS))
+        LoRAConfig(**{**asdict(config), "merged": True}).save(tmp)
+    return out_dir
+
+
+def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
+    """Merge ``checkpoint_dir/lora.safetensors`` into its base weights, in place or into ``out_dir``."""
+    from safetensors.torch import load_file
+
+    checkpoint_dir = Path(checkpoint_dir)
+    config = LoRAConfig.from_dir(checkpoint_dir)
+    if config.merged:
+        raise UserError(
+            f"{checkpoint_dir}/{LORA_CONFIG} says its weights are already merged (a LoRA run's final/ is). Use the "
+            "directory as it is, or merge into the original base weights: copy lora.safetensors and lora.yaml (with "
+            "merged: false) next to them."
+        )
+    if not (checkpoint_dir / LORA_WEIGHTS).is_file():
+        raise UserError(f"{checkpoint_dir} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
+    return save_merged_checkpoint(checkpoint_dir, load_file(str(checkpoint_dir / LORA_WEIGHTS)), config, out_dir or checkpoint_dir)
+
+
+def _cli(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lit_model.lora", description="LoRA utilities")
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge_parser = commands.add_parser("merge", help="merge lora.safetensors into the base weights of a checkpoint dir")
+    merge_parser.add_argument("--checkpoint_dir", type=Path, required=True, help="base weights + lora.safetensors + lora.yaml")
+    merge_parser.add_argument("--out_dir", type=Path, default=None, help="write the merged checkpoint here (default: in place)")
+    args = parser.parse_args(argv)
+    out = merge(args.checkpoint_dir, args.out_dir)
+    print(f"Merged the LoRA weights into {out} (generate: python generate/base.py --checkpoint_dir {out})")
+
+
+if __name__ == "__main__":
+    from lit_model.errors import run_cli
+
+    run_cli(_cli, sys.argv[1:])
