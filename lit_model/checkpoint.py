@@ -7,15 +7,16 @@ never leaves a half-written checkpoint where a good one (or nothing) was.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import struct
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from lit_model.config import Config
 from lit_model.errors import UserError
@@ -109,23 +110,88 @@ def check_checkpoint_dir(checkpoint_dir: str | Path, need_tokenizer: bool = Fals
 
 
 def load_model_weights(
-    model: nn.Module, checkpoint_dir: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None
+    model: nn.Module,
+    checkpoint_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    devices: Optional[dict[str, torch.device]] = None,
+    on_part: Optional[Callable[[str, nn.Module], None]] = None,
 ) -> None:
-    """Assign the stored tensors to a (meta-device) model, checking names and shapes first."""
-    checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
-    path = checkpoint_dir / WEIGHTS_NAME
-    try:
-        state_dict = load_file(str(path), device=str(device))
-    except (SafetensorError, OSError) as error:
-        raise UserError(f"Could not read {path}: {error}. The file is damaged; re-create or re-convert it.") from None
-    if dtype is not None:
-        for name, tensor in state_dict.items():
-            if tensor.is_floating_point():
-                state_dict[name] = tensor.to(dtype)
-    check_state_dict(model, state_dict, source=str(path))
-    model.load_state_dict(state_dict, strict=False, assign=True)
-    if getattr(model.config, "tie_embeddings", False):
-        model.lm_head.weight = model.embed.weight
+    """Assign the stored tensors to a (meta-device) model one part ("embed", "blocks.3", ...) at a time,
+    each tensor cast straight to ``dtype`` and moved to its part's device (``devices``, else ``device``).
+    Names and shapes are checked before anything is read; ``on_part`` runs after each part (quantization)."""
+    path = check_checkpoint_dir(checkpoint_dir) / WEIGHTS_NAME
+    devices = devices or {}
+    tied = bool(getattr(model.config, "tie_embeddings", False))
+    with SafetensorsReader(path) as file:
+        check_state_dict(model, {n: torch.empty(s, device="meta") for n, s in file.shapes.items()}, source=str(path))
+        for part_name, part in model_parts(model):
+            prefix, part_device = part_name + ".", torch.device(devices.get(part_name, device))
+            state: dict[str, torch.Tensor] = {}
+            for name in file.shapes:
+                if name.startswith(prefix):
+                    tensor = file.read(name)
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    state[name[len(prefix):]] = tensor.to(part_device)
+            if tied and part_name == "lm_head":
+                state["weight"] = model.embed.weight
+            if not state:
+                continue
+            part.load_state_dict(state, strict=True, assign=True)
+            del state
+            if on_part is not None:
+                on_part(part_name, part)
+
+
+def model_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Top-level children, with ModuleLists split into their items ("blocks.0", "blocks.1", ...)."""
+    parts = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            parts.extend((f"{name}.{i}", item) for i, item in enumerate(child))
+        else:
+            parts.append((name, child))
+    return parts
+
+
+class SafetensorsReader:
+    """Reads one tensor of a .safetensors file at a time with plain file reads: unlike a memory map, the
+    file's pages never count towards the process's memory, so peak RSS shows only the tensors kept."""
+
+    DTYPES = {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.file = open(self.path, "rb")
+            (length,) = struct.unpack("<Q", self.file.read(8))
+            header = json.loads(self.file.read(length))
+            header.pop("__metadata__", None)
+            self.entries = {name: (self.DTYPES[e["dtype"]], e["shape"], *e["data_offsets"]) for name, e in header.items()}
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            raise UserError(f"Could not read {self.path}: {error!r}. The file is damaged; re-create or re-convert it.") from None
+        self.base = 8 + length
+        self.shapes = {name: tuple(entry[1]) for name, entry in self.entries.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, start, end = self.entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        buffer = tensor.reshape(-1).view(torch.uint8).numpy()
+        self.file.seek(self.base + start)
+        if end - start != buffer.nbytes or self.file.readinto(memoryview(buffer)) != buffer.nbytes:
+            raise UserError(f"{self.path} is truncated or damaged at tensor {name!r}; re-create or re-convert it.")
+        return tensor
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:

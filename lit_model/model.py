@@ -166,9 +166,9 @@ class GPT(nn.Module):
     ) -> "GPT":
         """Build on the meta device and assign the stored tensors, so only one copy of the weights is
         ever in memory."""
-        from lit_model.checkpoint import load_model_weights
+        from lit_model.checkpoint import check_checkpoint_dir, load_model_weights
 
-        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
         config = Config.from_checkpoint(checkpoint_dir, **config_overrides)
         with torch.device("meta"):
             model = cls(config)

@@ -10,9 +10,7 @@ model nor a copy in the checkpoint's stored dtype is ever in memory.
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -153,90 +151,21 @@ def load_weights(
     quantize: Optional[str] = None,
     skip: Sequence[str] = ("lm_head",),
 ) -> nn.Module:
-    """Stream ``model.safetensors`` into ``model`` (built on the meta device), one top-level part at a time.
+    """Stream a checkpoint into ``model`` (built on the meta device) part by part (checkpoint.py), quantizing
+    each part's linear layers as soon as it arrives, before the next part is read."""
+    from lit_model.checkpoint import load_model_weights
 
-    Each tensor is read, cast to ``dtype`` and moved to its part's device (``devices`` maps a part name such
-    as ``"blocks.3"`` or ``"embed"`` to a device; default CPU); with ``quantize`` every part's linear layers are
-    quantized before the next part is read. Names and shapes are checked before anything is read.
-    """
-    from lit_model.checkpoint import WEIGHTS_NAME, check_checkpoint_dir, check_state_dict
-
-    path = check_checkpoint_dir(checkpoint_dir) / WEIGHTS_NAME
-    devices = devices or {}
     tied = bool(getattr(model.config, "tie_embeddings", False))
-    with SafetensorsReader(path) as file:
-        shapes = {name: torch.empty(shape, device="meta") for name, shape in file.shapes.items()}
-        check_state_dict(model, shapes, source=str(path))
-        for part_name, part in _parts(model):
-            prefix, device = part_name + ".", torch.device(devices.get(part_name, "cpu"))
-            state: dict[str, torch.Tensor] = {}
-            for name in file.shapes:
-                if name.startswith(prefix):
-                    tensor = file.read(name)
-                    tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
-                    state[name[len(prefix):]] = tensor.to(device)
-            if tied and part_name == "lm_head":
-                state["weight"] = model.embed.weight
-            if not state:
-                continue
-            part.load_state_dict(state, strict=True, assign=True)
-            del state
-            if quantize is None or part_name in skip or (tied and part_name == "lm_head"):
-                continue
-            if type(part) is nn.Linear:
-                parent_name, _, child = part_name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, child, quantize_linear(part, quantize, dtype))
-            else:
-                quantize_model(part, quantize, dtype, skip=skip)
-    return model
 
-
-class SafetensorsReader:
-    """Reads one tensor of a .safetensors file at a time with plain file reads: unlike a memory map, the
-    file's pages never count towards the process's memory, so peak RSS shows only the tensors kept."""
-
-    DTYPES = {
-        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    }
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        try:
-            self.file = open(self.path, "rb")
-            (length,) = struct.unpack("<Q", self.file.read(8))
-            header = json.loads(self.file.read(length))
-            header.pop("__metadata__", None)
-            self.entries = {name: (self.DTYPES[e["dtype"]], e["shape"], *e["data_offsets"]) for name, e in header.items()}
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
-            raise UserError(f"Could not read {self.path}: {error!r}. The file is damaged; re-create or re-convert it.") from None
-        self.base = 8 + length
-        self.shapes = {name: tuple(entry[1]) for name, entry in self.entries.items()}
-
-    def read(self, name: str) -> torch.Tensor:
-        dtype, shape, start, end = self.entries[name]
-        tensor = torch.empty(shape, dtype=dtype)
-        buffer = tensor.reshape(-1).view(torch.uint8).numpy()
-        self.file.seek(self.base + start)
-        if end - start != buffer.nbytes or self.file.readinto(memoryview(buffer)) != buffer.nbytes:
-            raise UserError(f"{self.path} is truncated or damaged at tensor {name!r}; re-create or re-convert it.")
-        return tensor
-
-    def __enter__(self) -> "SafetensorsReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.file.close()
-
-
-def _parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Top-level children, with ModuleLists split into their items ("blocks.0", "blocks.1", ...)."""
-    parts = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            parts.extend((f"{name}.{i}", item) for i, item in enumerate(child))
+    def quantize_part(part_name: str, part: nn.Module) -> None:
+        if quantize is None or part_name in skip or (tied and part_name == "lm_head"):
+            return
+        if type(part) is nn.Linear:
+            parent_name, _, child = part_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, quantize_linear(part, quantize, dtype))
         else:
-            parts.append((name, child))
-    return parts
+            quantize_model(part, quantize, dtype, skip=skip)
+
+    load_model_weights(model, checkpoint_dir, dtype=dtype, devices=devices, on_part=quantize_part)
+    return model

@@ -1,0 +1,294 @@
+"""Instruction data for fine-tuning: JSON/JSONL records -> prompt-styled token sequences with the prompt
+masked from the loss, length-grouped micro batches and padded collation.
+
+A record is either Alpaca-style, ``{"instruction": ..., "input": ... (optional), "output": ...}``, or a chat,
+``{"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}`` (every assistant message
+is a target). With no data of its own, fine-tuning uses instruction pairs made from the Python standard
+library with ``ast``: "Write a Python function `name(args)` that: <docstring summary>" -> the function's
+source, cached once and split into train/val by file like the pretraining corpus.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from lit_model.data.text import GlobalBatchSampler, _file_lock, cache_root, split_by_file, stdlib_sources
+from lit_model.errors import UsageError, UserError
+from lit_model.prompts import Alpaca, PromptStyle
+
+IGNORE_INDEX = -100
+MAX_SOURCE_CHARS = 1200  # default data: functions up to this long (most fit 512 tokens with their prompt)
+
+
+# ---- reading records -----------------------------------------------------------------------------------
+def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` pairs of a .json file (a list of records) or a .jsonl file (one per line), or of
+    every such file in a directory (sorted)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"The data path {path} does not exist. Pass a .json/.jsonl file (or a directory of them) with "
+            "--data_path, or leave it out to fine-tune on instructions made from the Python standard library."
+        )
+    files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file()) if path.is_dir() else [path]
+    if not files:
+        raise UserError(f"The directory {path} holds no .json or .jsonl files. Point --data_path at your data.")
+    records: list[tuple[str, dict[str, Any]]] = []
+    for file in files:
+        text = file.read_text(encoding="utf-8", errors="replace")
+        try:
+            data = json.loads(text)
+            items = data if isinstance(data, list) else [data]
+            records += [(f"record {i} of {file}", r) for i, r in enumerate(items)]
+        except ValueError:  # JSON lines
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((f"line {n} of {file}", json.loads(line)))
+                except ValueError as error:
+                    raise UserError(
+                        f"Line {n} of {file} is not valid JSON ({error}). A .jsonl file holds one JSON object per "
+                        'line, like {"instruction": "...", "output": "..."}; fix or remove that line.'
+                    ) from None
+    return records
+
+
+def segments(record: Any, where: str, style: PromptStyle) -> list[tuple[str, bool]]:
+    """The record's text as ``(piece, is_target)`` pieces in the prompt style."""
+    if isinstance(record, dict) and "messages" in record:
+        return _chat_segments(record["messages"], where, style)
+    if not isinstance(record, dict) or not isinstance(record.get("instruction"), str) or not isinstance(record.get("output"), str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise UserError(
+            f"{where} has keys {keys}, but a record needs string fields 'instruction' and 'output' (optionally "
+            "'input'), or a 'messages' list of {role, content}. Rename the fields or fix the record."
+        )
+    extra = record.get("input") or ""
+    if isinstance(style, Alpaca):
+        prompt = style.apply(record["instruction"], input=extra)
+    else:
+        prompt = style.apply(record["instruction"] + (f"\n\n{extra}" if extra else ""))
+    return [(prompt, False), (record["output"] + style.end, True)]
+
+
+def _chat_segments(messages: Any, where: str, style: PromptStyle) -> list[tuple[str, bool]]:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise UserError(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} objects with string values.")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: the conversation has no 'assistant' message to learn from. Add one or drop the record.")
+    pieces, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = style.apply_chat(messages[:i], add_generation_prompt=False) + style.assistant
+        if not before.startswith(done):  # e.g. a system message after the first user turn
+            raise UserError(f"{where}: put the system message first; the conversation cannot be rendered turn by turn.")
+        pieces += [(before[len(done):], False), (message["content"] + style.end, True)]
+        done = before + message["content"] + style.end
+    return pieces
+
+
+def encode(pieces: Sequence[tuple[str, bool]], tokenizer: Any, mask_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (bos as the tokenizer wants it, eos after the last piece) and a per-token target flag."""
+    ids: list[int] = []
+    flags: list[bool] = []
+    for i, (text, target) in enumerate(pieces):
+        piece = tokenizer.encode(text, bos=None if i == 0 else False).tolist()
+        ids += piece
+        flags += [target or not mask_prompt] * len(piece)
+    if tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+        flags.append(True)
+    return np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=bool)
+
+
+# ---- the dataset ---------------------------------------------------------------------------------------
+class InstructDataset(Dataset):
+    """Samples of (input_ids, targets), targets = next token or -100 where masked; lengths for grouping."""
+
+    def __init__(self, samples: list[tuple[np.ndarray, np.ndarray]], prompts: list[str]) -> None:
+        self.samples, self.prompts = samples, prompts
+        self.lengths = [len(ids) - 1 for ids, _ in samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, flags = self.samples[index]
+        targets = np.where(flags[1:], ids[1:], IGNORE_INDEX)
+        return torch.from_numpy(ids[:-1]), torch.from_numpy(targets)
+
+    @property
+    def target_tokens(self) -> int:
+        return int(sum(flags[1:].sum() for _, flags in self.samples))
+
+
+def collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest sample: input ids with ``pad_id``, targets with -100 (no loss)."""
+    length = max(len(ids) for ids, _ in items)
+    input_ids = torch.full((len(items), length), pad_id, dtype=torch.long)
+    targets = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, tgt) in enumerate(items):
+        input_ids[row, : len(ids)] = ids
+        targets[row, : len(tgt)] = tgt
+    return input_ids, targets
+
+
+class LengthGroupedSampler(GlobalBatchSampler):
+    """GlobalBatchSampler whose step sorts its whole global batch by length (longest first) before cutting it
+    into micro batches, which go to the ranks round-robin: the micro batches, and so the padding and the
+    gradients, are the same for any number of processes, and each rank gets a mix of long and short ones."""
+
+    def __init__(self, lengths: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        super().__init__(len(lengths), *args, **kwargs)
+        self.lengths = lengths
+
+    def step_indices(self, step: int) -> list[int]:
+        G, M, n = self.global_batch_size, self.micro_batch_size, self.dataset_len
+        batch = [int(self._permutation(p // n)[p % n]) for p in range(step * G, (step + 1) * G)]
+        batch.sort(key=lambda i: (-self.lengths[i], i))
+        micro = [batch[i : i + M] for i in range(0, G, M)]
+        return [index for chunk in micro[self.rank :: self.world_size] for index in chunk]
+
+
+@dataclass
+class InstructData:
+    train: InstructDataset
+    val: InstructDataset
+    description: str
+    sample_instruction: str  # a fixed validation prompt (already in the prompt style) to answer at the end
+
+
+def build_dataset(records: list[tuple[str, Any]], tokenizer: Any, style: PromptStyle, seq_length: int,
+                  mask_prompt: bool) -> tuple[InstructDataset, int, int]:
+    """Tokenized samples cut to ``seq_length + 1`` tokens; returns (dataset, samples cut, samples dropped
+    because the cut left them no target token)."""
+    samples, prompts, cut, dropped = [], [], 0, 0
+    for where, record in records:
+        pieces = segments(record, where, style)
+        ids, flags = encode(pieces, tokenizer, mask_prompt)
+        if len(ids) > seq_length + 1:
+            cut += 1
+            ids, flags = ids[: seq_length + 1], flags[: seq_length + 1]
+        if len(ids) < 2 or not flags[1:].any():
+            dropped += 1
+            continue
+        samples.append((ids, flags))
+        prompts.append(pieces[0][0])
+    return InstructDataset(samples, prompts), cut, dropped
+
+
+def load_instruct_data(data_path: Optional[Path], tokenizer: Any, style: PromptStyle, seq_length: int,
+                       mask_prompt: bool = True, val_fraction: float = 0.05, seed: int = 42) -> InstructData:
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"--val_split_fraction {val_fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
+    if data_path is None:
+        train_records, val_records = stdlib_instructions(val_fraction)
+        what = f"{len(train_records) + len(val_records)} instructions made from the Python standard library"
+    else:
+        records = read_records(data_path)
+        if len(records) < 2:
+            raise UserError(f"{data_path} holds {len(records)} record(s); a train/val split needs at least 2.")
+        order = np.random.default_rng(seed).permutation(len(records))  # a fixed split, whatever --seed is
+        n_val = min(max(1, round(len(records) * val_fraction)), len(records) - 1)
+        val_records = [records[i] for i in sorted(order[:n_val])]
+        train_records = [records[i] for i in sorted(order[n_val:])]
+        what = f"{data_path}: {len(records)} records"
+    train, train_cut, train_dropped = build_dataset(train_records, tokenizer, style, seq_length, mask_prompt)
+    val, val_cut, val_dropped = build_dataset(val_records, tokenizer, style, seq_length, mask_prompt)
+    if len(train) == 0 or len(val) == 0:
+        raise UserError(
+            f"No {'training' if len(train) == 0 else 'validation'} sample keeps a response token within "
+            f"{seq_length} tokens ({train_dropped + val_dropped} samples lost theirs to the cut). Raise "
+            "--override_max_seq_length (up to the model's block size), or use samples with shorter prompts."
+        )
+    cut, dropped = train_cut + val_cut, train_dropped + val_dropped
+    note = f"; {cut} samples were longer than {seq_length + 1} tokens and were cut" if cut else ""
+    note += f" ({dropped} of them lost every response token and were dropped)" if dropped else ""
+    lengths = np.asarray(train.lengths)
+    description = (
+        f"{what}, {len(train)} train / {len(val)} val samples in the {style.name!r} prompt style, "
+        f"{int(lengths.mean())} tokens on average (max {lengths.max()}), "
+        f"{'prompt masked' if mask_prompt else 'prompt trained'}{note}"
+    )
+    return InstructData(train, val, description, val.prompts[0])
+
+
+# ---- the default data: the standard library's documented functions ---------------------------------------
+def stdlib_instructions(val_fraction: float = 0.05) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """Train/val instruction records from the stdlib (split by source file, the pretraining split)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    files = [p for p in stdlib_sources() if not {"test", "tests", "idle_test"} & set(p.relative_to(root).parts)]
+    key = hashlib.sha256("v1|".join(f"{p}|{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
+    path = cache_root() / "instruct" / f"stdlib-py{version}-functions-{key}.jsonl"
+    if not path.is_file():
+        with _file_lock(path.with_suffix(".lock")):
+            if not path.is_file():  # another rank may have written it while we waited
+                _write_jsonl(path, list(_function_records(files, root)))
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    _, val_files = split_by_file(files, val_fraction, root=root)
+    val_names = {p.relative_to(root).as_posix() for p in val_files}
+    train = [(f"{r['file']} ({r['name']})", r) for r in records if r["file"] not in val_names]
+    val = [(f"{r['file']} ({r['name']})", r) for r in records if r["file"] in val_names]
+    return train, val
+
+
+def _function_records(files: Sequence[Path], root: Path) -> Iterator[dict[str, str]]:
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node, owner in _documented_functions(tree):
+            code = ast.get_source_segment(source, node, padded=True)
+            summary = (ast.get_docstring(node) or "").strip().splitlines()[0].strip()
+            if code is None or len(code) > MAX_SOURCE_CHARS or len(summary) < 10:
+                continue
+            kind, name = ("method", f"{owner}.{node.name}") if owner else ("function", node.name)
+            yield {
+                "instruction": f"Write a Python {kind} `{name}({ast.unparse(node.args)})` that: {summary}",
+                "input": "",
+                "output": textwrap.dedent(code),
+                "file": path.relative_to(root).as_posix(),
+                "name": name,
+            }
+
+
+def _documented_functions(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
+    """Public top-level functions and public methods of public top-level classes that have a docstring."""
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, functions) and not node.name.startswith("_") and ast.get_docstring(node):
+            yield node, ""
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for sub in node.body:
+                if isinstance(sub, functions) and not sub.name.startswith("_") and ast.get_docstring(sub):
+                    yield sub, node.name
+
+
+def _write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in records)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)  # readers see all records or none

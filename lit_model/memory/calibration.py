@@ -1,0 +1,108 @@
+"""Every calibration constant of the memory planner, in one place.
+
+Two kinds of numbers live here:
+
+* ``OVERHEAD``: memory that is not a tensor of the model (CUDA context, library workspaces, the caching
+  allocator's fragmentation, the CPU process itself). The planner adds it to the exact tensor bytes.
+* ``SPEED``: relative step-time factors of the memory levers, used to rank the suggestions.
+
+Every number says where it comes from. ``(estimate)`` marks the ones not measured on this project's own
+runs yet; the GPU ones are meant to be calibrated when a GPU is lent (see ``calibrate_on_gpu`` at the end
+of this file for the recipe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+MB = 10**6
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Memory outside the model's tensors, per rank."""
+
+    # CUDA: the context (driver state, kernels of torch/cuBLAS/cuDNN/NCCL loaded lazily). It is not part of
+    # torch.cuda.max_memory_reserved() but it is taken from the device's total memory. Public measurements on
+    # A100/H100 with CUDA 12 and lazy module loading put it at 300-600 MB; 500 MB (estimate).
+    cuda_context: int = 500 * MB
+    # CUDA: cuBLAS/cuBLASLt workspaces (32 MiB per handle on Hopper, 4 MiB before; two handles: forward and
+    # backward streams) plus NCCL buffers when distributed (estimate).
+    cuda_workspaces: int = 64 * MiB
+    cuda_nccl_buffers: int = 200 * MB  # per rank with world_size > 1 (estimate: NCCL_BUFFSIZE 4 MiB x channels)
+    # CUDA: reserved-but-unused memory of the caching allocator as a fraction of the *transient* bytes
+    # (activations, logits, temporaries; persistent weights and optimizer state pack without gaps).
+    # torchtune's Llama-2-7B LoRA (15.57 GB reserved) and litgpt's figures suggest 5-15 % (estimate).
+    cuda_fragmentation: float = 0.10
+    # CPU: resident memory of a training process before the model exists (python, torch, lightning,
+    # tokenizers imported). Measured here: 0.42-0.48 GB (benchmarks/plan_accuracy.py prints it per run).
+    cpu_process_baseline: int = 450 * MB
+    # CPU: glibc keeps freed heap memory; with its default mmap threshold peak RSS ran 9-28 % above the
+    # traced tensor peak (../shared/README.md, 35.7M GPT). Fraction of the transient bytes; with
+    # MALLOC_MMAP_THRESHOLD_=65536 it is ~2 % (use ``cpu_fragmentation_mmap``).
+    cpu_fragmentation: float = 0.20
+    cpu_fragmentation_mmap: float = 0.025
+
+
+OVERHEAD = Overhead()
+
+# The phases' small fixed extras that are not model tensors but sit on the device.
+# Evaluation/generation keep the same context and workspaces; nothing else is added.
+
+
+# ---- speed -------------------------------------------------------------------------------------------
+# Step-time factor of each lever relative to the run without it (>1: slower), for the same global batch.
+# "cpu" values were measured with `python benchmarks/plan_accuracy.py --speed` (lit-model-40m, T=256, mb 4,
+# 2 cores; results in benchmarks/results/plan_accuracy.speed.csv); "cuda" values are estimates from the
+# usual accounting (forward ~1/3 of a step, bf16 tensor cores ~2-3x fp32) and public reports, to be measured
+# on a GPU.
+SPEED: dict[str, dict[str, float]] = {
+    # One extra forward of every checkpointed block: 4/3 when forward is 1/3 of the step.
+    "activation_checkpointing": {"cuda": 1.33, "cpu": 1.21},
+    # fp32 -> bf16-true: tensor cores on GPU (estimate 0.5); on CPU bf16 kernels were 4-7x slower
+    # (lit_model/precision.py), measured with --speed.
+    "precision_bf16_true_from_32": {"cuda": 0.5, "cpu": 3.3},
+    # bf16-mixed -> bf16-true: no fp32 master weights / casts (estimate).
+    "precision_bf16_true_from_mixed": {"cuda": 0.85, "cpu": 1.0},
+    # Halving the micro batch (global batch kept by accumulation): less parallel work per kernel.
+    "halve_micro_batch": {"cuda": 1.12, "cpu": 1.03},
+    # bitsandbytes 8-bit AdamW: the optimizer step is a small part of a step (estimate on GPU, measured CPU).
+    "optimizer_8bit": {"cuda": 1.02, "cpu": 1.10},
+    # 4-bit base weights: dequantization in every forward/backward matmul. litgpt's resource table
+    # (Llama-2-7B LoRA, A100): 2.36 min -> 3.68 min per 1k iterations = 1.56.
+    "quantize_nf4": {"cuda": 1.56, "cpu": 1.8},
+    # FSDP CPU offload: parameters, gradients and optimizer state cross PCIe every step (estimate 2.5-4x).
+    "cpu_offload": {"cuda": 3.0, "cpu": 1.3},
+    # Sharding over N GPUs: all-gathers and reduce-scatters per step; per-GPU step time of the same per-GPU
+    # micro batch (estimate; litgpt's 2xA100 LoRA table shows 1.5-2.5x for PCIe-bound small models).
+    "fsdp_per_doubling": {"cuda": 1.15, "cpu": 1.4},
+    # Cropping sequences: fewer tokens per step (faster), but the data changes; ranked with a penalty.
+    "crop_sequence": {"cuda": 1.0, "cpu": 1.0},
+}
+
+# Changes that alter what is trained (not only how) are ranked as if this much slower, so that a lever that
+# keeps the run's meaning wins over one that changes it.
+QUALITY_PENALTY: dict[str, float] = {
+    "override_max_seq_length": 2.0,  # long samples are cut: the model never sees their end
+    "quantize": 1.15,  # frozen base weights are approximated in 4 bits
+    "precision": 1.05,  # bf16 weights/optimizer state round small updates
+    "optimizer": 1.05,  # 8-bit optimizer state
+    "devices": 1.5,  # needs more GPUs: a cost, not a slowdown
+}
+
+# Suggestions that need N GPUs try these counts.
+DEVICE_COUNTS = (2, 4, 8)
+
+
+def calibrate_on_gpu() -> str:  # pragma: no cover - documentation
+    """How to calibrate ``OVERHEAD`` when a GPU is lent:
+
+    1. ``nvidia-smi --query-gpu=memory.used`` right after ``torch.cuda.init()`` + one matmul: cuda_context.
+    2. Run ``benchmarks/plan_accuracy.py`` configurations on the GPU, comparing ``plan.by_category`` without
+       ``overhead`` against ``torch.cuda.max_memory_allocated()`` (must agree to ~1 %: the trace is exact)
+       and ``max_memory_reserved() - max_memory_allocated()`` against ``cuda_fragmentation`` x transient.
+    3. Time each lever on Llama-3.2-1B / lit-model-40m for the ``SPEED["..."]["cuda"]`` entries.
+    """
+    return calibrate_on_gpu.__doc__ or ""

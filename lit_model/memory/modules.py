@@ -1,0 +1,167 @@
+"""Stand-ins the planner builds into a model to trace memory: a LoRA layer and a bitsandbytes-shaped
+quantized linear whose tensors have exactly the sizes of the real ones.
+
+``LoRALinear`` follows the usual design (litgpt, PEFT): ``base(x) + (dropout(x) @ A.T @ B.T) * alpha / r`` with
+a frozen base. Until ``lit_model/lora.py`` exists, the planner and ``benchmarks/plan_accuracy.py`` use this one
+(it is also a correct, trainable LoRA on real tensors). ``QuantLinearSim`` is used only under
+``FakeTensorMode``: bitsandbytes' kernels have no fake implementation, so it reproduces what bitsandbytes
+holds (packed 4-bit weight, absmax per 64-weight block, double-quantized statistics; int8 weight + row
+scales) and what it allocates (the weight dequantized to the compute dtype in forward and again in backward,
+saving only the packed weight for backward).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LORA_TARGETS = ("query", "key", "value", "projection", "mlp", "head")
+DEFAULT_LORA_TARGETS = ("query", "value")  # litgpt's and PEFT's default: --lora_query --lora_value
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, r: int, alpha: float = 16.0, dropout: float = 0.05) -> None:
+        super().__init__()
+        self.base = base
+        self.base.requires_grad_(False)
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=device, dtype=dtype))
+        if device.type != "meta":
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+        self.scaling = alpha / r
+
+    @property
+    def weight(self) -> torch.Tensor:  # so that code reading `.weight` (e.g. its dtype) keeps working
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = (self.dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) * self.scaling
+        return self.base(x) + lora
+
+
+def lora_target_names(config, targets: Iterable[str]) -> list[str]:
+    """Names (relative to a block) of the linear layers LoRA wraps for these targets."""
+    targets = set(targets)
+    unknown = targets - set(LORA_TARGETS)
+    if unknown:
+        raise ValueError(f"Unknown LoRA targets {sorted(unknown)}; use {LORA_TARGETS}")
+    names = []
+    if "query" in targets:
+        names.append("attn.query")
+    if "key" in targets:
+        names.append("attn.key")
+    if "value" in targets:
+        names.append("attn.value")
+    if "projection" in targets:
+        names.append("attn.proj")
+    if "mlp" in targets:
+        names += ["mlp.fc", "mlp.proj"] if config.mlp_class_name == "GptNeoxMLP" else ["mlp.fc_1", "mlp.fc_2", "mlp.proj"]
+    return names
+
+
+def apply_lora(model: nn.Module, r: int, alpha: float = 16.0, dropout: float = 0.05,
+               targets: Iterable[str] = DEFAULT_LORA_TARGETS) -> nn.Module:
+    """Freeze ``model`` (a GPT) and wrap the targeted linear layers of every block with ``LoRALinear``."""
+    targets = tuple(targets)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for name in lora_target_names(model.config, targets):
+            parent_name, _, child = name.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, dropout))
+    if "head" in targets:
+        model.lm_head = LoRALinear(model.lm_head, r, alpha, dropout)
+    return model
+
+
+# ---- quantized linear (fake-mode only) ----------------------------------------------------------------
+BNB_4BIT_BLOCKSIZE = 64  # bitsandbytes' default for Linear4bit
+BNB_DQ_BLOCKSIZE = 256  # second-level blocks of the double-quantized absmax
+
+
+def quantized_weight_bytes(numel: int, mode: str) -> tuple[int, int]:
+    """(packed weight bytes, quantization-state bytes) that bitsandbytes holds for a weight of ``numel``."""
+    if mode == "bnb.int8":
+        return numel, 0  # int8 weight; row scales are added by the caller (out_features * 4)
+    blocks = math.ceil(numel / BNB_4BIT_BLOCKSIZE)
+    packed = (numel + 1) // 2
+    if mode == "bnb.nf4-dq":
+        state = blocks + math.ceil(blocks / BNB_DQ_BLOCKSIZE) * 4 + 256 * 4 + 4  # uint8 absmax, fp32 absmax2, code, offset
+    else:
+        state = blocks * 4 + 16 * 4  # fp32 absmax per block, 16-entry code
+    return packed, state
+
+
+class _DequantMatmul(torch.autograd.Function):
+    """y = x @ dequant(W).T, saving only the packed weight (as bitsandbytes' MatMul4Bit does)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, out_features, in_features, tracker):
+        ctx.save_for_backward(packed)
+        ctx.shape, ctx.tracker = (out_features, in_features), tracker
+        with _quant_scope(tracker):
+            weight = torch.empty(out_features, in_features, dtype=x.dtype, device=x.device)
+            y = x @ weight.t()
+            del weight
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _quant_scope(ctx.tracker):
+            weight = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+            grad_x = grad @ weight
+            del weight
+        return grad_x, None, None, None, None
+
+
+class _quant_scope:
+    def __init__(self, tracker) -> None:
+        self.tracker = tracker
+
+    def __enter__(self) -> None:
+        if self.tracker is not None:
+            self.tracker.push_category("quant")
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.pop_category()
+
+
+class QuantLinearSim(nn.Module):
+    def __init__(self, linear: nn.Linear, mode: str, tracker=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.mode, self.tracker = linear.in_features, linear.out_features, mode, tracker
+        numel = linear.in_features * linear.out_features
+        packed, state = quantized_weight_bytes(numel, mode)
+        if mode == "bnb.int8":
+            state = linear.out_features * 4
+        device = linear.weight.device
+        self.register_buffer("packed", torch.empty(packed, dtype=torch.uint8, device=device))
+        self.register_buffer("quant_state", torch.empty(state, dtype=torch.uint8, device=device))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _DequantMatmul.apply(x, self.packed, self.out_features, self.in_features, self.tracker)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_model_sim(model: nn.Module, mode: str, tracker=None, skip: tuple[str, ...] = ("lm_head",)) -> list[QuantLinearSim]:
+    """Replace plain ``nn.Linear`` layers like ``lit_model.quantize.quantize_model`` does (LoRA bases included)."""
+    targets = [
+        (name, module) for name, module in model.named_modules()
+        if type(module) is nn.Linear and name not in skip and name.split(".")[-1] not in skip
+    ]
+    created = []
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        sim = QuantLinearSim(module, mode, tracker)
+        setattr(parent, child, sim)
+        created.append(sim)
+    return created

@@ -1,0 +1,280 @@
+"""Engine (a): the exact trace. Build the run's real GPT under ``FakeTensorMode`` (tensors have shapes and
+dtypes but no storage, so a 70B model costs nothing), run forward + backward + optimizer step twice and an
+evaluation forward under ``MemTracker``, and read the peak of live tensor bytes by category.
+
+Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
+the process); the model is built in its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` fails
+under fake mode); stats are reset before each iteration and at least two are run (the first has no
+optimizer state). What the trace cannot see is added by ``plan.py``: framework overhead, DDP buckets, FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
+from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401  (kept for debugging)
+from torch.utils._pytree import tree_map_only
+
+from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
+from lit_model.memory.spec import RunSpec
+
+try:
+    from torch._guards import active_fake_mode
+except ImportError:  # pragma: no cover
+    from torch._subclasses.fake_tensor import active_fake_mode  # type: ignore
+
+
+class _Ref(_RefType):
+    """MemTracker's categories plus two of ours. Values equal MemTracker's, so its internal keys match."""
+
+    PARAM = "Parameter"
+    BUFFER = "Buffer"
+    GRAD = "Gradient"
+    ACT = "Activation"
+    TEMP = "Temp"
+    OPT = "Optstate"
+    OTH = "Other"
+    LOGITS = "Logits"
+    QUANT = "Quant"
+
+
+_CATEGORY_REF = {"loss": _Ref.LOGITS, "quant": _Ref.QUANT}
+
+
+class _Tracker(MemTracker):
+    """MemTracker that files tensors created inside ``push_category(...)`` scopes under our categories, and
+    keeps only the global peak (module-level peaks are not needed and cost time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ref_class = _Ref
+        self._scopes: list[str] = []
+
+    def push_category(self, name: str) -> None:
+        self._scopes.append(name)
+
+    def pop_category(self) -> None:
+        if self._scopes:
+            self._scopes.pop()
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker's own version hooks every parameter, which fails on frozen ones (LoRA, QLoRA, freezing).
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _Ref.GRAD)
+
+        param_memory = 0
+        for param in module.parameters():
+            winfos = self._update_and_maybe_create_winfos(param, _Ref.PARAM)
+            param_memory += sum(w.mem_consumed for w in winfos)
+            if param.grad is not None:
+                self._update_and_maybe_create_winfos(param.grad, _Ref.GRAD)
+            if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(grad_hook),
+                    param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
+                )
+        buffer_memory = 0
+        for buffer in module.buffers():
+            winfos = self._update_and_maybe_create_winfos(buffer, _Ref.BUFFER)
+            buffer_memory += sum(w.mem_consumed for w in winfos)
+        return param_memory, buffer_memory
+
+    def _update_peak_stats(self, peak_state) -> None:  # global peak only
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        res = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._fake_mode_on_entry:
+            if self._in_opt:
+                reftype = _Ref.OPT
+            elif self._scopes:
+                reftype = _CATEGORY_REF[self._scopes[-1]]
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _Ref.TEMP
+            else:
+                reftype = _Ref.ACT
+            tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+        return res
+
+
+@dataclass
+class TraceResult:
+    phases: dict[str, dict[str, int]]  # phase -> category -> bytes at that phase's peak
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+class _Sim8bitAdam(torch.optim.Optimizer):
+    """State of the sizes bitsandbytes' AdamW8bit keeps (its kernels do not run under fake tensors):
+    uint8 moments + fp32 absmax per 256-element block for tensors of >= 4096 elements, fp32 moments below."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    if p.numel() >= 4096:
+                        blocks = (p.numel() + 255) // 256
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
+
+
+def _build_optimizer(model: nn.Module, spec: RunSpec, notes: list[str]) -> torch.optim.Optimizer:
+    from lit_model.training.optimizers import build_optimizer
+
+    name = spec.optimizer
+    if name.lower() in ("adamw8bit", "pagedadamw8bit"):
+        params = [p for p in model.parameters() if p.requires_grad]
+        return _Sim8bitAdam(params)
+    if name.lower() == "sophia":
+        notes.append("Sophia's Hessian steps (backward with create_graph) are not traced; traced as AdamW-sized state.")
+        name = "AdamW"
+    # device_type "cuda" selects the fused AdamW a GPU run uses; fused AdamW also runs on (fake) CPU tensors.
+    return build_optimizer(model, name, learning_rate=1e-4, device_type=spec.device_type, param_dtype=spec.param_dtype)
+
+
+def _quant_state_bytes(model: nn.Module) -> int:
+    return sum(m.quant_state.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
+
+
+def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
+    get = lambda ref: int(snap.get(ref, 0))  # noqa: E731
+    params = get(_Ref.PARAM) + get(_Ref.BUFFER) - quant_state
+    return {
+        "parameters": params,
+        "gradients": get(_Ref.GRAD),
+        "optimizer_state": get(_Ref.OPT),
+        "activations": get(_Ref.ACT) + get(_Ref.TEMP) + get(_Ref.OTH),
+        "logits_loss": get(_Ref.LOGITS),
+        "quantization": get(_Ref.QUANT) + quant_state,
+    }
+
+
+def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
+    """Peak tensor bytes of one rank of a single-device (or DDP) run, per phase and category."""
+    if spec.trainable == "adapter":
+        raise NotImplementedError("the trace has no adapter model yet; use the analytic engine")
+    if spec.strategy == "fsdp":
+        raise NotImplementedError("FSDP sharding is planned analytically")
+    start = time.perf_counter()
+    notes: list[str] = []
+    config = spec.config
+    B, T = spec.micro_batch_size, spec.seq_len
+    tracker = _Tracker()
+    old_dtype = torch.get_default_dtype()
+    with FakeTensorMode():
+        from lit_model.model import GPT
+
+        torch.set_default_dtype(spec.param_dtype)
+        try:
+            model = GPT(config)
+            model.max_seq_length = T
+        finally:
+            torch.set_default_dtype(old_dtype)
+        if spec.trainable == "lora":
+            apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
+        elif spec.freeze_layers is not None:
+            from lit_model.training.loop import freeze_layers
+
+            freeze_layers(model, spec.freeze_layers)
+        if spec.quantize is not None:
+            quantize_model_sim(model, spec.quantize, tracker)
+        model.activation_checkpointing_interval = spec.ac_interval
+        model.loss_chunk_size = spec.loss_chunk_size
+        model.train()
+        optimizer = _build_optimizer(model, spec, notes)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        vocab = config.padded_vocab_size
+
+        # Logits and loss (forward and the recomputation in backward) go to their own category ...
+        original_loss_sum = model._loss_sum
+
+        def loss_sum(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            tracker.push_category("loss")
+            try:
+                return original_loss_sum(x, targets)
+            finally:
+                tracker.pop_category()
+
+        model._loss_sum = loss_sum
+        # ... and so does the backward through the loss, until the gradient reaches the final norm's output.
+        in_loss_backward = {"active": False}
+
+        def end_loss_backward(grad: torch.Tensor) -> None:
+            if in_loss_backward["active"]:
+                in_loss_backward["active"] = False
+                tracker.pop_category()
+
+        def norm_hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(end_loss_backward)
+
+        model.norm_f.register_forward_hook(norm_hook)
+
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if spec.autocast_dtype is not None else contextlib.nullcontext()
+        )
+        x = torch.randint(0, vocab, (B, T))
+        y = torch.randint(0, vocab, (B, T))
+        tracker.track_external(x, y)
+        micro_steps = min(spec.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
+
+        def train_step() -> None:
+            for _ in range(micro_steps):
+                with autocast:
+                    loss = model(x, targets=y)
+                in_loss_backward["active"] = True
+                tracker.push_category("loss")
+                (loss / spec.accumulation).backward()
+                end_loss_backward(None)  # type: ignore[arg-type]
+                del loss
+            if spec.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(trainable, spec.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        quant_state = _quant_state_bytes(model)
+        results: dict[str, dict[str, int]] = {}
+        with tracker:  # iteration 1 creates the optimizer state
+            tracker.reset_mod_stats()
+            train_step()
+        with tracker:  # iteration 2: the steady state
+            tracker.reset_mod_stats()
+            train_step()
+            results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
+        if "evaluation" in phases:
+            eb = spec.eval_batch
+            xe, ye = torch.randint(0, vocab, (eb, T)), torch.randint(0, vocab, (eb, T))
+            tracker.track_external(xe, ye)
+            model.eval()
+            with tracker, torch.no_grad():
+                tracker.reset_mod_stats()
+                with autocast:
+                    model(xe, targets=ye)
+                results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
+            model.train()
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes)
