@@ -1,7 +1,16 @@
 """lit-model: pretrain, fine-tune and run GPT-style language models without losing a run to OOM."""
 
-from lit_model.config import Config
-from lit_model.errors import UsageError, UserError
-from lit_model.model import GPT
+from typing import Any
 
 __all__ = ["Config", "GPT", "UsageError", "UserError"]
+_EXPORTS = {"Config": "lit_model.config", "GPT": "lit_model.model", "UsageError": "lit_model.errors",
+            "UserError": "lit_model.errors"}
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so `python -m lit_model.config` (or .convert) runs its module only once.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lit_model' has no attribute {name!r}")

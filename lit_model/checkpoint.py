@@ -84,6 +84,29 @@ def save_checkpoint_dir(
     return out_dir
 
 
+def derive_checkpoint_dir(
+    base_dir: str | Path,
+    out_dir: str | Path,
+    state_dict: Optional[dict[str, torch.Tensor]] = None,
+    write_extra: Optional[Callable[[Path], None]] = None,
+    skip: tuple[str, ...] = (),
+) -> Path:
+    """Write ``out_dir`` atomically from checkpoint ``base_dir``: its files (config, tokenizer, ...) except those
+    named in ``skip``, ``state_dict`` as the weights (default: a copy of the base weights), then what
+    ``write_extra(tmp_dir)`` adds. ``out_dir`` may be ``base_dir`` itself."""
+    base_dir = check_checkpoint_dir(base_dir)
+    with atomic_directory(out_dir) as tmp_dir:
+        for path in sorted(base_dir.iterdir()):
+            replaced = state_dict is not None and path.name == WEIGHTS_NAME
+            if path.is_file() and path.name not in skip and not replaced:
+                shutil.copy2(path, tmp_dir / path.name)
+        if state_dict is not None:
+            save_weights(state_dict, tmp_dir)
+        if write_extra is not None:
+            write_extra(tmp_dir)
+    return Path(out_dir)
+
+
 def check_checkpoint_dir(checkpoint_dir: str | Path, need_tokenizer: bool = False) -> Path:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():

@@ -128,6 +128,7 @@ def load_model(
     """The checkpoint's model for inference, built on the meta device and filled part by part: every tensor
     goes straight to its final dtype and device, and with ``quantize`` each block is quantized before the next
     one is read. ``max_seq_length`` (default: the block size) sizes the RoPE tables."""
+    from lit_model.adapter import load_saved_adapter
     from lit_model.quantize import load_weights
 
     devices = [torch.device(d) for d in devices]
@@ -137,6 +138,7 @@ def load_model(
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length  # cheap on meta: the real tables are built once, below
     load_weights(model, checkpoint_dir, dtype, device_map(config, devices), quantize)
+    load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
     model.reset_rope_cache(devices[0])
     return model.eval().requires_grad_(False)
 

@@ -16,11 +16,10 @@ stored base weights (never from a quantized copy):
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -187,26 +186,25 @@ def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor
 
 
 def save_merged_checkpoint(
-    base_dir: Path, lora: dict[str, torch.Tensor], config: LoRAConfig, out_dir: Path, extra_files: dict[str, Path] = {}
+    base_dir: Path, lora: dict[str, torch.Tensor], config: LoRAConfig, out_dir: Path,
+    write_extra: Optional[Callable[[Path], None]] = None, skip: tuple[str, ...] = (),
 ) -> Path:
-    """Write ``out_dir`` (atomically): ``base_dir``'s files with its weights merged with ``lora``, and the
-    adapter weights + hyperparameters (``merged: true``) beside them. ``extra_files`` adds/replaces files."""
-    from safetensors.torch import load_file, save_file
+    """Write ``out_dir`` (atomically): ``base_dir``'s files with its weights merged with ``lora`` in full
+    precision, and the adapter weights + hyperparameters (``merged: true``) beside them."""
+    from safetensors.torch import save_file
 
-    from lit_model.checkpoint import WEIGHTS_NAME, atomic_directory, check_checkpoint_dir
+    from lit_model.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
 
-    base_dir = check_checkpoint_dir(base_dir)
-    merged = merge_state_dict(load_file(str(base_dir / WEIGHTS_NAME)), lora, config)
-    with atomic_directory(out_dir) as tmp:
-        for path in sorted(base_dir.iterdir()):
-            if path.is_file() and path.name not in (WEIGHTS_NAME, LORA_WEIGHTS, LORA_CONFIG):
-                shutil.copy2(path, tmp / path.name)
-        for name, path in extra_files.items():
-            shutil.copy2(path, tmp / name)
-        save_file({k: v.contiguous() for k, v in merged.items()}, str(tmp / WEIGHTS_NAME))
-        save_file({k: v.contiguous() for k, v in lora.items()}, str(tmp / LORA_WEIGHTS))
-        LoRAConfig(**{**asdict(config), "merged": True}).save(tmp)
-    return out_dir
+    with SafetensorsReader(check_checkpoint_dir(base_dir) / WEIGHTS_NAME) as file:
+        merged = merge_state_dict({name: file.read(name) for name in file.shapes}, lora, config)
+
+    def write_adapter(directory: Path) -> None:
+        save_file({k: v.contiguous() for k, v in lora.items()}, str(directory / LORA_WEIGHTS))
+        LoRAConfig(**{**asdict(config), "merged": True}).save(directory)
+        if write_extra is not None:
+            write_extra(directory)
+
+    return derive_checkpoint_dir(base_dir, out_dir, merged, write_adapter, skip=(LORA_WEIGHTS, LORA_CONFIG, *skip))
 
 
 def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:

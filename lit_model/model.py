@@ -166,6 +166,7 @@ class GPT(nn.Module):
     ) -> "GPT":
         """Build on the meta device and assign the stored tensors, so only one copy of the weights is
         ever in memory."""
+        from lit_model.adapter import load_saved_adapter
         from lit_model.checkpoint import check_checkpoint_dir, load_model_weights
 
         checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
@@ -173,6 +174,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         load_model_weights(model, checkpoint_dir, device=device, dtype=dtype)
+        load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
         model.reset_rope_cache(torch.device(device))
         return model.eval()
 

@@ -190,3 +190,38 @@ def test_config_hub_yamls_parse_into_flags():
         Config.from_name(args.model_name)  # a registry name
     default = parse(PretrainArgs, ["--config", str(ROOT / "config_hub/pretrain/lit-model-5m.yaml")])
     assert default == parse(PretrainArgs, ["--precision", "32-true"])  # the YAML spells out the defaults
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--precision", "bf16-true"),
+        ("--precision", "bf16-mixed"),
+        ("--precision", "16-true"),
+        ("--optimizer", "SGD", "--learning_rate", "0.1"),
+        ("--optimizer", "Lion", "--learning_rate", "0.001"),
+        ("--optimizer", "Sophia", "--learning_rate", "0.05"),
+        ("--optimizer", "Adafactor"),
+        ("--optimizer", "AdamW8bit"),
+        ("--optimizer", "torch.optim.RMSprop", "--learning_rate", "0.001"),
+        ("--activation_checkpointing", "--activation_checkpointing_interval", "2", "--freeze_layers", "1",
+         "--empty_cache_interval", "2", "--loss_chunk_size", "16"),
+    ],
+    ids=lambda extra: "-".join(a.strip("-") for a in extra[:2]),
+)
+def test_levers_train_end_to_end(tiny_setup, tmp_path, extra):
+    proc = pretrain(tiny_setup, tmp_path / "lever", "--learning_rate", "0.01", "--max_steps", "8", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "lever")
+    first, last = float(rows[0]["train_loss"]), float(rows[-1]["train_loss"])
+    assert last < first, (first, last)
+    summary = json.loads((tmp_path / "lever" / "summary.json").read_text())
+    if "--precision" in extra:
+        assert summary["precision"] == extra[1]
+
+
+@pytest.mark.slow
+def test_compile_trains(tiny_setup, tmp_path):
+    proc = pretrain(tiny_setup, tmp_path / "compiled", "--compile", "--max_steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "compiled" / "final" / "model.safetensors").is_file()

@@ -258,10 +258,11 @@ def _function_records(files: Sequence[Path], root: Path) -> Iterator[dict[str, s
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
+        lines = source.splitlines(keepends=True)
         for node, owner in _documented_functions(tree):
-            code = ast.get_source_segment(source, node, padded=True)
+            code = "".join(lines[node.lineno - 1 : node.end_lineno]).rstrip()  # from `def` (decorators left out)
             summary = (ast.get_docstring(node) or "").strip().splitlines()[0].strip()
-            if code is None or len(code) > MAX_SOURCE_CHARS or len(summary) < 10:
+            if len(code) > MAX_SOURCE_CHARS or len(summary) < 10:
                 continue
             kind, name = ("method", f"{owner}.{node.name}") if owner else ("function", node.name)
             yield {

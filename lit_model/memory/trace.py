@@ -114,6 +114,7 @@ class TraceResult:
     phases: dict[str, dict[str, int]]  # phase -> category -> bytes at that phase's peak
     seconds: float
     notes: list[str] = field(default_factory=list)
+    probes: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class _Sim8bitAdam(torch.optim.Optimizer):
@@ -229,9 +230,14 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
                 in_loss_backward["active"] = False
                 tracker.pop_category()
 
+        probes: dict[str, dict[str, int]] = {}
+
         def norm_hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
             if output.requires_grad:
                 output.register_hook(end_loss_backward)
+                # what the forward keeps, seen at the end of the blocks (for calibrating the analytic engine)
+                snap = tracker.get_tracker_snapshot().get(torch.device("cpu"), {})
+                probes["forward_end"] = _map_categories(snap, _quant_state_bytes(model))
 
         model.norm_f.register_forward_hook(norm_hook)
 
@@ -277,4 +283,4 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
                     model(xe, targets=ye)
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
             model.train()
-    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes)
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, probes=probes)

@@ -124,6 +124,12 @@ def shard_model(model: nn.Module, mesh, settings: DistributedSettings, accelerat
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # FSDP shards bitsandbytes' packed 4-bit weights like any tensor, but their quantization statistics live on the
+    # module, outside the parameters it moves: put them where the gathered weights will be used
+    device = torch.device(accelerator, torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
+    for module in model.modules():
+        if getattr(module, "quant_state", None) is not None:
+            module.quant_state.to(device)
     if settings.forward_prefetch or settings.backward_prefetch:
         for current, following in zip(blocks, blocks[1:]):
             if settings.forward_prefetch:

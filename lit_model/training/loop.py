@@ -7,6 +7,7 @@ the random numbers (dropout) an uninterrupted run would, without storing RNG sta
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import fnmatch
@@ -26,6 +27,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
@@ -132,9 +134,13 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save_resumable(fabric: Fabric, out_dir: Path, state: dict[str, Any], config: Config, step: int, keep_last: int) -> Path:
+def save_resumable(
+    fabric: Fabric, out_dir: Path, state: dict[str, Any], config: Config, step: int, keep_last: int,
+    filter: Optional[dict[str, Any]] = None,
+) -> Path:
     """Write into a temporary directory and rename it in, so a crash mid-save leaves the last good one.
-    The model config goes beside the state so a resume can check it before loading anything large."""
+    The model config goes beside the state so a resume can check it before loading anything large.
+    ``filter`` (Fabric's ``save(filter=...)``) keeps part of a state, e.g. only the trainable parameters."""
     final = out_dir / CHECKPOINTS / f"step-{step:08d}"
     tmp = final.with_name(f".{final.name}.tmp")
     if fabric.global_rank == 0:
@@ -142,7 +148,7 @@ def save_resumable(fabric: Fabric, out_dir: Path, state: dict[str, Any], config:
         tmp.mkdir(parents=True)
         config.save(tmp)
     fabric.barrier()
-    fabric.save(tmp / STATE_NAME, state)
+    fabric.save(tmp / STATE_NAME, state, filter=filter)
     fabric.barrier()
     if fabric.global_rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -226,12 +232,16 @@ def fit(
     accumulation: int,
     run: RunState,
     config: Config,
+    save_filter: Optional[dict[str, Any]] = None,
 ) -> RunState:
-    """Train until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals."""
+    """Train until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
+    ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``)."""
     from lit_model.training.optimizers import hessian_step, needs_create_graph
 
     out_dir = args.out_dir
     create_graph = needs_create_graph(optimizer)
+    # Hessian-based optimizers differentiate twice; the fused attention kernels have no double backward.
+    attention_backend = (lambda: sdpa_kernel([SDPBackend.MATH])) if create_graph else contextlib.nullcontext
     metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
     stop = StopRequest()
     # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
@@ -248,7 +258,7 @@ def fit(
         step_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
         for micro_step in range(accumulation):
             input_ids, targets = next(train_batches)
-            with fabric.no_backward_sync(model, enabled=micro_step < accumulation - 1):
+            with fabric.no_backward_sync(model, enabled=micro_step < accumulation - 1), attention_backend():
                 loss = model(input_ids, targets=targets)
                 fabric.backward(loss / accumulation, create_graph=create_graph)
             step_loss += loss.detach() / accumulation
@@ -301,7 +311,7 @@ def fit(
         stop_now = fabric.all_reduce(torch.tensor(float(stop.requested), device=fabric.device), reduce_op="max").item()
         if (args.save_interval and run.step % args.save_interval == 0) or is_last or stop_now:
             run.fit_seconds = time.perf_counter() - fit_start
-            path = save_resumable(fabric, out_dir, state, config, run.step, args.keep_last)
+            path = save_resumable(fabric, out_dir, state, config, run.step, args.keep_last, save_filter)
             if stop_now:
                 fabric.print(f"Stopped by signal at step {run.step}; saved {path}. Continue with --resume auto.")
                 break

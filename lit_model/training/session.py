@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -75,7 +75,10 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, args: TrainArgs) -> tu
     return model, fabric.setup_optimizers(optimizer)
 
 
-def resume_if_asked(fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, run: RunState, config: Config) -> None:
+def resume_if_asked(
+    fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, run: RunState, config: Config, strict: bool = True
+) -> None:
+    """``strict=False``: the checkpoint may hold only some of the model's parameters (the trainable ones)."""
     path = find_resume_path(args.out_dir, args.resume)
     if path is None:
         if args.resume is not None:
@@ -86,27 +89,35 @@ def resume_if_asked(fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer
             f"Checkpoint {path} was written for another model config; resuming it into this one would mix two "
             "runs. Use the same --model_name/--model_config, or start over with --overwrite or a new --out_dir."
         )
-    fabric.load(path / STATE_NAME, {"model": model, "optimizer": optimizer, "run": run})
+    fabric.load(path / STATE_NAME, {"model": model, "optimizer": optimizer, "run": run}, strict=strict)
     fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
 
 
-def train_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, start_step: int) -> tuple[Iterator[Any], Any]:
-    """An endless iterator of this rank's micro batches, starting at optimizer step ``start_step``."""
+def train_batches(
+    fabric: Fabric, dataset: Dataset, args: TrainArgs, start_step: int,
+    collate_fn: Optional[Callable] = None, lengths: Optional[Sequence[int]] = None,
+) -> tuple[Iterator[Any], Any]:
+    """An endless iterator of this rank's micro batches, starting at optimizer step ``start_step``.
+    With ``lengths`` (samples of different lengths) each step's samples are grouped by length."""
+    from lit_model.data.instruct import LengthGroupedSampler
     from lit_model.data.text import GlobalBatchSampler
 
-    sampler = GlobalBatchSampler(
-        len(dataset), args.global_batch_size, args.micro_batch_size, fabric.global_rank, fabric.world_size,
-        seed=args.seed, start_step=start_step,
-    )
+    settings = (args.global_batch_size, args.micro_batch_size, fabric.global_rank, fabric.world_size)
+    if lengths is None:
+        sampler = GlobalBatchSampler(len(dataset), *settings, seed=args.seed, start_step=start_step)
+    else:
+        sampler = LengthGroupedSampler(lengths, *settings, seed=args.seed, start_step=start_step)
     workers = 2 if fabric.device.type == "cuda" else 0  # on CPU the cores are busy training
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=fabric.device.type == "cuda")
+    loader = DataLoader(
+        dataset, batch_sampler=sampler, num_workers=workers, pin_memory=fabric.device.type == "cuda", collate_fn=collate_fn
+    )
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     return iter(loader), sampler
 
 
-def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs) -> list[Any]:
+def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: Optional[Callable] = None) -> list[Any]:
     """The same fixed evaluation windows for any world size, split evenly so every rank runs the same
-    number of batches (no rank waits for another)."""
+    number of batches (no rank waits for another). ``collate_fn`` (default: stack) makes a batch of samples."""
     batch_size = args.eval_batch_size or args.micro_batch_size
     total = min(args.eval_iters * batch_size, len(dataset))
     per_rank = max(1, total // fabric.world_size)
@@ -115,7 +126,8 @@ def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs) -> list[Any]:
     batches = []
     for start in range(0, per_rank, batch_size):
         items = [dataset[j] for j in indices[start : start + batch_size]]
-        batches.append(tuple(torch.stack(parts).to(fabric.device) for parts in zip(*items)))
+        batch = collate_fn(items) if collate_fn is not None else [torch.stack(parts) for parts in zip(*items)]
+        batches.append(tuple(part.to(fabric.device) for part in batch))
     return batches
 
 

@@ -1,0 +1,82 @@
+"""Fine-tune with a LLaMA-Adapter prefix (frozen base, learned gated prefixes in the upper blocks):
+setup -> fit -> save the base weights with the adapter beside them.
+
+    python finetune/adapter.py                                # out/pretrain/final on stdlib instructions
+    python finetune/adapter.py --quantize bnb.nf4             # the frozen base weights in 4 bits
+    python finetune/adapter.py --config config_hub/finetune/llama-3.2-1b/adapter.yaml --checkpoint_dir DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from lightning.fabric import Fabric
+from safetensors.torch import save_file
+
+from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterAttention, AdapterConfig, apply_adapter
+from lit_model.checkpoint import derive_checkpoint_dir
+from lit_model.cli import parse
+from lit_model.errors import run_cli
+from lit_model.prompts import PROMPT_STYLE_FILE
+from lit_model.training import finetune, session
+
+
+@dataclass
+class AdapterArgs(finetune.FinetuneArgs):
+    """Fine-tune a checkpoint with a LLaMA-Adapter prefix on instruction data.
+
+    Args:
+        adapter_prompt_length: learned prefix vectors per adapted block
+        adapter_start_layer: first block with a prefix (default: the upper half of the blocks)
+    """
+
+    out_dir: Path = Path("out/finetune/adapter")
+    adapter_prompt_length: int = 10
+    adapter_start_layer: Optional[int] = None
+    learning_rate: float = 3e-3
+    min_lr: float = 3e-4
+
+
+def main(args: AdapterArgs) -> None:
+    fabric = session.create_fabric(args)
+    fabric.launch(train, args)
+    session.finish(fabric)
+
+
+def train(fabric: Fabric, args: AdapterArgs) -> None:
+    setup = finetune.prepare(fabric, args, "adapter")
+    fabric.seed_everything(args.seed)  # the same prefixes on every rank
+    model = finetune.load_model(fabric, args, setup)
+    if any(isinstance(block.attn, AdapterAttention) for block in model.blocks):  # continue a saved adapter
+        adapter = AdapterConfig.from_dir(setup.checkpoint_dir)
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.endswith((".adapter_prefix", ".adapter_gate")))
+    else:
+        start = args.adapter_start_layer if args.adapter_start_layer is not None else setup.config.n_layer // 2
+        adapter = AdapterConfig(args.adapter_prompt_length, start)
+        apply_adapter(model, adapter)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fabric.print(f"Adapter: {adapter.prompt_length} prefix vectors in blocks {adapter.start_layer}.."
+                 f"{setup.config.n_layer - 1}: {trainable:,} trainable parameters")
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
+    run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=True)
+
+    final_dir = args.out_dir / "final"
+    adapter_weights = finetune.gather_trainable(model)
+
+    def write_adapter(directory: Path) -> None:
+        save_file({k: v.contiguous() for k, v in adapter_weights.items()}, str(directory / ADAPTER_WEIGHTS))
+        adapter.save(directory)
+        setup.style.save(directory)
+
+    if fabric.global_rank == 0:  # the untouched base weights, copied, with the adapter beside them
+        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, (ADAPTER_WEIGHTS, ADAPTER_CONFIG, PROMPT_STYLE_FILE))
+    fabric.barrier()
+    finetune.finish(fabric, args, setup, run, final_dir, "adapter")
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(parse(AdapterArgs, sys.argv[1:])))

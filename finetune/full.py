@@ -1,0 +1,58 @@
+"""Fine-tune every weight of a checkpoint on instruction data: setup -> fit -> save.
+
+    python finetune/full.py                                   # out/pretrain/final on stdlib instructions
+    python finetune/full.py --freeze_layers 2                 # keep the embedding and the first 2 blocks frozen
+    python finetune/full.py --config config_hub/finetune/llama-3.2-1b/full.yaml --checkpoint_dir DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning.fabric import Fabric
+
+from lit_model.cli import parse
+from lit_model.errors import UsageError, run_cli
+from lit_model.training import finetune, session
+from lit_model.training.loop import save_final
+
+
+@dataclass
+class FullArgs(finetune.FinetuneArgs):
+    """Fine-tune all weights of a checkpoint on instruction data."""
+
+    out_dir: Path = Path("out/finetune/full")
+    learning_rate: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+
+
+def main(args: FullArgs) -> None:
+    if args.quantize is not None:
+        raise UsageError(
+            f"--quantize {args.quantize} stores frozen weights, but full fine-tuning trains every weight. Use "
+            f"finetune/lora.py --quantize {args.quantize} (QLoRA), or drop --quantize."
+        )
+    fabric = session.create_fabric(args)
+    fabric.launch(train, args)
+    session.finish(fabric)
+
+
+def train(fabric: Fabric, args: FullArgs) -> None:
+    setup = finetune.prepare(fabric, args, "full")
+    fabric.seed_everything(args.seed)
+    model = finetune.load_model(fabric, args, setup).requires_grad_(True)
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)  # applies --freeze_layers
+    run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=False)
+
+    final_dir = args.out_dir / "final"
+    save_final(fabric, model, setup.config, final_dir, setup.checkpoint_dir)
+    if fabric.global_rank == 0:
+        setup.style.save(final_dir)
+    finetune.finish(fabric, args, setup, run, final_dir, "full")
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(parse(FullArgs, sys.argv[1:])))

@@ -1,0 +1,82 @@
+"""Fine-tune with LoRA (QLoRA with --quantize): setup -> fit -> save merged weights + the adapter.
+
+    python finetune/lora.py                                   # out/pretrain/final on stdlib instructions
+    python finetune/lora.py --quantize bnb.nf4                # QLoRA: frozen base weights in 4 bits
+    python finetune/lora.py --config config_hub/finetune/llama-3.2-1b/lora.yaml --checkpoint_dir DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning.fabric import Fabric
+
+from lit_model.cli import parse
+from lit_model.errors import run_cli
+from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
+from lit_model.prompts import PROMPT_STYLE_FILE
+from lit_model.training import finetune, session
+
+
+@dataclass
+class LoRAArgs(finetune.FinetuneArgs):
+    """Fine-tune a checkpoint with LoRA adapters on instruction data (QLoRA with --quantize).
+
+    Args:
+        lora_r: rank of the low-rank update
+        lora_alpha: the update is scaled by lora_alpha / lora_r
+        lora_dropout: dropout on the adapter's input
+        lora_query: adapt the attention query projections
+        lora_key: adapt the attention key projections
+        lora_value: adapt the attention value projections
+        lora_projection: adapt the attention output projections
+        lora_mlp: adapt the MLP layers
+        lora_head: adapt the output head
+        lora_bias: also train the biases of the adapted layers
+    """
+
+    out_dir: Path = Path("out/finetune/lora")
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    lora_query: bool = True
+    lora_key: bool = False
+    lora_value: bool = True
+    lora_projection: bool = False
+    lora_mlp: bool = False
+    lora_head: bool = False
+    lora_bias: bool = False
+
+
+def main(args: LoRAArgs) -> None:
+    fabric = session.create_fabric(args)
+    fabric.launch(train, args)
+    session.finish(fabric)
+
+
+def train(fabric: Fabric, args: LoRAArgs) -> None:
+    lora = LoRAConfig(
+        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, query=args.lora_query, key=args.lora_key,
+        value=args.lora_value, projection=args.lora_projection, mlp=args.lora_mlp, head=args.lora_head, bias=args.lora_bias,
+    )
+    setup = finetune.prepare(fabric, args, "lora")
+    fabric.seed_everything(args.seed)  # the same adapter initialisation on every rank
+    model = finetune.load_model(fabric, args, setup)
+    layers = apply_lora(model, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fabric.print(f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(layers)} layers: {trainable:,} trainable parameters")
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
+    run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=True)
+
+    final_dir = args.out_dir / "final"
+    adapter_weights = finetune.gather_trainable(model)
+    if fabric.global_rank == 0:  # merged from the full-precision base weights, never from a quantized copy
+        save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, (PROMPT_STYLE_FILE,))
+    fabric.barrier()
+    finetune.finish(fabric, args, setup, run, final_dir, "lora" if args.quantize is None else f"qlora ({args.quantize})")
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(parse(LoRAArgs, sys.argv[1:])))

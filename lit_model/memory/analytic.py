@@ -1,0 +1,554 @@
+"""Engine (b): closed-form bytes from the config and the flags. Fast (microseconds), so it plans 70B models,
+FSDP sharding, CPU offload and many GPUs, and runs inside the suggestion search.
+
+It follows ``lit_model/model.py`` op by op and counts the tensors autograd keeps for backward (a tensor is
+kept if some op that consumes it needs it for a gradient that is required; it is counted once however many
+ops keep it), then adds the transients at the moments a training step peaks:
+
+* end of forward / the loss: every block's kept tensors + one loss chunk's logits in flight;
+* the backward of the loss chunk: kept tensors + recomputed chunk logits, their gradient (12 bytes per logit);
+* the backward of the last block (with activation checkpointing: its recomputed activations);
+* the end of backward and the optimizer step: all gradients (+ the optimizer's temporaries).
+
+``tests/test_memory_plan.py`` checks it against the trace (``trace.py``) across architectures and flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lit_model.config import Config
+from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
+from lit_model.memory.spec import RunSpec
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits_loss", "quantization", "checkpoint", "overhead")
+
+
+# ---- parameter counts ------------------------------------------------------------------------------
+@dataclass
+class ParamCounts:
+    """Element counts of the model's parts (tied weights counted once)."""
+
+    embed: int
+    head: int  # 0 when tied to the embedding
+    norm_f: int
+    block_linear: dict[str, tuple[int, int, bool]]  # name -> (in, out, bias) per block
+    block_norms: int  # norm weights (+ biases) per block
+    n_layer: int
+
+    @property
+    def block_linear_weights(self) -> int:
+        return sum(i * o for i, o, _ in self.block_linear.values())
+
+    @property
+    def block_biases(self) -> int:
+        return sum(o for _, o, b in self.block_linear.values() if b)
+
+    @property
+    def per_block(self) -> int:
+        return self.block_linear_weights + self.block_biases + self.block_norms
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + self.norm_f + self.n_layer * self.per_block
+
+
+def param_counts(config: Config) -> ParamCounts:
+    C, hs = config.n_embd, config.head_size
+    qkv_bias = config.bias or config.attn_bias
+    linear = {
+        "attn.query": (C, config.n_head * hs, qkv_bias),
+        "attn.key": (C, config.n_query_groups * hs, qkv_bias),
+        "attn.value": (C, config.n_query_groups * hs, qkv_bias),
+        "attn.proj": (config.n_head * hs, C, config.bias),
+    }
+    I = config.intermediate_size
+    if config.mlp_class_name == "GptNeoxMLP":
+        linear.update({"mlp.fc": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
+    else:
+        linear.update({"mlp.fc_1": (C, I, config.bias), "mlp.fc_2": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
+    norm = C * (2 if config.norm_class_name == "LayerNorm" else 1)
+    norms = norm * (1 + (0 if config.shared_attention_norm else 1) + int(config.post_attention_norm) + int(config.post_mlp_norm))
+    V = config.padded_vocab_size
+    head = 0 if config.tie_embeddings else V * C + (V if config.lm_head_bias else 0)
+    return ParamCounts(embed=V * C, head=head, norm_f=norm, block_linear=linear, block_norms=norms, n_layer=config.n_layer)
+
+
+def _frozen_blocks(spec: RunSpec) -> tuple[bool, int]:
+    """(embedding frozen, number of leading blocks frozen) for ``--freeze_layers N`` (patterns: not modelled)."""
+    if spec.trainable != "full":
+        return True, spec.config.n_layer
+    if isinstance(spec.freeze_layers, int):
+        return True, spec.freeze_layers
+    return False, 0
+
+
+@dataclass
+class ModelBytes:
+    params: int  # resident parameter bytes (quantized weights packed), buffers included
+    quant_state: int  # absmax & co.
+    trainable: int  # trainable elements
+    trainable_tensors: list[int] = field(default_factory=list)  # element counts, for optimizer rules
+    frozen_linear_max: int = 0  # largest frozen quantized linear (elements): dequantization workspace
+    largest_param: int = 0  # elements of the largest single parameter (FSDP full-state-dict gather)
+    block_params: int = 0  # bytes of one block's parameters (FSDP gathers)
+    root_params: int = 0  # bytes of embedding + final norm + head (FSDP root group)
+
+
+def model_bytes(spec: RunSpec) -> ModelBytes:
+    config, d = spec.config, spec.param_bytes
+    pc = param_counts(config)
+    C, L = config.n_embd, config.n_layer
+    buffers = 2 * spec.seq_len * config.rope_n_elem * 4  # cos/sin in fp32 for max_seq_length = seq_len
+    quant = spec.quantize
+    trainable_tensors: list[int] = []
+    frozen_embed, frozen_blocks = _frozen_blocks(spec)
+    lora_names = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
+    r = spec.lora_r
+
+    # per block
+    block_bytes, block_quant, frozen_max = 0, 0, 0
+    for name, (i, o, bias) in pc.block_linear.items():
+        if quant is not None:
+            packed, state = quantized_weight_bytes(i * o, quant)
+            if quant == "bnb.int8":
+                state = o * 4
+            block_bytes += packed
+            block_quant += state
+            frozen_max = max(frozen_max, i * o)
+        else:
+            block_bytes += i * o * d
+        block_bytes += o * d if bias else 0
+        if name in lora_names:
+            block_bytes += (r * i + o * r) * d
+    block_bytes += pc.block_norms * d
+    root = (pc.embed + pc.head + pc.norm_f) * d
+    lora_head = spec.trainable == "lora" and "head" in spec.lora_targets
+    if lora_head:
+        root += (r * C + config.padded_vocab_size * r) * d
+    params = L * block_bytes + root + buffers
+    quant_state = L * block_quant
+
+    # trainable tensors (element counts), in the order the optimizer sees them
+    if spec.trainable == "full":
+        if not frozen_embed:
+            trainable_tensors.append(pc.embed)
+        for b in range(frozen_blocks, L):
+            for name, (i, o, bias) in pc.block_linear.items():
+                trainable_tensors.append(i * o)
+                if bias:
+                    trainable_tensors.append(o)
+            trainable_tensors += [C] * (pc.block_norms // C)
+        trainable_tensors += [C] * (pc.norm_f // C)
+        if pc.head:
+            trainable_tensors.append(config.padded_vocab_size * C)
+            if config.lm_head_bias:
+                trainable_tensors.append(config.padded_vocab_size)
+    elif spec.trainable == "lora":
+        for _ in range(L):
+            for name in lora_names:
+                i, o, _ = pc.block_linear[name]
+                trainable_tensors += [r * i, o * r]
+        if lora_head:
+            trainable_tensors += [r * C, config.padded_vocab_size * r]
+    else:  # adapter (litgpt's LLaMA-Adapter: a prompt per layer from adapter_start_layer, and a gate)
+        for _ in range(spec.adapter_start_layer, L):
+            trainable_tensors += [spec.adapter_prompt_length * C, config.n_head]
+        params += sum(trainable_tensors) * d
+    largest = max([pc.embed, pc.head] + [i * o for i, o, _ in pc.block_linear.values()])
+    return ModelBytes(
+        params=params, quant_state=quant_state, trainable=sum(trainable_tensors), trainable_tensors=trainable_tensors,
+        frozen_linear_max=frozen_max, largest_param=largest, block_params=block_bytes + block_quant, root_params=root,
+    )
+
+
+# ---- optimizer ------------------------------------------------------------------------------------
+def optimizer_state_bytes(spec: RunSpec, tensors: list[int]) -> int:
+    """Persistent optimizer state for trainable tensors of these element counts."""
+    d = spec.param_bytes
+    name = spec.optimizer.lower()
+    total = 0
+    for n in tensors:
+        if name in ("adamw8bit", "pagedadamw8bit"):
+            # bitsandbytes: uint8 moments + fp32 absmax per 256 elements; fp32 moments below 4096 elements
+            total += 2 * n + 2 * 4 * math.ceil(n / 256) if n >= 4096 else 8 * n
+        elif name == "sgd":
+            total += d * n  # momentum buffer
+        elif name == "lion":
+            total += d * n  # one moment
+        elif name == "adafactor":
+            total += d * n if n < 4096 else int(2 * math.sqrt(n)) * d  # factored second moment (rows + cols)
+        else:  # AdamW, Sophia (moment + hessian), unknown class paths: two moments
+            total += 2 * d * n
+    if name in ("adamw", "sophia"):
+        total += 4 * len(tensors)  # fused AdamW's per-parameter `step` scalars
+    return total
+
+
+# ---- activations ---------------------------------------------------------------------------------------
+@dataclass
+class BlockActs:
+    per_token: float  # kept bytes per token
+    per_sample_t2: float  # kept bytes per sample that grow with T^2 (explicit attention, masks)
+    per_layer: float  # kept bytes independent of the batch (RoPE tables cast to the compute dtype)
+    out_requires_grad: bool
+    transient_per_token: float  # extra bytes in flight during this block's backward
+
+
+def _norm(config: Config, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False) -> tuple[float, bool]:
+    """Kept bytes per token of a norm over C channels and whether its output requires grad.
+    ``shared_input``: the input is already kept by another consumer (LayerNorm keeps its input)."""
+    out_rg = x_rg or w_train
+    if not out_rg:
+        return 0.0, False
+    if config.norm_class_name == "LayerNorm":
+        return (0 if shared_input else d * C) + 8, True  # input + mean + rstd (fp32)
+    kept = 0.0
+    if x_rg:
+        kept += 4 * C + 4  # the fp32 input (x itself in fp32) and rsqrt
+    if w_train:
+        kept += 4 * C if config.norm_unit_offset else d * C  # normalised activations for the weight gradient
+    return kept, True
+
+
+def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bool) -> BlockActs:
+    """Bytes a block keeps for backward (``-true`` precisions; ``-mixed`` handled by ``_mixed_factor``)."""
+    config = spec.config
+    d = spec.param_bytes
+    C, hs, I = config.n_embd, config.head_size, config.intermediate_size
+    Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
+    T = spec.seq_len
+    lora = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
+    W = {name: block_trainable for name in ("attn.query", "attn.key", "attn.value", "attn.proj", "mlp.fc", "mlp.fc_1", "mlp.fc_2", "mlp.proj")}
+    norm_w = block_trainable
+    cuda = spec.device_type == "cuda"
+    p_drop = spec.lora_dropout
+
+    def lora_kept(name: str, in_dim: int, in_rg: bool) -> tuple[float, bool]:
+        """Kept bytes of a LoRA branch on an input of in_dim channels; whether it makes the output require grad."""
+        if name not in lora:
+            return 0.0, False
+        kept = spec.lora_r * d  # A's output, kept by the B matmul
+        if p_drop > 0:
+            kept += in_dim * d  # dropout output, kept by the A matmul
+            if in_rg:  # the mask, kept for the input's gradient (bool on CUDA; a noise tensor on the CPU)
+                kept += in_dim * (1 if cuda else d)
+            return kept, True
+        return kept, True  # p == 0: dropout returns its input, kept below as the linear input
+
+    per_token = 0.0
+    t2 = 0.0
+    per_layer = 0.0
+    # norm_1
+    kept, xn_rg = _norm(config, d, x_rg, norm_w, C)
+    per_token += kept
+    xn_kept = False
+    # q, k, v linears
+    out_rg = {}
+    for name in ("attn.query", "attn.key", "attn.value"):
+        lk, l_rg = lora_kept(name, C, xn_rg)
+        per_token += lk
+        if W[name] or (name in lora and p_drop == 0):
+            xn_kept = True
+        out_rg[name] = xn_rg or W[name] or l_rg
+    attn_rg = any(out_rg.values())
+    # rope makes new q/k tensors (nothing kept); attention keeps q, k, v, output (+ logsumexp or T^2 terms)
+    sliding = config.layer_uses_sliding_window(layer) and T > (config.sliding_window_size or 0)
+    if config.attention_logit_softcapping is not None:
+        if attn_rg:
+            per_token += Hq * d * 3  # q, k and v repeated to every query head (kept by the two matmuls)
+            n_h = config.n_head
+            t2 += n_h * T * T * (d + 4 + d)  # tanh output, fp32 softmax output, probabilities cast back
+            t2 += T * T  # the boolean mask kept by masked_fill
+            per_token += Hq * d  # output reshaped (a copy), kept by proj when trainable
+    elif attn_rg:
+        per_token += (Hq + 2 * Hkv) * d + Hq * d + config.n_head * 4  # q, k, v, output, logsumexp
+    if d != 4 and config.rope_n_elem:
+        # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
+        per_layer += 2 * T * config.rope_n_elem * d * (int(out_rg["attn.query"]) + int(out_rg["attn.key"]))
+        if sliding:
+            t2 += T * T * d  # the explicit mask (converted to the compute dtype), kept by SDPA
+    y_rg = attn_rg
+    # output projection
+    if W["attn.proj"] and not attn_rg and config.attention_logit_softcapping is None:
+        per_token += Hq * d  # y kept only by proj
+    lk, l_rg = lora_kept("attn.proj", Hq, y_rg)
+    per_token += lk
+    a_rg = y_rg or W["attn.proj"] or l_rg
+    if config.post_attention_norm:
+        kept, a_rg = _norm(config, d, a_rg, norm_w, C)
+        per_token += kept
+    if xn_kept:
+        per_token += C * d
+    # MLP input
+    if config.parallel_residual:
+        if config.shared_attention_norm:
+            m_in_rg = xn_rg
+            mlp_input_kept_already = xn_kept
+        else:
+            shared = config.norm_class_name == "LayerNorm" and x_rg  # norm_1 already keeps x
+            kept, m_in_rg = _norm(config, d, x_rg, norm_w, C, shared_input=shared)
+            per_token += kept
+            mlp_input_kept_already = False
+        res_rg = x_rg or a_rg
+    else:
+        x2_rg = x_rg or a_rg
+        kept, m_in_rg = _norm(config, d, x2_rg, norm_w, C)
+        per_token += kept
+        mlp_input_kept_already = False
+        res_rg = x2_rg
+    # MLP
+    mlp_in_kept = False
+    if config.mlp_class_name == "GptNeoxMLP":
+        lk, l_rg = lora_kept("mlp.fc", C, m_in_rg)
+        per_token += lk
+        mlp_in_kept |= W["mlp.fc"] or ("mlp.fc" in lora and p_drop == 0)
+        h_rg = m_in_rg or W["mlp.fc"] or l_rg
+        if h_rg:
+            per_token += I * d  # gelu input
+        g_rg = h_rg
+        if W["mlp.proj"] or ("mlp.proj" in lora and p_drop == 0):
+            per_token += I * d  # gelu output kept by proj
+        lk, l_rg = lora_kept("mlp.proj", I, g_rg)
+        per_token += lk
+        m_rg = g_rg or W["mlp.proj"] or l_rg
+        transient = (2 * I + 2 * C) * d
+    else:
+        h1_rg = h2_rg = m_in_rg
+        for name in ("mlp.fc_1", "mlp.fc_2"):
+            lk, l_rg = lora_kept(name, C, m_in_rg)
+            per_token += lk
+            mlp_in_kept |= W[name] or (name in lora and p_drop == 0)
+            if W[name] or l_rg:
+                if name == "mlp.fc_1":
+                    h1_rg = True
+                else:
+                    h2_rg = True
+        s_rg = h1_rg
+        if h1_rg:
+            per_token += I * d  # activation input
+        if h2_rg:
+            per_token += I * d  # s, kept by the product for h2's gradient
+        if s_rg:
+            per_token += I * d  # h2, kept by the product for s's gradient
+        p_rg = s_rg or h2_rg
+        if W["mlp.proj"] or ("mlp.proj" in lora and p_drop == 0):
+            per_token += I * d  # product kept by proj
+        lk, l_rg = lora_kept("mlp.proj", I, p_rg)
+        per_token += lk
+        m_rg = p_rg or W["mlp.proj"] or l_rg
+        transient = (3 * I + 2 * C) * d
+    if mlp_in_kept and not mlp_input_kept_already:
+        per_token += C * d
+    if config.post_mlp_norm:
+        kept, m_rg = _norm(config, d, m_rg, norm_w, C)
+        per_token += kept
+    out_rg = res_rg or m_rg
+    return BlockActs(per_token, t2, per_layer, out_rg, transient)
+
+
+def _mixed_factor(spec: RunSpec) -> float:
+    """-mixed precisions keep fp32 residual/norm tensors and bf16 casts of every linear input: measured
+    against the trace, their kept activations are this multiple of the bf16-true ones (calibrated in tests)."""
+    return 1.0 if spec.autocast_dtype is None else MIXED_ACTIVATION_FACTOR
+
+
+MIXED_ACTIVATION_FACTOR = 1.45  # bf16-mixed vs bf16-true kept activations (trace: lit-model-40m, see tests)
+
+
+@dataclass
+class ActivationSummary:
+    kept: float  # bytes kept for backward at the end of forward (all blocks, norm_f, embeddings)
+    block_backward: float  # extra bytes during the backward of the last block (recompute + gradients in flight)
+    loss_forward: float  # logits etc. in flight at the loss in forward
+    loss_backward: float  # in backward of one loss chunk
+    eval_forward: float  # activations in flight in a no-grad forward (eval / generation prefill)
+    eval_loss: float
+    weight_copies: float = 0.0  # -mixed: bf16 copies of the weights kept by autocast for backward
+
+
+def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary:
+    config = spec.config
+    B = batch if batch is not None else spec.micro_batch_size
+    T = spec.seq_len
+    N = B * T
+    d = spec.param_bytes
+    C, I, V, L = config.n_embd, config.intermediate_size, config.padded_vocab_size, config.n_layer
+    frozen_embed, frozen_blocks = _frozen_blocks(spec)
+    x_rg = not frozen_embed  # embedding output requires grad when the embedding trains
+    kept = 0.0
+    last = None
+    block_kept = []
+    for layer in range(L):
+        block_trainable = spec.trainable == "full" and layer >= frozen_blocks
+        if spec.trainable == "adapter" and layer >= spec.adapter_start_layer:
+            # the adapter's prompt attention makes this layer's attention output require grad
+            acts = block_activations(spec.replace(trainable="lora", lora_targets=()), layer, True, False)
+            acts.per_token += spec.adapter_prompt_length * config.n_head * 4 / max(T, 1)  # prefix scores
+        else:
+            acts = block_activations(spec, layer, x_rg, block_trainable)
+        this = acts.per_token * N + acts.per_sample_t2 * B + acts.per_layer
+        checkpointed = spec.ac_interval > 0 and layer % spec.ac_interval == 0 and (x_rg or acts.out_requires_grad)
+        if checkpointed:
+            block_kept.append(C * d * N)  # the block's input, kept by the checkpoint
+        else:
+            block_kept.append(this)
+        last = (this, acts.transient_per_token * N, checkpointed)
+        x_rg = acts.out_requires_grad
+    kept = sum(block_kept) + 16 * N  # + the batch: input ids and targets (int64)
+    # final norm + its output kept by the loss checkpoint (or by the head)
+    head_train = spec.trainable == "full" or (spec.trainable == "lora" and "head" in spec.lora_targets)
+    kept_nf, out_rg = _norm(config, d, x_rg, spec.trainable == "full", C)
+    kept += kept_nf * N
+    if out_rg or head_train:
+        kept += C * d * N  # norm_f output
+    if config.scale_embeddings and not frozen_embed:
+        kept += 0  # the scale is a scalar tensor
+    this, transient, checkpointed = last
+    block_backward = transient + (this if checkpointed else 0.0)
+    c = min(spec.loss_chunk_size or N, N)
+    loss_forward = 8.0 * c * V  # fp32 logits and log-probabilities of one chunk
+    loss_backward = 12.0 * c * V  # log-probabilities, their gradient and the logits' gradient
+    if spec.loss_chunk_size and spec.loss_chunk_size < N:
+        pass
+    else:  # unchunked: the log-probabilities of all tokens stay until backward
+        loss_forward = 8.0 * N * V
+    if config.final_logit_softcapping is not None:
+        loss_forward += 4.0 * c * V
+        loss_backward += 4.0 * c * V
+    factor = _mixed_factor(spec)
+    weight_copies = 0.0
+    if spec.autocast_dtype is not None:
+        # autocast keeps a bf16 copy of every linear weight whose input or weight needs a gradient
+        pc = param_counts(config)
+        weight_copies = 2.0 * (L * pc.block_linear_weights + (V * C if head_train or True else 0))
+    # no-grad forward: the largest set of tensors alive at once inside a block (MLP: 3 intermediates)
+    if config.mlp_class_name == "GptNeoxMLP":
+        eval_fw = N * (2 * I + 3 * C) * d
+    else:
+        eval_fw = N * (3 * I + 3 * C) * d
+    if config.attention_logit_softcapping is not None:
+        eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
+    eval_loss = 8.0 * min(spec.loss_chunk_size or N, N) * V
+    return ActivationSummary(
+        kept=kept * factor, block_backward=block_backward * factor, loss_forward=loss_forward,
+        loss_backward=loss_backward, eval_forward=eval_fw, eval_loss=eval_loss, weight_copies=weight_copies,
+    )
+
+
+# ---- phases ------------------------------------------------------------------------------------------
+def _empty() -> dict[str, float]:
+    return {c: 0.0 for c in CATEGORIES}
+
+
+def _max_phase(candidates: list[dict[str, float]]) -> dict[str, int]:
+    best = max(candidates, key=lambda c: sum(c.values()))
+    return {k: int(round(v)) for k, v in best.items()}
+
+
+def _sharding(spec: RunSpec) -> int:
+    """How many ranks share one copy of the parameters/gradients/optimizer state."""
+    if spec.strategy != "fsdp":
+        return 1
+    if spec.sharding_strategy == "HYBRID_SHARD":
+        return max(1, spec.world_size // max(spec.num_nodes, 1))
+    return spec.world_size
+
+
+def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
+    """Tensor bytes per rank at the peak of each phase, by category (no framework overhead)."""
+    config = spec.config
+    d = spec.param_bytes
+    C, V = config.n_embd, config.padded_vocab_size
+    N = spec.micro_batch_size * spec.seq_len
+    mb = model_bytes(spec)
+    acts = activations(spec)
+    grad_bytes = mb.trainable * d
+    opt = optimizer_state_bytes(spec, mb.trainable_tensors)
+    head_trainable = spec.trainable == "full" and not (isinstance(spec.freeze_layers, list) and False)
+    head_grad = V * C * d if head_trainable else 0
+    dequant = mb.frozen_linear_max * spec.compute_bytes if spec.quantize else 0
+    shards = _sharding(spec)
+
+    # resident state of this rank
+    params = float(mb.params)
+    quant_state = float(mb.quant_state)
+    grads_persist = float(grad_bytes) if spec.accumulation > 1 else 0.0
+    grads_all = float(grad_bytes)
+    optimizer = float(opt)
+    gathered = 0.0  # FSDP: unsharded parameters alive on top of the shards
+    gathered_end = 0.0
+    if spec.strategy == "fsdp":
+        params, quant_state, optimizer = params / shards, quant_state / shards, optimizer / shards
+        grads_persist, grads_all = grads_persist / shards, grads_all / shards
+        head_grad = head_grad / shards
+        # FSDP2 keeps the root group (embedding, final norm, head) gathered through forward and backward, and
+        # gathers the current and the prefetched block; SHARD_GRAD_OP keeps every block gathered after forward.
+        blocks_gathered = config.n_layer if spec.sharding_strategy == "SHARD_GRAD_OP" else 2
+        gathered = mb.root_params + blocks_gathered * mb.block_params
+        gathered_end = mb.root_params + 2 * mb.block_params
+        if spec.trainable == "full":
+            gathered += mb.block_params  # a block's unsharded gradients before their reduce-scatter
+        if spec.cpu_offload:
+            # shards, gradients and optimizer state live in CPU memory; the device holds gathered parameters
+            params, quant_state, optimizer, grads_persist, grads_all, head_grad = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    elif spec.strategy == "ddp":
+        # DDP's gradient buckets: a second copy of the trainable gradients for the all-reduce
+        grads_persist += grad_bytes
+        grads_all += grad_bytes
+
+    def point(activ: float = 0.0, logits: float = 0.0, grads: float = 0.0, quant_extra: float = 0.0, gather: float = 0.0):
+        c = _empty()
+        c["parameters"] = params + gather
+        c["quantization"] = quant_state + quant_extra
+        c["gradients"] = max(grads, grads_persist)
+        c["optimizer_state"] = optimizer
+        c["activations"] = activ + acts.weight_copies
+        c["logits_loss"] = logits
+        return c
+
+    chunks = math.ceil(N / spec.loss_chunk_size) if spec.loss_chunk_size else 1
+    later_chunks = chunks > 1
+    xf_grad = N * C * d
+    candidates = [
+        point(acts.kept, acts.loss_forward, gather=gathered),
+        point(acts.kept + (xf_grad if later_chunks else 0), acts.loss_backward, grads=head_grad if later_chunks else 0, gather=gathered),
+        point(acts.kept + xf_grad + acts.block_backward, 0.0, grads=head_grad, quant_extra=dequant, gather=gathered),
+        point(0.0, 0.0, grads=grads_all, gather=gathered_end),
+    ]
+    train = _max_phase(candidates)
+    train["activations"] = max(train["activations"], 0)
+
+    # evaluation: a no-grad forward of eval_batch (gradients were freed by zero_grad)
+    ev = activations(spec, batch=spec.eval_batch)
+    eb_tokens = spec.eval_batch * spec.seq_len
+    eval_params = params + (mb.root_params + 2 * mb.block_params if spec.strategy == "fsdp" else 0)
+    e = _empty()
+    e["parameters"] = eval_params
+    e["quantization"] = quant_state + dequant
+    e["optimizer_state"] = optimizer
+    e["gradients"] = grads_persist if spec.strategy == "ddp" else 0.0  # DDP buckets stay allocated
+    e["activations"] = max(ev.eval_forward, eb_tokens * C * d)
+    e["logits_loss"] = ev.eval_loss
+    evaluation = {k: int(round(v)) for k, v in e.items()}
+
+    # checkpoint save: resident state, plus (FSDP) the largest parameter gathered for the full state dict;
+    # on the CPU the final state dict of FSDP lands on rank 0 as a full copy of the weights.
+    s = _empty()
+    s["parameters"] = params + (mb.root_params if spec.strategy == "fsdp" and not spec.cpu_offload else 0)
+    s["quantization"] = quant_state
+    s["optimizer_state"] = optimizer
+    s["gradients"] = grads_persist if spec.strategy == "ddp" else 0.0
+    if spec.strategy == "fsdp":
+        s["checkpoint"] = mb.largest_param * d
+        if spec.device_type == "cpu":
+            s["checkpoint"] += param_counts(config).total * d  # rank 0's full copy
+    save = {k: int(round(v)) for k, v in s.items()}
+    return {"train_step": train, "evaluation": evaluation, "checkpoint_save": save}
+
+
+def host_checkpoint_bytes(spec: RunSpec) -> int:
+    """Host (CPU) memory the final checkpoint needs on rank 0 of a GPU run: a full copy of the weights."""
+    return param_counts(spec.config).total * spec.param_bytes

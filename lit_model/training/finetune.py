@@ -1,0 +1,218 @@
+"""What finetune/full.py, lora.py and adapter.py share: their flags, the checkpoint + data setup, loading the
+base model (quantized on request), the fit with padded length-grouped batches and trainable-only checkpoints,
+and the end of the run (summary, an answer to a fixed validation instruction)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric import Fabric
+
+from lit_model.checkpoint import check_checkpoint_dir
+from lit_model.config import Config
+from lit_model.data.instruct import InstructData, collate, load_instruct_data
+from lit_model.errors import UsageError, UserError
+from lit_model.model import GPT
+from lit_model.precision import param_dtype
+from lit_model.prompts import PromptStyle
+from lit_model.tokenizer import Tokenizer
+from lit_model.training import session
+from lit_model.training.args import TrainArgs
+from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, find_resume_path, fit, write_summary
+
+DEFAULT_CHECKPOINT = Path("out/pretrain/final")
+Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"]
+
+
+@dataclass
+class FinetuneArgs(TrainArgs):
+    """Flags shared by finetune/full.py, lora.py and adapter.py.
+
+    Args:
+        checkpoint_dir: checkpoint to start from (weights, model_config.yaml, tokenizer); default: what
+            `python pretrain/main.py` writes
+        data_path: .json/.jsonl instruction data (Alpaca keys or chat "messages"), or a directory of them;
+            omitted: instructions made from the Python standard library
+        quantize: keep the frozen base weights in bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8 (lora.py: QLoRA)
+        prompt_style: alpaca, chatml, llama-3, ...; default: the checkpoint's, or alpaca for a base model
+        mask_prompt: compute the loss on the responses only (prompt tokens get target -100)
+        val_split_fraction: share of the records held out for validation
+        sample_instruction: instruction answered at the end (default: the first validation sample's)
+    """
+
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT
+    out_dir: Path = Path("out/finetune")
+    quantize: Optional[Quantize] = None
+    prompt_style: Optional[str] = None
+    mask_prompt: bool = True
+    val_split_fraction: float = 0.05
+    sample_instruction: Optional[str] = None
+    micro_batch_size: Union[int, Literal["auto"]] = 4
+    global_batch_size: int = 16
+    max_steps: Optional[int] = 100
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    log_interval: int = 5
+    eval_interval: int = 25
+    eval_iters: int = 10
+    save_interval: int = 50
+
+
+@dataclass
+class Setup:
+    checkpoint_dir: Path
+    config: Config
+    tokenizer: Tokenizer
+    style: PromptStyle
+    data: InstructData
+    seq_length: int
+
+
+def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
+    """Check the flags and the checkpoint, then load the data; every rank does the same and fails alike."""
+    from lit_model.adapter import ADAPTER_CONFIG
+    from lit_model.quantize import check_quantize
+
+    check_quantize(args.quantize, fabric.device.type, param_dtype(fabric.precision_name), "mixed" in fabric.precision_name)
+    if args.quantize == "bnb.int8" and fabric.strategy_name == "fsdp":
+        raise UsageError(
+            "--quantize bnb.int8 cannot be sharded: bitsandbytes keeps LLM.int8()'s row scales on the weight object, "
+            "which FSDP replaces with its shards. With --strategy fsdp use a 4-bit mode (bnb.nf4, bnb.nf4-dq, "
+            "bnb.fp4: FSDP shards their packed weights), or keep bnb.int8 with --strategy ddp or one device."
+        )
+    if args.freeze_layers is not None and method != "full":
+        raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
+                         "only its own parameters. Drop --freeze_layers.")
+    if args.checkpoint_dir == DEFAULT_CHECKPOINT and not DEFAULT_CHECKPOINT.is_dir():
+        raise UserError(
+            f"No --checkpoint_dir given and the default {DEFAULT_CHECKPOINT} does not exist yet. Make it with "
+            "`python pretrain/main.py` (a few minutes on a CPU), or pass --checkpoint_dir with a checkpoint "
+            "(e.g. one converted with `python -m lit_model.convert hf_to_lit`)."
+        )
+    checkpoint_dir = check_checkpoint_dir(args.checkpoint_dir, need_tokenizer=True)
+    if (checkpoint_dir / ADAPTER_CONFIG).is_file() and method != "adapter":
+        raise UsageError(
+            f"{checkpoint_dir} holds a LLaMA-Adapter fine-tune ({ADAPTER_CONFIG}), whose prefixes cannot be merged "
+            f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py, "
+            "or start from its base checkpoint."
+        )
+    config = Config.from_checkpoint(checkpoint_dir)
+    seq_length = session.sequence_length(config, args.override_max_seq_length)
+    check_out_dir(args.out_dir, args)
+    tokenizer = Tokenizer(checkpoint_dir)
+    if args.prompt_style is not None:
+        style = PromptStyle.from_name(args.prompt_style)
+    else:  # a base model's "default" style has no turn markers: instructions and answers would run together
+        style = PromptStyle.from_checkpoint(checkpoint_dir, config)
+        style = style if style.name != "default" else PromptStyle.from_name("alpaca")
+    data = load_instruct_data(args.data_path, tokenizer, style, seq_length, args.mask_prompt, args.val_split_fraction)
+    if args.sample_instruction is not None:
+        data.sample_instruction = style.apply(args.sample_instruction)
+    fabric.print(f"Data: {data.description}")
+    return Setup(checkpoint_dir, config, tokenizer, style, data, seq_length)
+
+
+def load_model(fabric: Fabric, args: FinetuneArgs, setup: Setup) -> GPT:
+    """The checkpoint's model in the precision's dtype, frozen, in train mode: on this process's device (each
+    part quantized there as it is read), or on the CPU for FSDP, which shards it from there."""
+    from lit_model.generation import load_model as load_checkpoint_model
+
+    device = torch.device("cpu") if fabric.strategy_name == "fsdp" else fabric.device
+    dtype = param_dtype(fabric.precision_name)
+    model = load_checkpoint_model(setup.checkpoint_dir, [device], dtype, args.quantize, max_seq_length=setup.seq_length)
+    fabric.print(f"Model: {setup.config.name} from {setup.checkpoint_dir}, {sum(p.numel() for p in model.parameters()):,} "
+                 f"parameters{f', base weights in {args.quantize}' if args.quantize else ''}")
+    return model.train()
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    return {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    module = getattr(model, "module", model)  # Fabric's wrapper
+    return getattr(module, "_orig_mod", module)  # torch.compile's
+
+
+def _strip_wrappers(name: str) -> str:
+    for prefix in ("_forward_module.", "module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def train(fabric: Fabric, args: FinetuneArgs, setup: Setup, model: nn.Module, optimizer: Any, trainable_only: bool) -> RunState:
+    """Resume if asked, then fit. ``trainable_only``: the resumable checkpoints hold only the trainable
+    parameters and their optimizer state (the frozen base comes from ``--checkpoint_dir``). FSDP saves its
+    sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
+    data, run = setup.data, RunState()
+    save_filter = None
+    if trainable_only and fabric.strategy_name != "fsdp":
+        names = trainable_names(model)
+        save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
+        check_resumable(args, model, names)
+    session.resume_if_asked(fabric, args, model, optimizer, run, setup.config, strict=save_filter is None)
+    train_batches, sampler = session.train_batches(fabric, data.train, args, run.step, collate, data.train.lengths)
+    val_batches = session.val_batches(fabric, data.val, args, collate)
+    tokens_per_sample = data.train.target_tokens / len(data.train)
+    max_steps = args.max_steps
+    if args.max_tokens is not None:
+        max_steps = math.ceil(args.max_tokens / (args.global_batch_size * tokens_per_sample))
+    if not max_steps or max_steps < 1:
+        raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
+    fabric.print(
+        f"Training {max_steps} steps of {args.global_batch_size} samples (~{tokens_per_sample:.0f} response tokens "
+        f"each; micro batch {args.micro_batch_size}, {sampler.accumulation_steps} accumulation steps, "
+        f"{fabric.world_size} process(es), {fabric.precision_name})"
+    )
+    return fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps,
+               run, setup.config, save_filter=save_filter)
+
+
+def check_resumable(args: FinetuneArgs, model: nn.Module, names: set[str]) -> None:
+    """A trainable-only checkpoint loads non-strictly: check first that it holds exactly these parameters."""
+    path = find_resume_path(args.out_dir, args.resume)
+    if path is None:
+        return
+    saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
+    shapes = {n: tuple(p.shape) for n, p in unwrap(model).named_parameters() if n in names}
+    found = {_strip_wrappers(n): tuple(t.shape) for n, t in saved.items()}
+    if found != shapes:
+        raise UsageError(
+            f"Checkpoint {path} holds other trainable parameters ({len(found)}) than this run has ({len(shapes)}): it "
+            "was written with other LoRA/adapter flags. Resume with the flags of that run, or start over with "
+            "--overwrite or a new --out_dir."
+        )
+
+
+def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters, whole and on the CPU (a collective under FSDP: call it on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, parameter in unwrap(model).named_parameters():
+        if parameter.requires_grad:
+            tensor = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+            state[name] = tensor.detach().to("cpu", copy=True)
+    return state
+
+
+def finish(fabric: Fabric, args: FinetuneArgs, setup: Setup, run: RunState, final_dir: Path, what: str) -> None:
+    """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
+    summary = write_summary(fabric, args.out_dir, run, args, {"final_dir": str(final_dir), "method": what})
+    answer = session.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
+    fabric.print(
+        f"\nValidation loss {summary['val_loss']:.3f} | {summary['tokens_per_sec']:,.0f} tok/s | peak memory "
+        f"{summary['peak_memory_bytes'] / 2**20:,.0f} MB\n"
+        f"Saved {final_dir} (generate: python generate/base.py --checkpoint_dir {final_dir}), metrics in "
+        f"{args.out_dir / 'metrics.csv'}, summary in {args.out_dir / 'summary.json'}\n"
+        f"Validation instruction:\n{setup.data.sample_instruction}\nGenerated answer:\n{answer}"
+    )
+
