@@ -50,13 +50,20 @@ class PretrainArgs(TrainArgs):
 
 
 def main(args: PretrainArgs) -> None:
+    if args.plan is not None:
+        session.print_plan(model_config(args), args)
+        return
     fabric = session.create_fabric(args)
     fabric.launch(train, args)
     session.finish(fabric)
 
 
+def model_config(args: PretrainArgs) -> Config:
+    return Config.from_file(args.model_config) if args.model_config else Config.from_name(args.model_name)
+
+
 def train(fabric: Fabric, args: PretrainArgs) -> None:
-    config = Config.from_file(args.model_config) if args.model_config else Config.from_name(args.model_name)
+    config = model_config(args)
     seq_length = session.sequence_length(config, args.override_max_seq_length)
     check_out_dir(args.out_dir, args)
     tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)

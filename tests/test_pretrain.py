@@ -225,3 +225,15 @@ def test_compile_trains(tiny_setup, tmp_path):
     proc = pretrain(tiny_setup, tmp_path / "compiled", "--compile", "--max_steps", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "compiled" / "final" / "model.safetensors").is_file()
+
+
+def test_plan_prints_the_prediction_and_exits_without_training(tiny_setup, tmp_path):
+    proc = pretrain(tiny_setup, tmp_path / "planned", "--plan", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    assert plan["peak_bytes"] > 0 and plan["fits"] is True and {"train_step", "evaluation"} <= set(plan["by_phase"])
+    assert not (tmp_path / "planned").exists()
+    small = run_script("pretrain/main.py", "--model_name", "Llama-2-7b-hf", "--plan", "json", "--device_memory",
+                       "24GB", "--precision", "bf16-true", "--micro_batch_size", "1")
+    verdict = json.loads(small.stdout)
+    assert verdict["fits"] is False and verdict["suggestions"]

@@ -23,7 +23,10 @@ from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.memory.spec import RunSpec
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits_loss", "quantization", "checkpoint", "overhead")
+# What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
+# parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits_loss", "quantization", "kv_cache",
+              "checkpoint", "overhead")
 
 
 # ---- parameter counts ------------------------------------------------------------------------------
@@ -213,10 +216,16 @@ def _norm(config: Config, d: int, x_rg: bool, w_train: bool, C: int, shared_inpu
     return kept, True
 
 
-def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bool) -> BlockActs:
-    """Bytes a block keeps for backward (``-true`` precisions; ``-mixed`` handled by ``_mixed_factor``)."""
+def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bool, adapter: bool = False) -> BlockActs:
+    """Bytes block ``layer`` keeps for backward, given whether its input requires grad.
+
+    ``d`` is the residual stream's dtype (the parameters'), ``dm`` the matmul outputs' (the autocast dtype
+    under ``-mixed``, else ``d``). Under autocast every linear casts its (fp32) input itself, so each linear that
+    keeps its input keeps its own half-precision copy.
+    """
     config = spec.config
-    d = spec.param_bytes
+    d, dm = spec.param_bytes, spec.compute_bytes
+    mixed = spec.autocast_dtype is not None
     C, hs, I = config.n_embd, config.head_size, config.intermediate_size
     Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
     T = spec.seq_len
@@ -226,101 +235,118 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     cuda = spec.device_type == "cuda"
     p_drop = spec.lora_dropout
 
-    def lora_kept(name: str, in_dim: int, in_rg: bool) -> tuple[float, bool]:
+    def keeps_input(name: str) -> bool:
+        """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch without dropout."""
+        return W[name] or (name in lora and p_drop == 0)
+
+    def lora_kept(name: str, in_dim: int, in_rg: bool, in_bytes: int) -> tuple[float, bool]:
         """Kept bytes of a LoRA branch on an input of in_dim channels; whether it makes the output require grad."""
         if name not in lora:
             return 0.0, False
-        kept = spec.lora_r * d  # A's output, kept by the B matmul
+        kept = spec.lora_r * dm  # A's output, kept by the B matmul
         if p_drop > 0:
-            kept += in_dim * d  # dropout output, kept by the A matmul
+            kept += in_dim * dm  # dropout output (its half-precision cast under autocast), kept by the A matmul
             if in_rg:  # the mask, kept for the input's gradient (bool on CUDA; a noise tensor on the CPU)
-                kept += in_dim * (1 if cuda else d)
-            return kept, True
-        return kept, True  # p == 0: dropout returns its input, kept below as the linear input
+                kept += in_dim * (1 if cuda else in_bytes)
+        elif mixed:
+            kept += in_dim * dm  # the A matmul's own cast of its input
+        return kept, True
+
+    def kept_linear_inputs(names: tuple[str, ...], in_dim: int, in_bytes: int) -> float:
+        """The input shared by linears ``names``: kept once; under autocast one cast per keeping linear."""
+        keepers = [n for n in names if W.get(n, False)] + [n for n in names if n in lora and p_drop == 0 and not mixed]
+        if not keepers:
+            return 0.0
+        if mixed and in_bytes != dm:
+            return len([n for n in names if W.get(n, False)]) * in_dim * dm
+        return in_dim * in_bytes
 
     per_token = 0.0
     t2 = 0.0
     per_layer = 0.0
-    # norm_1
+    # norm_1 and the q, k, v linears
     kept, xn_rg = _norm(config, d, x_rg, norm_w, C)
     per_token += kept
-    xn_kept = False
-    # q, k, v linears
     out_rg = {}
     for name in ("attn.query", "attn.key", "attn.value"):
-        lk, l_rg = lora_kept(name, C, xn_rg)
+        lk, l_rg = lora_kept(name, C, xn_rg, d)
         per_token += lk
-        if W[name] or (name in lora and p_drop == 0):
-            xn_kept = True
         out_rg[name] = xn_rg or W[name] or l_rg
     attn_rg = any(out_rg.values())
-    # rope makes new q/k tensors (nothing kept); attention keeps q, k, v, output (+ logsumexp or T^2 terms)
+    xn_kept = kept_linear_inputs(("attn.query", "attn.key", "attn.value"), C, d)
+    # attention: rope makes new q/k tensors (nothing kept); attention keeps q, k, v and its output
     sliding = config.layer_uses_sliding_window(layer) and T > (config.sliding_window_size or 0)
+    partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
+    y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
     if config.attention_logit_softcapping is not None:
         if attn_rg:
-            per_token += Hq * d * 3  # q, k and v repeated to every query head (kept by the two matmuls)
-            n_h = config.n_head
-            t2 += n_h * T * T * (d + 4 + d)  # tanh output, fp32 softmax output, probabilities cast back
-            t2 += T * T  # the boolean mask kept by masked_fill
-            per_token += Hq * d  # output reshaped (a copy), kept by proj when trainable
+            # q, k and v (repeated to every query head when grouped) kept by the two matmuls
+            per_token += Hq * dm + 2 * (Hq if Hkv < Hq else Hkv) * dm
+            # per sample: tanh output, fp32 softmax output, probabilities cast back to the compute dtype
+            t2 += config.n_head * T * T * (dm + 4 + (dm if dm != 4 else 0))
+            per_layer += T * T  # the inverted boolean mask kept by masked_fill
     elif attn_rg:
-        per_token += (Hq + 2 * Hkv) * d + Hq * d + config.n_head * 4  # q, k, v, output, logsumexp
-    if d != 4 and config.rope_n_elem:
-        # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
-        per_layer += 2 * T * config.rope_n_elem * d * (int(out_rg["attn.query"]) + int(out_rg["attn.key"]))
+        per_token += (Hq + 2 * Hkv) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
         if sliding:
-            t2 += T * T * d  # the explicit mask (converted to the compute dtype), kept by SDPA
+            per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
+    if adapter:
+        # LLaMA-Adapter: every query also attends to the trainable prefix (SDPA keeping q, its output and
+        # logsumexp); the gate keeps that output. The attention output now requires grad.
+        if not attn_rg:
+            per_token += Hq * dm
+        per_token += Hq * dm + config.n_head * 4
+        attn_rg = True
+    if dm != 4 and config.rope_n_elem:
+        # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
+        per_layer += 2 * T * config.rope_n_elem * dm * (int(out_rg["attn.query"]) + int(out_rg["attn.key"]))
     y_rg = attn_rg
-    # output projection
-    if W["attn.proj"] and not attn_rg and config.attention_logit_softcapping is None:
-        per_token += Hq * d  # y kept only by proj
-    lk, l_rg = lora_kept("attn.proj", Hq, y_rg)
+    # output projection: keeps its input (the attention output, or its reshaped copy)
+    if keeps_input("attn.proj") and (y_copy or not attn_rg):
+        per_token += Hq * dm
+    lk, l_rg = lora_kept("attn.proj", Hq, y_rg, dm)
     per_token += lk
     a_rg = y_rg or W["attn.proj"] or l_rg
     if config.post_attention_norm:
-        kept, a_rg = _norm(config, d, a_rg, norm_w, C)
+        kept, a_rg = _norm(config, dm, a_rg, norm_w, C)
         per_token += kept
-    if xn_kept:
-        per_token += C * d
+    per_token += xn_kept
     # MLP input
     if config.parallel_residual:
         if config.shared_attention_norm:
             m_in_rg = xn_rg
-            mlp_input_kept_already = xn_kept
+            shared_with_attention = True
         else:
             shared = config.norm_class_name == "LayerNorm" and x_rg  # norm_1 already keeps x
             kept, m_in_rg = _norm(config, d, x_rg, norm_w, C, shared_input=shared)
             per_token += kept
-            mlp_input_kept_already = False
+            shared_with_attention = False
         res_rg = x_rg or a_rg
     else:
         x2_rg = x_rg or a_rg
         kept, m_in_rg = _norm(config, d, x2_rg, norm_w, C)
         per_token += kept
-        mlp_input_kept_already = False
+        shared_with_attention = False
         res_rg = x2_rg
     # MLP
-    mlp_in_kept = False
     if config.mlp_class_name == "GptNeoxMLP":
-        lk, l_rg = lora_kept("mlp.fc", C, m_in_rg)
+        fc_names: tuple[str, ...] = ("mlp.fc",)
+        lk, l_rg = lora_kept("mlp.fc", C, m_in_rg, d)
         per_token += lk
-        mlp_in_kept |= W["mlp.fc"] or ("mlp.fc" in lora and p_drop == 0)
         h_rg = m_in_rg or W["mlp.fc"] or l_rg
         if h_rg:
-            per_token += I * d  # gelu input
+            per_token += I * dm  # gelu input
         g_rg = h_rg
-        if W["mlp.proj"] or ("mlp.proj" in lora and p_drop == 0):
-            per_token += I * d  # gelu output kept by proj
-        lk, l_rg = lora_kept("mlp.proj", I, g_rg)
+        if keeps_input("mlp.proj"):
+            per_token += I * dm  # gelu output kept by proj
+        lk, l_rg = lora_kept("mlp.proj", I, g_rg, dm)
         per_token += lk
         m_rg = g_rg or W["mlp.proj"] or l_rg
-        transient = (2 * I + 2 * C) * d
     else:
+        fc_names = ("mlp.fc_1", "mlp.fc_2")
         h1_rg = h2_rg = m_in_rg
-        for name in ("mlp.fc_1", "mlp.fc_2"):
-            lk, l_rg = lora_kept(name, C, m_in_rg)
+        for name in fc_names:
+            lk, l_rg = lora_kept(name, C, m_in_rg, d)
             per_token += lk
-            mlp_in_kept |= W[name] or (name in lora and p_drop == 0)
             if W[name] or l_rg:
                 if name == "mlp.fc_1":
                     h1_rg = True
@@ -328,34 +354,30 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
                     h2_rg = True
         s_rg = h1_rg
         if h1_rg:
-            per_token += I * d  # activation input
+            per_token += I * dm  # activation input
         if h2_rg:
-            per_token += I * d  # s, kept by the product for h2's gradient
+            per_token += I * dm  # s, kept by the product for h2's gradient
         if s_rg:
-            per_token += I * d  # h2, kept by the product for s's gradient
+            per_token += I * dm  # h2, kept by the product for s's gradient
         p_rg = s_rg or h2_rg
-        if W["mlp.proj"] or ("mlp.proj" in lora and p_drop == 0):
-            per_token += I * d  # product kept by proj
-        lk, l_rg = lora_kept("mlp.proj", I, p_rg)
+        if keeps_input("mlp.proj"):
+            per_token += I * dm  # product kept by proj
+        lk, l_rg = lora_kept("mlp.proj", I, p_rg, dm)
         per_token += lk
         m_rg = p_rg or W["mlp.proj"] or l_rg
-        transient = (3 * I + 2 * C) * d
-    if mlp_in_kept and not mlp_input_kept_already:
-        per_token += C * d
+    if shared_with_attention:
+        if mixed:
+            per_token += kept_linear_inputs(fc_names, C, d)
+        elif not xn_kept:
+            per_token += kept_linear_inputs(fc_names, C, d)
+    else:
+        per_token += kept_linear_inputs(fc_names, C, d)
+    transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
     if config.post_mlp_norm:
-        kept, m_rg = _norm(config, d, m_rg, norm_w, C)
+        kept, m_rg = _norm(config, dm, m_rg, norm_w, C)
         per_token += kept
     out_rg = res_rg or m_rg
     return BlockActs(per_token, t2, per_layer, out_rg, transient)
-
-
-def _mixed_factor(spec: RunSpec) -> float:
-    """-mixed precisions keep fp32 residual/norm tensors and bf16 casts of every linear input: measured
-    against the trace, their kept activations are this multiple of the bf16-true ones (calibrated in tests)."""
-    return 1.0 if spec.autocast_dtype is None else MIXED_ACTIVATION_FACTOR
-
-
-MIXED_ACTIVATION_FACTOR = 1.45  # bf16-mixed vs bf16-true kept activations (trace: lit-model-40m, see tests)
 
 
 @dataclass
@@ -366,7 +388,9 @@ class ActivationSummary:
     loss_backward: float  # in backward of one loss chunk
     eval_forward: float  # activations in flight in a no-grad forward (eval / generation prefill)
     eval_loss: float
-    weight_copies: float = 0.0  # -mixed: bf16 copies of the weights kept by autocast for backward
+    first_block: float = 0.0  # bytes in flight during the backward of block 0 (the last one backward reaches)
+    weight_copies: float = 0.0  # -mixed: half-precision copies of the weights kept for backward
+    weight_cache: float = 0.0  # -mixed: further copies autocast caches until the end of the forward
 
 
 def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary:
@@ -378,17 +402,16 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     C, I, V, L = config.n_embd, config.intermediate_size, config.padded_vocab_size, config.n_layer
     frozen_embed, frozen_blocks = _frozen_blocks(spec)
     x_rg = not frozen_embed  # embedding output requires grad when the embedding trains
-    kept = 0.0
     last = None
     block_kept = []
+    cache: dict[tuple, BlockActs] = {}  # blocks are alike: compute each kind once
     for layer in range(L):
         block_trainable = spec.trainable == "full" and layer >= frozen_blocks
-        if spec.trainable == "adapter" and layer >= spec.adapter_start_layer:
-            # the adapter's prompt attention makes this layer's attention output require grad
-            acts = block_activations(spec.replace(trainable="lora", lora_targets=()), layer, True, False)
-            acts.per_token += spec.adapter_prompt_length * config.n_head * 4 / max(T, 1)  # prefix scores
-        else:
-            acts = block_activations(spec, layer, x_rg, block_trainable)
+        adapter = spec.trainable == "adapter" and layer >= spec.adapter_start_layer
+        key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer))
+        if key not in cache:
+            cache[key] = block_activations(spec, layer, x_rg, block_trainable, adapter)
+        acts = cache[key]
         this = acts.per_token * N + acts.per_sample_t2 * B + acts.per_layer
         checkpointed = spec.ac_interval > 0 and layer % spec.ac_interval == 0 and (x_rg or acts.out_requires_grad)
         if checkpointed:
@@ -396,34 +419,54 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
         else:
             block_kept.append(this)
         last = (this, acts.transient_per_token * N, checkpointed)
+        if layer == 0:
+            first = (this, acts.transient_per_token * N)
         x_rg = acts.out_requires_grad
     kept = sum(block_kept) + 16 * N  # + the batch: input ids and targets (int64)
+    if spec.optimizer.lower() == "sophia":
+        # Estimate (not traced): on Hessian steps backward runs with create_graph=True, keeping the backward
+        # graph (about as much again), and the fit loop switches to the math attention kernel, which keeps the
+        # attention probabilities (T x T per head).
+        kept = 2 * kept + L * B * config.n_head * T * T * 2 * spec.compute_bytes
     # final norm + its output kept by the loss checkpoint (or by the head)
     head_train = spec.trainable == "full" or (spec.trainable == "lora" and "head" in spec.lora_targets)
     kept_nf, out_rg = _norm(config, d, x_rg, spec.trainable == "full", C)
     kept += kept_nf * N
     if out_rg or head_train:
         kept += C * d * N  # norm_f output
-    if config.scale_embeddings and not frozen_embed:
-        kept += 0  # the scale is a scalar tensor
     this, transient, checkpointed = last
     block_backward = transient + (this if checkpointed else 0.0)
+    first_block = first[0] + first[1]  # block 0 in backward: its kept (or recomputed) tensors + transient
+    # The loss, measured with the trace (c = tokens per chunk): a forward chunk holds fp32 logits and
+    # log-probabilities (8 bytes per logit). In backward, a chunk recomputes them and adds their gradients
+    # (12 bytes per logit). With a trainable head, its weight gradient sits in autograd's buffer while the
+    # chunks are summed (up to three V x C tensors at once when a chunk's gradient is added). The gradient of
+    # the whole final-norm output (N x C) fills up chunk by chunk.
     c = min(spec.loss_chunk_size or N, N)
-    loss_forward = 8.0 * c * V  # fp32 logits and log-probabilities of one chunk
-    loss_backward = 12.0 * c * V  # log-probabilities, their gradient and the logits' gradient
-    if spec.loss_chunk_size and spec.loss_chunk_size < N:
-        pass
-    else:  # unchunked: the log-probabilities of all tokens stay until backward
+    chunked = c < N
+    vc = V * C * d if head_train else 0
+    if chunked:
+        loss_forward = 8.0 * c * V
+        # with a trainable head, also max(one V x C gradient in autograd's buffer, the sum of the buffer and
+        # a chunk's new gradient: three V x C tensors at once)
+        loss_backward = max(12.0 * c * V + vc, 3.0 * vc + c * C * d) if head_train else 12.0 * c * V
+        loss_backward += N * C * d
+    else:
         loss_forward = 8.0 * N * V
-    if config.final_logit_softcapping is not None:
-        loss_forward += 4.0 * c * V
-        loss_backward += 4.0 * c * V
-    factor = _mixed_factor(spec)
-    weight_copies = 0.0
+        loss_backward = max(12.0 * N * V, 8.0 * N * V + vc + N * C * d)
+    if spec.autocast_dtype is not None:  # the head's weight cast to half precision for each chunk
+        loss_forward += spec.compute_bytes * V * C
+        loss_backward += spec.compute_bytes * V * C
+    weight_copies, weight_cache = 0.0, 0.0
     if spec.autocast_dtype is not None:
-        # autocast keeps a bf16 copy of every linear weight whose input or weight needs a gradient
+        # autocast casts each linear weight to half precision: the linears keep those copies for their input's
+        # gradient (none with activation checkpointing), and while the forward runs autocast also caches the
+        # copies of trainable weights (the head's included), up to the end of the loss.
         pc = param_counts(config)
-        weight_copies = 2.0 * (L * pc.block_linear_weights + (V * C if head_train or True else 0))
+        blocks = 2.0 * L * pc.block_linear_weights
+        weight_copies = 0.0 if spec.ac_interval else blocks
+        if spec.trainable == "full":
+            weight_cache = blocks - weight_copies + 2.0 * V * C
     # no-grad forward: the largest set of tensors alive at once inside a block (MLP: 3 intermediates)
     if config.mlp_class_name == "GptNeoxMLP":
         eval_fw = N * (2 * I + 3 * C) * d
@@ -432,9 +475,17 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
     eval_loss = 8.0 * min(spec.loss_chunk_size or N, N) * V
+    if spec.autocast_dtype is not None:
+        # autocast caches half-precision copies of weights that require grad, also under no_grad
+        pc = param_counts(config)
+        cached = 2.0 * (L * pc.block_linear_weights + V * C) if spec.trainable == "full" else 2.0 * V * C
+        eval_fw += cached
+        eval_loss += cached
     return ActivationSummary(
-        kept=kept * factor, block_backward=block_backward * factor, loss_forward=loss_forward,
+        kept=kept, block_backward=block_backward, loss_forward=loss_forward,
         loss_backward=loss_backward, eval_forward=eval_fw, eval_loss=eval_loss, weight_copies=weight_copies,
+        weight_cache=weight_cache,
+        first_block=first_block,
     )
 
 
@@ -467,7 +518,7 @@ def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
     acts = activations(spec)
     grad_bytes = mb.trainable * d
     opt = optimizer_state_bytes(spec, mb.trainable_tensors)
-    head_trainable = spec.trainable == "full" and not (isinstance(spec.freeze_layers, list) and False)
+    head_trainable = spec.trainable == "full"
     head_grad = V * C * d if head_trainable else 0
     dequant = mb.frozen_linear_max * spec.compute_bytes if spec.quantize else 0
     shards = _sharding(spec)
@@ -476,6 +527,7 @@ def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
     params = float(mb.params)
     quant_state = float(mb.quant_state)
     grads_persist = float(grad_bytes) if spec.accumulation > 1 else 0.0
+    buckets = 0.0
     grads_all = float(grad_bytes)
     optimizer = float(opt)
     gathered = 0.0  # FSDP: unsharded parameters alive on top of the shards
@@ -496,27 +548,40 @@ def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
             params, quant_state, optimizer, grads_persist, grads_all, head_grad = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     elif spec.strategy == "ddp":
         # DDP's gradient buckets: a second copy of the trainable gradients for the all-reduce
-        grads_persist += grad_bytes
+        buckets = float(grad_bytes)
+        grads_persist += buckets
         grads_all += grad_bytes
 
-    def point(activ: float = 0.0, logits: float = 0.0, grads: float = 0.0, quant_extra: float = 0.0, gather: float = 0.0):
+    def point(activ: float = 0.0, logits: float = 0.0, grads: float = 0.0, quant_extra: float = 0.0, gather: float = 0.0,
+              copies: bool = True):
         c = _empty()
         c["parameters"] = params + gather
         c["quantization"] = quant_state + quant_extra
         c["gradients"] = max(grads, grads_persist)
         c["optimizer_state"] = optimizer
-        c["activations"] = activ + acts.weight_copies
+        c["activations"] = activ + (acts.weight_copies if copies else 0.0)
         c["logits_loss"] = logits
         return c
 
-    chunks = math.ceil(N / spec.loss_chunk_size) if spec.loss_chunk_size else 1
-    later_chunks = chunks > 1
     xf_grad = N * C * d
+    block_grads = grad_bytes / shards / max(config.n_layer, 1)  # about one block's gradients (and the head's)
+    embed_grad = 0.0 if config.tie_embeddings or _frozen_blocks(spec)[0] else V * C * d / shards
+    inputs = 16.0 * N
+    tied_trainable = config.tie_embeddings and spec.trainable == "full" and not _frozen_blocks(spec)[0]
     candidates = [
-        point(acts.kept, acts.loss_forward, gather=gathered),
-        point(acts.kept + (xf_grad if later_chunks else 0), acts.loss_backward, grads=head_grad if later_chunks else 0, gather=gathered),
-        point(acts.kept + xf_grad + acts.block_backward, 0.0, grads=head_grad, quant_extra=dequant, gather=gathered),
-        point(0.0, 0.0, grads=grads_all, gather=gathered_end),
+        # end of forward: the loss chunk in flight
+        point(acts.kept + acts.weight_cache, acts.loss_forward, gather=gathered),
+        # backward through the loss
+        point(acts.kept, acts.loss_backward, gather=gathered),
+        # backward of the last block (recomputed when checkpointed)
+        point(acts.kept + xf_grad + acts.block_backward, 0.0, grads=head_grad + block_grads, quant_extra=dequant, gather=gathered),
+        # backward of block 0: nearly every gradient exists, one block's tensors are still in flight
+        point(inputs + xf_grad + acts.first_block, 0.0, grads=grads_all - embed_grad, quant_extra=dequant, gather=gathered,
+              copies=False),
+        # end of backward: a tied embedding's gradient is summed with the head's (three V x C tensors at
+        # once, two of them still in autograd's buffers); then the optimizer step (fused AdamW: no temporaries)
+        point(inputs + (2 * V * C * d / shards if tied_trainable else 0.0), 0.0, grads=grads_all, gather=gathered_end,
+              copies=False),
     ]
     train = _max_phase(candidates)
     train["activations"] = max(train["activations"], 0)
@@ -529,9 +594,13 @@ def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
     e["parameters"] = eval_params
     e["quantization"] = quant_state + dequant
     e["optimizer_state"] = optimizer
-    e["gradients"] = grads_persist if spec.strategy == "ddp" else 0.0  # DDP buckets stay allocated
-    e["activations"] = max(ev.eval_forward, eb_tokens * C * d)
-    e["logits_loss"] = ev.eval_loss
+    e["gradients"] = buckets  # DDP's buckets stay allocated; the gradients were freed by zero_grad
+    inputs_eval = 16.0 * eb_tokens + inputs  # the evaluation batch and the last training batch
+    if ev.eval_forward > eb_tokens * C * d + ev.eval_loss:  # peak inside a block
+        e["activations"] = inputs_eval + ev.eval_forward
+    else:  # peak at a loss chunk: the final norm's output and one chunk's logits
+        e["activations"] = inputs_eval + eb_tokens * C * d
+        e["logits_loss"] = ev.eval_loss
     evaluation = {k: int(round(v)) for k, v in e.items()}
 
     # checkpoint save: resident state, plus (FSDP) the largest parameter gathered for the full state dict;
@@ -540,7 +609,7 @@ def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
     s["parameters"] = params + (mb.root_params if spec.strategy == "fsdp" and not spec.cpu_offload else 0)
     s["quantization"] = quant_state
     s["optimizer_state"] = optimizer
-    s["gradients"] = grads_persist if spec.strategy == "ddp" else 0.0
+    s["gradients"] = buckets
     if spec.strategy == "fsdp":
         s["checkpoint"] = mb.largest_param * d
         if spec.device_type == "cpu":

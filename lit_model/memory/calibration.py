@@ -36,9 +36,11 @@ class Overhead:
     # (activations, logits, temporaries; persistent weights and optimizer state pack without gaps).
     # torchtune's Llama-2-7B LoRA (15.57 GB reserved) and litgpt's figures suggest 5-15 % (estimate).
     cuda_fragmentation: float = 0.10
-    # CPU: resident memory of a training process before the model exists (python, torch, lightning,
-    # tokenizers imported). Measured here: 0.42-0.48 GB (benchmarks/plan_accuracy.py prints it per run).
-    cpu_process_baseline: int = 450 * MB
+    # CPU: resident memory of a training process besides the model's tensors. Measured here: 374 MB after
+    # importing torch, lightning and lit_model's training modules, plus 100-112 MB that the first training step
+    # adds once (kernel code pages, OpenMP threads, oneDNN JIT kernels: `runtime_init_mb` in
+    # benchmarks/results/plan_accuracy.csv).
+    cpu_process_baseline: int = 480 * MB
     # CPU: glibc keeps freed heap memory; with its default mmap threshold peak RSS ran 9-28 % above the
     # traced tensor peak (../shared/README.md, 35.7M GPT). Fraction of the transient bytes; with
     # MALLOC_MMAP_THRESHOLD_=65536 it is ~2 % (use ``cpu_fragmentation_mmap``).
@@ -48,33 +50,29 @@ class Overhead:
 
 OVERHEAD = Overhead()
 
-# The phases' small fixed extras that are not model tensors but sit on the device.
-# Evaluation/generation keep the same context and workspaces; nothing else is added.
-
-
 # ---- speed -------------------------------------------------------------------------------------------
 # Step-time factor of each lever relative to the run without it (>1: slower), for the same global batch.
-# "cpu" values were measured with `python benchmarks/plan_accuracy.py --speed` (lit-model-40m, T=256, mb 4,
-# 2 cores; results in benchmarks/results/plan_accuracy.speed.csv); "cuda" values are estimates from the
-# usual accounting (forward ~1/3 of a step, bf16 tensor cores ~2-3x fp32) and public reports, to be measured
-# on a GPU.
+# "cpu" values were measured with `python benchmarks/plan_accuracy.py --speed` (lit-model-40m, fp32, micro
+# batch 4 x 256 tokens, 2 shared cores, one run each: about +-10 % noise; benchmarks/results/
+# plan_accuracy.speed.csv); "cuda" values are estimates from the usual accounting (forward ~1/3 of a step,
+# bf16 tensor cores ~2-3x fp32) and public reports, to be measured when a GPU is lent.
 SPEED: dict[str, dict[str, float]] = {
     # One extra forward of every checkpointed block: 4/3 when forward is 1/3 of the step.
-    "activation_checkpointing": {"cuda": 1.33, "cpu": 1.21},
-    # fp32 -> bf16-true: tensor cores on GPU (estimate 0.5); on CPU bf16 kernels were 4-7x slower
-    # (lit_model/precision.py), measured with --speed.
-    "precision_bf16_true_from_32": {"cuda": 0.5, "cpu": 3.3},
+    "activation_checkpointing": {"cuda": 1.33, "cpu": 1.25},
+    # fp32 -> bf16-true: tensor cores on GPU (estimate 0.5). On this CPU (bf16 matmul support) measured 0.93;
+    # lit_model/precision.py reports 4-7x slower bf16 on other CPUs, so treat the CPU value as machine-specific.
+    "precision_bf16_true_from_32": {"cuda": 0.5, "cpu": 0.93},
     # bf16-mixed -> bf16-true: no fp32 master weights / casts (estimate).
     "precision_bf16_true_from_mixed": {"cuda": 0.85, "cpu": 1.0},
     # Halving the micro batch (global batch kept by accumulation): less parallel work per kernel.
-    "halve_micro_batch": {"cuda": 1.12, "cpu": 1.03},
+    "halve_micro_batch": {"cuda": 1.12, "cpu": 1.34},
     # bitsandbytes 8-bit AdamW: the optimizer step is a small part of a step (estimate on GPU, measured CPU).
-    "optimizer_8bit": {"cuda": 1.02, "cpu": 1.10},
+    "optimizer_8bit": {"cuda": 1.02, "cpu": 1.25},
     # 4-bit base weights: dequantization in every forward/backward matmul. litgpt's resource table
-    # (Llama-2-7B LoRA, A100): 2.36 min -> 3.68 min per 1k iterations = 1.56.
-    "quantize_nf4": {"cuda": 1.56, "cpu": 1.8},
+    # (Llama-2-7B LoRA, A100): 2.36 min -> 3.68 min per 1k iterations = 1.56. CPU: LoRA vs QLoRA, measured.
+    "quantize_nf4": {"cuda": 1.56, "cpu": 1.10},
     # FSDP CPU offload: parameters, gradients and optimizer state cross PCIe every step (estimate 2.5-4x).
-    "cpu_offload": {"cuda": 3.0, "cpu": 1.3},
+    "cpu_offload": {"cuda": 3.0, "cpu": 1.3},  # CPU: not suggested (the same RAM); estimate
     # Sharding over N GPUs: all-gathers and reduce-scatters per step; per-GPU step time of the same per-GPU
     # micro batch (estimate; litgpt's 2xA100 LoRA table shows 1.5-2.5x for PCIe-bound small models).
     "fsdp_per_doubling": {"cuda": 1.15, "cpu": 1.4},

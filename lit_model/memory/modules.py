@@ -1,19 +1,19 @@
 """Stand-ins the planner builds into a model to trace memory: a LoRA layer and a bitsandbytes-shaped
 quantized linear whose tensors have exactly the sizes of the real ones.
 
-``LoRALinear`` follows the usual design (litgpt, PEFT): ``base(x) + (dropout(x) @ A.T @ B.T) * alpha / r`` with
-a frozen base. Until ``lit_model/lora.py`` exists, the planner and ``benchmarks/plan_accuracy.py`` use this one
-(it is also a correct, trainable LoRA on real tensors). ``QuantLinearSim`` is used only under
-``FakeTensorMode``: bitsandbytes' kernels have no fake implementation, so it reproduces what bitsandbytes
-holds (packed 4-bit weight, absmax per 64-weight block, double-quantized statistics; int8 weight + row
-scales) and what it allocates (the weight dequantized to the compute dtype in forward and again in backward,
-saving only the packed weight for backward).
+``LoRALinear`` follows the usual design (litgpt, PEFT, ``lit_model.lora``): ``base(x) + B(A(dropout(x))) * alpha / r``
+with a frozen base and the same tensors as ``lit_model.lora``; the trace uses ``lit_model.lora`` itself and keeps
+this one only as a fallback. ``QuantLinearSim`` is used only under ``FakeTensorMode``: bitsandbytes' kernels have
+no fake implementation, so it reproduces what bitsandbytes 0.50 holds (packed 4-bit weight, absmax per 64-weight
+block, double-quantized statistics; int8 weight + row scales) and what it allocates (the weight dequantized to
+the compute dtype in forward and again in backward, keeping only the packed weight for backward). It is an
+``nn.Linear`` subclass so that ``lit_model.lora.apply_lora`` adapts it as it adapts bitsandbytes layers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -105,18 +105,18 @@ class _DequantMatmul(torch.autograd.Function):
     def forward(ctx, x, packed, out_features, in_features, tracker):
         ctx.save_for_backward(packed)
         ctx.shape, ctx.tracker = (out_features, in_features), tracker
-        with _quant_scope(tracker):
+        with _quant_scope(tracker):  # only the dequantized weight is "quantization" memory
             weight = torch.empty(out_features, in_features, dtype=x.dtype, device=x.device)
-            y = x @ weight.t()
-            del weight
+        y = x @ weight.t()
+        del weight
         return y
 
     @staticmethod
     def backward(ctx, grad):
         with _quant_scope(ctx.tracker):
             weight = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
-            grad_x = grad @ weight
-            del weight
+        grad_x = grad @ weight
+        del weight
         return grad_x, None, None, None, None
 
 
@@ -133,21 +133,25 @@ class _quant_scope:
             self.tracker.pop_category()
 
 
-class QuantLinearSim(nn.Module):
+class QuantLinearSim(nn.Linear):
+    """An ``nn.Linear`` look-alike (so ``lit_model.lora.apply_lora`` can adapt it, as it adapts bitsandbytes
+    layers) whose ``weight`` is the packed quantized weight (uint8, frozen)."""
+
     def __init__(self, linear: nn.Linear, mode: str, tracker=None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.in_features, self.out_features, self.mode, self.tracker = linear.in_features, linear.out_features, mode, tracker
         numel = linear.in_features * linear.out_features
         packed, state = quantized_weight_bytes(numel, mode)
         if mode == "bnb.int8":
             state = linear.out_features * 4
         device = linear.weight.device
-        self.register_buffer("packed", torch.empty(packed, dtype=torch.uint8, device=device))
-        self.register_buffer("quant_state", torch.empty(state, dtype=torch.uint8, device=device))
+        self.weight = nn.Parameter(torch.empty(packed, dtype=torch.uint8, device=device), requires_grad=False)
+        self.register_buffer("quant_statistics", torch.empty(state, dtype=torch.uint8, device=device))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.compute_dtype = linear.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _DequantMatmul.apply(x, self.packed, self.out_features, self.in_features, self.tracker)
+        y = _DequantMatmul.apply(x, self.weight, self.out_features, self.in_features, self.tracker)
         return y if self.bias is None else y + self.bias
 
 

@@ -5,8 +5,7 @@ analytic model read the same numbers."""
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -49,7 +48,7 @@ class RunSpec:
     lora_dropout: float = 0.05
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     adapter_prompt_length: int = 10
-    adapter_start_layer: int = 2
+    adapter_start_layer: int = 1
     quantize: Optional[str] = None
     freeze_layers: Optional[Union[int, list[str]]] = None
     eval_batch_size: Optional[int] = None
@@ -134,7 +133,9 @@ def make_spec(
         )
     precision = resolve_precision(_get(settings, "precision", None), device_type)
     devices = _get(settings, "devices", 1)
-    devices = 1 if devices == "auto" else int(devices)
+    if devices == "auto":  # as lit_model.training.fabric.resolve_devices
+        devices = torch.cuda.device_count() if device_type == "cuda" and torch.cuda.is_available() else 1
+    devices = int(devices)
     num_nodes = int(_get(settings, "num_nodes", 1))
     world_size = world_size if world_size is not None else devices * num_nodes
     cpu_offload = bool(_get(settings, "cpu_offload", False))
@@ -153,6 +154,8 @@ def make_spec(
     seq_len = min(int(seq_len), config.block_size)
     ac = bool(_get(settings, "activation_checkpointing", False))
     interval = int(_get(settings, "activation_checkpointing_interval", 1)) if ac else 0
+    adapter_start = _get(settings, "adapter_start_layer", None)
+    adapter_start = config.n_layer // 2 if adapter_start is None else int(adapter_start)  # finetune/adapter.py's default
     if micro < 1 or seq_len < 1 or world_size < 1:
         raise UsageError("micro_batch_size, sequence length and world size must be positive.")
     return RunSpec(
@@ -174,6 +177,8 @@ def make_spec(
         lora_alpha=float(_get(settings, "lora_alpha", 16.0)),
         lora_dropout=float(_get(settings, "lora_dropout", 0.05)),
         lora_targets=lora_targets_from(settings),
+        adapter_prompt_length=int(_get(settings, "adapter_prompt_length", 10)),
+        adapter_start_layer=adapter_start,
         quantize=quantize,
         freeze_layers=_get(settings, "freeze_layers", None),
         eval_batch_size=_get(settings, "eval_batch_size", None),

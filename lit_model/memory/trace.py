@@ -14,13 +14,12 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
-from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401  (kept for debugging)
 from torch.utils._pytree import tree_map_only
 
 from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
@@ -87,11 +86,15 @@ class _Tracker(MemTracker):
             buffer_memory += sum(w.mem_consumed for w in winfos)
         return param_memory, buffer_memory
 
+    debug = False
+
     def _update_peak_stats(self, peak_state) -> None:  # global peak only
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(dev_snap)
+                if self.debug:
+                    self.peak_where = (sorted(self._mod_tracker.parents), self._mod_tracker.is_bw, list(self._scopes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         res = func(*args, **(kwargs or {}))
@@ -158,8 +161,41 @@ def _build_optimizer(model: nn.Module, spec: RunSpec, notes: list[str]) -> torch
     return build_optimizer(model, name, learning_rate=1e-4, device_type=spec.device_type, param_dtype=spec.param_dtype)
 
 
+@contextlib.contextmanager
+def _cuda_dropout():
+    """Dropout as CUDA runs it (``native_dropout``: a boolean mask is kept for backward). The CPU kernel keeps a
+    noise tensor of the input's dtype instead, which would overstate a GPU run's LoRA dropout memory."""
+    import torch.nn.functional as F
+
+    original = F.dropout
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
+
+
+def _apply_lora(model: nn.Module, spec: RunSpec) -> None:
+    """The project's LoRA (``lit_model.lora``) when it is there, else the stand-in with the same tensors."""
+    try:
+        from lit_model.lora import LoRAConfig
+        from lit_model.lora import apply_lora as project_apply_lora
+    except ImportError:  # pragma: no cover - before lit_model/lora.py existed
+        apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
+        return
+    targets = {t: t in spec.lora_targets for t in ("query", "key", "value", "projection", "mlp", "head")}
+    project_apply_lora(model, LoRAConfig(r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, **targets),
+                       dtype=spec.param_dtype)
+
+
 def _quant_state_bytes(model: nn.Module) -> int:
-    return sum(m.quant_state.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
+    return sum(m.quant_statistics.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
 
 
 def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
@@ -177,8 +213,6 @@ def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
 
 def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
     """Peak tensor bytes of one rank of a single-device (or DDP) run, per phase and category."""
-    if spec.trainable == "adapter":
-        raise NotImplementedError("the trace has no adapter model yet; use the analytic engine")
     if spec.strategy == "fsdp":
         raise NotImplementedError("FSDP sharding is planned analytically")
     start = time.perf_counter()
@@ -196,14 +230,18 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
             model.max_seq_length = T
         finally:
             torch.set_default_dtype(old_dtype)
+        if spec.quantize is not None:  # as the finetune scripts: quantize while loading, then add the adapters
+            quantize_model_sim(model, spec.quantize, tracker)
         if spec.trainable == "lora":
-            apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
+            _apply_lora(model, spec)
+        elif spec.trainable == "adapter":
+            from lit_model.adapter import AdapterConfig, apply_adapter
+
+            apply_adapter(model, AdapterConfig(spec.adapter_prompt_length, spec.adapter_start_layer), dtype=spec.param_dtype)
         elif spec.freeze_layers is not None:
             from lit_model.training.loop import freeze_layers
 
             freeze_layers(model, spec.freeze_layers)
-        if spec.quantize is not None:
-            quantize_model_sim(model, spec.quantize, tracker)
         model.activation_checkpointing_interval = spec.ac_interval
         model.loss_chunk_size = spec.loss_chunk_size
         model.train()
@@ -251,6 +289,7 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
 
         def train_step() -> None:
             for _ in range(micro_steps):
+                tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
                 with autocast:
                     loss = model(x, targets=y)
                 in_loss_backward["active"] = True
@@ -265,10 +304,11 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
 
         quant_state = _quant_state_bytes(model)
         results: dict[str, dict[str, int]] = {}
-        with tracker:  # iteration 1 creates the optimizer state
+        dropout = _cuda_dropout if spec.device_type == "cuda" else contextlib.nullcontext
+        with dropout(), tracker:  # iteration 1 creates the optimizer state
             tracker.reset_mod_stats()
             train_step()
-        with tracker:  # iteration 2: the steady state
+        with dropout(), tracker:  # iteration 2: the steady state
             tracker.reset_mod_stats()
             train_step()
             results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)

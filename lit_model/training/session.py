@@ -29,9 +29,16 @@ def create_fabric(args: TrainArgs) -> Fabric:
             "--micro_batch_size auto needs the memory planner, which is not built yet. Pass a number "
             "(e.g. --micro_batch_size 4) and keep --global_batch_size for the effective batch."
         )
-    if args.plan is not None:
-        raise UsageError("--plan is not built yet. Run without it.")
     return setup_fabric(args, args.precision)
+
+
+def print_plan(config: Config, args: TrainArgs, trainable: str = "full") -> None:
+    """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights."""
+    from lit_model.memory import plan_training
+
+    device_type = "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
+    plan = plan_training(config, args, trainable=trainable, device_memory=args.device_memory, device_type=device_type)
+    print(plan.to_json() if args.plan == "json" else plan.to_text())
 
 
 def finish(fabric: Fabric) -> None:
@@ -89,7 +96,10 @@ def resume_if_asked(
             f"Checkpoint {path} was written for another model config; resuming it into this one would mix two "
             "runs. Use the same --model_name/--model_config, or start over with --overwrite or a new --out_dir."
         )
-    fabric.load(path / STATE_NAME, {"model": model, "optimizer": optimizer, "run": run}, strict=strict)
+    state = {"model": model, "optimizer": optimizer, "run": run}
+    fabric.load(path / STATE_NAME, state, strict=strict)
+    if state["run"] is not run:  # a sharded (FSDP) checkpoint hands the progress back instead of restoring it
+        run.load_state_dict(state["run"])
     fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
 
 
@@ -108,8 +118,11 @@ def train_batches(
     else:
         sampler = LengthGroupedSampler(lengths, *settings, seed=args.seed, start_step=start_step)
     workers = 2 if fabric.device.type == "cuda" else 0  # on CPU the cores are busy training
+    # The loader draws its workers' base seed when iteration starts (in the first step): from its own generator,
+    # not the global RNG that the loop reseeds per step for dropout, or a resumed run's dropout would differ
     loader = DataLoader(
-        dataset, batch_sampler=sampler, num_workers=workers, pin_memory=fabric.device.type == "cuda", collate_fn=collate_fn
+        dataset, batch_sampler=sampler, num_workers=workers, pin_memory=fabric.device.type == "cuda",
+        collate_fn=collate_fn, generator=torch.Generator().manual_seed(args.seed),
     )
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     return iter(loader), sampler

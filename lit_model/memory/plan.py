@@ -1,0 +1,631 @@
+"""The planner: predicted peak memory of a run per rank, by category and phase, against the device's memory,
+with the cheapest flag changes that make it fit.
+
+    from lit_model.memory import plan_training, parse_memory
+    plan = plan_training(Config.from_name("Llama-2-7b-hf"), args, trainable="lora", device_memory=parse_memory("24GB"))
+    print(plan.to_text())          # or plan.to_json()
+    if not plan.fits:
+        args = plan.suggestions[0].apply(args)
+
+Tensor bytes come from the exact trace (``trace.py``) or the closed-form model (``analytic.py``); the
+framework overhead on top of them from ``calibration.OVERHEAD``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from lit_model.config import Config
+from lit_model.errors import UsageError
+from lit_model.memory import analytic
+from lit_model.memory.analytic import CATEGORIES
+from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
+from lit_model.memory.spec import DTYPE_BYTES, RunSpec, make_spec
+from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
+
+PHASES = ("train_step", "evaluation", "checkpoint_save")
+SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare (analytic vs trace: <1 %)
+MAX_TRACE_LAYERS = 48  # "auto" traces models up to this depth and size (a 32-layer 7B traces in 10-25 s here);
+MAX_TRACE_PARAMETERS = 15e9  # bigger ones, and FSDP/offload, are planned analytically (agrees within ~1 %)
+
+
+# ---- results -----------------------------------------------------------------------------------------------
+@dataclass
+class Suggestion:
+    """A set of flag changes, the predicted peak with them, and their predicted cost in step time."""
+
+    changes: dict[str, Any]  # attribute names of the training args -> new values
+    flags: list[str]  # the same as command-line flags
+    peak_bytes: int
+    speed_factor: float  # predicted step time relative to the current run (>1: slower)
+    cost: float  # speed_factor x quality penalties: what the ranking uses
+    by_category: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    def apply(self, settings: Any) -> Any:
+        """A copy of ``settings`` (TrainArgs or any object with these attributes) with the changes made."""
+        new = copy.copy(settings)
+        for name, value in self.changes.items():
+            setattr(new, name, value)
+        return new
+
+    def plan_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``plan_training`` keyword arguments updated for the changes that are not settings attributes."""
+        kwargs = dict(kwargs)
+        if "quantize" in self.changes:
+            kwargs["quantize"] = self.changes["quantize"]
+        if "devices" in self.changes and kwargs.get("world_size") is not None:
+            kwargs["world_size"] = self.changes["devices"] * int(self.changes.get("num_nodes", 1))
+        return kwargs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Plan:
+    peak_bytes: int  # per rank, in the peak phase, overhead included
+    by_category: dict[str, int]  # the peak phase's bytes by category; they add up to peak_bytes
+    by_phase: dict[str, int]  # each phase's peak
+    fits: bool
+    device_memory: Optional[int]
+    suggestions: list[Suggestion] = field(default_factory=list)
+    peak_phase: str = "train_step"
+    phase_categories: dict[str, dict[str, int]] = field(default_factory=dict)
+    engine: str = "analytic"
+    device_type: str = "cuda"
+    world_size: int = 1
+    run: dict[str, Any] = field(default_factory=dict)  # what was planned (model, precision, batch, ...)
+    host_bytes: dict[str, int] = field(default_factory=dict)  # CPU memory outside the device (GPU runs)
+    notes: list[str] = field(default_factory=list)
+    _inputs: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    @property
+    def headroom_bytes(self) -> Optional[int]:
+        return None if self.device_memory is None else self.device_memory - self.peak_bytes
+
+    @property
+    def tensor_peak_bytes(self) -> int:
+        """The peak without framework overhead: what torch.cuda.max_memory_allocated() would report."""
+        return self.peak_bytes - self.by_category.get("overhead", 0)
+
+    def replan(self, suggestion: Suggestion, engine: Optional[str] = None) -> "Plan":
+        """Plan again with ``suggestion`` applied (same model, device and engine unless given)."""
+        if self._inputs is None:
+            raise ValueError("This plan does not keep its inputs.")
+        kind, config, settings, kwargs = self._inputs
+        kwargs = suggestion.plan_kwargs(kwargs)
+        if engine is not None:
+            kwargs["engine"] = engine
+        if kind != "training":
+            raise ValueError("Only training plans can be re-planned with a suggestion.")
+        return plan_training(config, suggestion.apply(settings), **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        data["suggestions"] = [s.to_dict() for s in self.suggestions]
+        data["headroom_bytes"] = self.headroom_bytes
+        data["tensor_peak_bytes"] = self.tensor_peak_bytes
+        data["units"] = "bytes (per rank)"
+        return data
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_text(self) -> str:
+        return _format_text(self)
+
+
+# ---- overhead --------------------------------------------------------------------------------------------
+def _cpu_fragmentation() -> float:
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    return OVERHEAD.cpu_fragmentation_mmap if threshold and threshold.isdigit() and int(threshold) <= 1 << 20 else OVERHEAD.cpu_fragmentation
+
+
+def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1) -> int:
+    """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py)."""
+    transient = categories.get("activations", 0) + categories.get("logits_loss", 0)
+    if device_type == "cuda":
+        fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
+        return int(fixed + OVERHEAD.cuda_fragmentation * transient)
+    return int(OVERHEAD.cpu_process_baseline + _cpu_fragmentation() * transient)
+
+
+def _finish_phases(phases: dict[str, dict[str, int]], spec: RunSpec) -> dict[str, dict[str, int]]:
+    out = {}
+    for name, cats in phases.items():
+        cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
+        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size)
+        out[name] = cats
+    return out
+
+
+# ---- engines ---------------------------------------------------------------------------------------------
+def _traceable(spec: RunSpec) -> bool:
+    return spec.strategy in ("single", "ddp") and not spec.cpu_offload
+
+
+def _tensor_phases(spec: RunSpec, engine: str, notes: list[str]) -> tuple[dict[str, dict[str, int]], str]:
+    """Tensor bytes per phase (no overhead) from the chosen engine; the checkpoint phase is always analytic."""
+    if engine not in ("auto", "trace", "analytic"):
+        raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
+    phases = analytic.training_phases(spec)
+    if spec.optimizer.lower() in ("sophia", "adafactor", "lion") or "." in spec.optimizer:
+        if engine == "trace":
+            notes.append(f"The trace cannot run {spec.optimizer}'s step on fake tensors; analytic estimate used.")
+        engine = "analytic"
+        if spec.optimizer.lower() == "sophia":
+            notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
+    if engine == "auto":
+        small = spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
+        engine = "trace" if _traceable(spec) and small else "analytic"
+    if engine == "trace":
+        if not _traceable(spec):
+            notes.append(f"{spec.strategy} with cpu_offload={spec.cpu_offload} is planned analytically (the trace runs one unsharded rank).")
+            return phases, "analytic"
+        from lit_model.memory.trace import trace_training
+
+        try:
+            result = trace_training(spec)
+        except Exception as error:  # an op without a fake-tensor implementation (e.g. Adafactor's .item())
+            notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
+            return phases, "analytic"
+        notes.extend(result.notes)
+        traced = {name: dict(cats) for name, cats in result.phases.items()}
+        if spec.strategy == "ddp":  # DDP's gradient buckets (not in the single-process trace)
+            buckets = analytic.model_bytes(spec).trainable * spec.param_bytes
+            for cats in traced.values():
+                cats["gradients"] = cats.get("gradients", 0) + buckets
+        traced["checkpoint_save"] = phases["checkpoint_save"]
+        return traced, "trace"
+    return phases, "analytic"
+
+
+def _run_summary(spec: RunSpec) -> dict[str, Any]:
+    config = spec.config
+    summary = {
+        "model": config.name,
+        "parameters": analytic.param_counts(config).total,
+        "trainable": spec.trainable,
+        "precision": spec.precision,
+        "micro_batch_size": spec.micro_batch_size,
+        "global_batch_size": spec.global_batch_size,
+        "accumulation_steps": spec.accumulation,
+        "seq_length": spec.seq_len,
+        "world_size": spec.world_size,
+        "strategy": spec.strategy,
+        "sharding_strategy": spec.sharding_strategy if spec.strategy == "fsdp" else None,
+        "cpu_offload": spec.cpu_offload,
+        "activation_checkpointing_interval": spec.ac_interval,
+        "optimizer": spec.optimizer,
+        "quantize": spec.quantize,
+        "loss_chunk_size": spec.loss_chunk_size,
+    }
+    if spec.trainable == "lora":
+        summary.update(lora_r=spec.lora_r, lora_targets=list(spec.lora_targets))
+    return summary
+
+
+def _assemble(spec: RunSpec, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
+              notes: list[str]) -> Plan:
+    phases = _finish_phases(phases, spec)
+    by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
+    peak_phase = max(by_phase, key=by_phase.get)
+    peak = by_phase[peak_phase]
+    fits = True if device_memory is None else peak <= device_memory
+    host = {}
+    if spec.device_type == "cuda":
+        host["checkpoint_save_rank0"] = analytic.host_checkpoint_bytes(spec)
+    return Plan(
+        peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
+        peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
+        world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes,
+    )
+
+
+def _resolve_memory(device_memory: Union[int, str, None], device_type: str, detect: bool) -> Optional[int]:
+    if device_memory is not None:
+        return parse_memory(device_memory) if isinstance(device_memory, str) else int(device_memory)
+    if not detect:
+        return None
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return None
+    return detect_device_memory(device_type)
+
+
+def plan_spec(spec: RunSpec, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:
+    """Plan a resolved ``RunSpec`` (no suggestions): the inner loop of the suggestion search."""
+    notes: list[str] = []
+    phases, used = _tensor_phases(spec, engine, notes)
+    return _assemble(spec, phases, device_memory, used, notes)
+
+
+# ---- public API ------------------------------------------------------------------------------------------
+def plan_training(
+    config: Config,
+    settings: Any = None,
+    trainable: str = "full",
+    lora_r: Optional[int] = None,
+    quantize: Optional[str] = None,
+    device_memory: Union[int, str, None] = None,
+    device_type: str = "cuda",
+    world_size: Optional[int] = None,
+    *,
+    engine: str = "auto",
+    suggest: bool = True,
+    max_suggestions: int = 5,
+    detect: bool = True,
+) -> Plan:
+    """Predicted peak memory per rank of training ``config`` with ``settings`` (TrainArgs or any object with its
+    attribute names; missing ones take TrainArgs' defaults).
+
+    trainable: "full" (pretraining, finetune/full.py), "lora" or "adapter"; lora_r/quantize: default to
+    ``settings.lora_r`` / ``settings.quantize`` when those exist. device_memory: bytes or "24GB"; None detects
+    it when planning for this machine's device type (``detect``), else the plan has no verdict (fits=True).
+    device_type: "cuda" plans for a GPU (the default precision is then bf16-true), "cpu" for this machine.
+    world_size: default devices x num_nodes from ``settings``. engine: "trace" (exact, seconds), "analytic"
+    (closed form, milliseconds) or "auto" (trace when the run is traceable: one rank's model unsharded).
+    """
+    kwargs = dict(trainable=trainable, lora_r=lora_r, quantize=quantize, device_memory=device_memory,
+                  device_type=device_type, world_size=world_size, engine=engine, suggest=suggest,
+                  max_suggestions=max_suggestions, detect=detect)
+    if device_type not in ("cuda", "cpu"):
+        raise UsageError(f"device_type={device_type!r}: plan for 'cuda' or 'cpu'.")
+    memory = _resolve_memory(device_memory, device_type, detect)
+    micro = getattr(settings, "micro_batch_size", None) if settings is not None else None
+    spec = make_spec(config, settings, trainable, lora_r, quantize, device_type, world_size,
+                     micro_batch_size=1 if micro == "auto" else None)
+    notes: list[str] = []
+    if micro == "auto":
+        best = max_micro_batch_size(config, settings, memory, trainable=trainable, lora_r=lora_r, quantize=quantize,
+                                    device_type=device_type, world_size=world_size,
+                                    confirm_with_trace=False if engine == "analytic" else None) if memory else 1
+        spec = spec.replace(micro_batch_size=max(best, 1))
+        notes.append(f"--micro_batch_size auto: {max(best, 1)} (the largest that fits with a 10 % margin)"
+                     if best else "--micro_batch_size auto: not even 1 fits; planned with 1.")
+    phases, used = _tensor_phases(spec, engine, notes)
+    plan = _assemble(spec, phases, memory, used, notes)
+    if memory is None:
+        plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
+    if spec.device_type == "cuda":
+        plan.notes.append("GPU overhead (CUDA context, workspaces, allocator fragmentation) is an uncalibrated estimate.")
+    if spec.strategy == "fsdp" and spec.device_type == "cuda":
+        plan.notes.append(
+            f"The final checkpoint gathers the full weights into rank 0's CPU memory: "
+            f"{format_bytes(plan.host_bytes.get('checkpoint_save_rank0', 0))} of host RAM."
+        )
+    if suggest and memory is not None and not plan.fits:
+        plan.suggestions = suggest_changes(spec, memory, max_suggestions)
+        if not plan.suggestions:
+            plan.notes.append("No combination of up to 3 flag changes fits this device.")
+    plan._inputs = ("training", config, settings, kwargs)
+    return plan
+
+
+def max_micro_batch_size(
+    config: Config,
+    settings: Any = None,
+    budget_bytes: Union[int, str, None] = None,
+    margin: float = 0.1,
+    trainable: str = "full",
+    lora_r: Optional[int] = None,
+    quantize: Optional[str] = None,
+    device_type: str = "cuda",
+    world_size: Optional[int] = None,
+    confirm_with_trace: Optional[bool] = None,
+) -> int:
+    """The largest micro batch whose predicted peak is at most ``budget_bytes * (1 - margin)`` and that divides
+    the per-rank batch (``global_batch_size / world_size``), so gradient accumulation keeps the global batch.
+    0 when not even 1 fits. Binary search on the analytic model; confirmed with the exact trace when that is
+    cheap (``confirm_with_trace=None``: models under 2B parameters that the trace can run)."""
+    budget = _resolve_memory(budget_bytes, device_type, detect=True)
+    if budget is None:
+        raise UsageError("max_micro_batch_size needs a memory budget: pass budget_bytes (e.g. '24GB').")
+    limit = budget * (1.0 - margin)
+    base = make_spec(config, settings, trainable, lora_r, quantize, device_type, world_size, micro_batch_size=1)
+    per_rank = base.per_rank_batch
+    candidates = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+    def peak(m: int, engine: str) -> int:
+        return plan_spec(base.replace(micro_batch_size=m), budget, engine).peak_bytes
+
+    lo, hi, best = 0, len(candidates) - 1, -1
+    while lo <= hi:  # peak grows with the micro batch
+        mid = (lo + hi) // 2
+        if peak(candidates[mid], "analytic") <= limit:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if best < 0:
+        return 0
+    if confirm_with_trace is None:
+        confirm_with_trace = _traceable(base) and analytic.param_counts(config).total < 2e9
+    if confirm_with_trace:
+        while best >= 0 and peak(candidates[best], "trace") > limit:
+            best -= 1
+    return candidates[best] if best >= 0 else 0
+
+
+# ---- suggestions -----------------------------------------------------------------------------------------
+@dataclass
+class _Option:
+    key: str  # one option per key in a combination
+    changes: dict[str, Any]
+    spec_changes: dict[str, Any]
+    speed: float
+    penalty: float = 1.0
+    note: str = ""
+
+
+def _speed(name: str, device_type: str) -> float:
+    return SPEED[name]["cuda" if device_type == "cuda" else "cpu"]
+
+
+def _options(spec: RunSpec) -> list[_Option]:
+    dev = spec.device_type
+    options: list[_Option] = []
+    if spec.ac_interval != 1:
+        changes: dict[str, Any] = {"activation_checkpointing": True}
+        if spec.ac_interval > 1:
+            changes["activation_checkpointing_interval"] = 1
+        options.append(_Option("activation_checkpointing", changes, {"ac_interval": 1}, _speed("activation_checkpointing", dev)))
+    if spec.precision in ("32-true", "bf16-mixed", "16-mixed"):
+        speed = _speed("precision_bf16_true_from_32" if spec.precision == "32-true" else "precision_bf16_true_from_mixed", dev)
+        options.append(_Option("precision", {"precision": "bf16-true"}, {"precision": "bf16-true"}, speed,
+                               QUALITY_PENALTY["precision"], "weights and optimizer state in bfloat16"))
+    per_rank = spec.per_rank_batch
+    smaller = [m for m in range(spec.micro_batch_size - 1, 0, -1) if per_rank % m == 0][:4]
+    for m in smaller:
+        halvings = math.log2(spec.micro_batch_size / m)
+        options.append(_Option("micro_batch_size", {"micro_batch_size": m}, {"micro_batch_size": m},
+                               _speed("halve_micro_batch", dev) ** halvings,
+                               note=f"{per_rank // m} accumulation steps keep the global batch of {spec.global_batch_size}"))
+    if spec.optimizer.lower() in ("adamw", "pagedadamw8bit") and spec.optimizer != "AdamW8bit":
+        options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, {"optimizer": "AdamW8bit"},
+                               _speed("optimizer_8bit", dev), QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
+    if spec.trainable in ("lora", "adapter") and spec.quantize is None:
+        options.append(_Option("quantize", {"quantize": "bnb.nf4"}, {"quantize": "bnb.nf4"}, _speed("quantize_nf4", dev),
+                               QUALITY_PENALTY["quantize"], "frozen base weights in 4 bits (QLoRA); needs bitsandbytes"))
+    if spec.loss_chunk_size == 0 or spec.loss_chunk_size > 256:
+        options.append(_Option("loss_chunk_size", {"loss_chunk_size": 256}, {"loss_chunk_size": 256}, 1.01,
+                               note="logits of 256 tokens at a time (estimate: 1 % slower)"))
+    if dev == "cuda":  # on the CPU, "offloading" and more processes use the same RAM
+        if not spec.cpu_offload:
+            options.append(_Option("cpu_offload", {"cpu_offload": True},
+                                   {"cpu_offload": True, "strategy": "fsdp"}, _speed("cpu_offload", dev),
+                                   note="parameters, gradients and optimizer state in CPU memory (FSDP)"))
+        if spec.world_size > 1 and spec.strategy != "fsdp":
+            options.append(_Option("strategy", {"strategy": "fsdp"}, {"strategy": "fsdp"}, _speed("fsdp_per_doubling", dev),
+                                   note=f"parameters, gradients and optimizer state sharded over the {spec.world_size} GPUs"))
+        for n in DEVICE_COUNTS:
+            if n > spec.world_size and spec.global_batch_size % (n * spec.micro_batch_size) == 0:
+                options.append(_Option(
+                    "devices", {"devices": n // spec.num_nodes if n % spec.num_nodes == 0 else n, "strategy": "fsdp"},
+                    {"world_size": n * spec.num_nodes, "strategy": "fsdp"},
+                    _speed("fsdp_per_doubling", dev) ** math.log2(n / spec.world_size), QUALITY_PENALTY["devices"],
+                    f"needs {n} GPUs; parameters, gradients and optimizer state sharded over them"))
+    T = spec.seq_len
+    for t in (T // 2, T // 4):
+        if t >= 64:
+            options.append(_Option("override_max_seq_length", {"override_max_seq_length": t}, {"seq_len": t},
+                                   _speed("crop_sequence", dev),
+                                   QUALITY_PENALTY["override_max_seq_length"], f"samples longer than {t} tokens are cut"))
+    return options
+
+
+def _flags(changes: dict[str, Any]) -> list[str]:
+    flags = []
+    for name, value in changes.items():
+        if value is True:
+            flags.append(f"--{name}")
+        elif value is False:
+            flags.append(f"--{name} false")
+        else:
+            flags.append(f"--{name} {value}")
+    return flags
+
+
+def suggest_changes(spec: RunSpec, device_memory: int, limit: int = 5, max_changes: int = 3) -> list[Suggestion]:
+    """The cheapest combinations of up to ``max_changes`` flag changes whose analytic plan fits, ranked by
+    predicted slowdown (times a penalty for changes that alter what is trained; see calibration.py)."""
+    options = _options(spec)
+    budget = device_memory * (1.0 - SUGGESTION_MARGIN)
+    fitting: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
+    for size in range(1, max_changes + 1):
+        for combo in itertools.combinations(range(len(options)), size):
+            keys = [options[i].key for i in combo]
+            if len(set(keys)) < len(keys):
+                continue
+            spec_changes: dict[str, Any] = {}
+            speed, penalty = 1.0, 1.0
+            for i in combo:
+                spec_changes.update(options[i].spec_changes)
+                speed *= options[i].speed
+                penalty *= options[i].penalty
+            candidate = spec.replace(**spec_changes)
+            if candidate.strategy == "fsdp" and candidate.world_size == 1 and not candidate.cpu_offload:
+                candidate = candidate.replace(strategy="single")
+            try:
+                plan = plan_spec(candidate, device_memory, "analytic")
+            except UsageError:
+                continue
+            if plan.peak_bytes <= budget:
+                fitting.append((speed * penalty, size, combo, plan, speed))
+    fitting.sort(key=lambda f: (f[0], f[1], f[3].peak_bytes))
+    chosen: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
+    for item in fitting:
+        cost, _, combo, _, _ = item
+        if any(set(c[2]) <= set(combo) and c[0] <= cost for c in chosen):
+            continue  # dominated: a subset already fits at no higher cost
+        chosen.append(item)
+        if len(chosen) >= limit:
+            break
+    suggestions = []
+    for cost, _, combo, plan, speed in chosen:
+        changes: dict[str, Any] = {}
+        notes = []
+        for i in combo:
+            changes.update(options[i].changes)
+            if options[i].note:
+                notes.append(options[i].note)
+        suggestions.append(Suggestion(changes=changes, flags=_flags(changes), peak_bytes=plan.peak_bytes,
+                                      speed_factor=round(speed, 3), cost=round(cost, 3), by_category=plan.by_category,
+                                      notes=notes))
+    return suggestions
+
+
+# ---- generation ------------------------------------------------------------------------------------------
+def plan_generation(
+    config: Config,
+    prompt_length: int,
+    max_new_tokens: int,
+    batch_size: int = 1,
+    dtype: Union[torch.dtype, str, None] = None,
+    quantize: Optional[str] = None,
+    device_memory: Union[int, str, None] = None,
+    device_type: str = "cuda",
+    detect: bool = True,
+) -> Plan:
+    """Predicted peak memory of ``generate/base.py``: weights (quantized linears packed), the KV cache for
+    exactly prompt + new positions (not block_size), the prefill's activations and the last position's logits.
+    ``dtype``: a torch dtype or a --precision string (default bf16 on CUDA, fp32 on the CPU)."""
+    from lit_model.memory.modules import quantized_weight_bytes
+
+    if isinstance(dtype, str) or dtype is None:
+        from lit_model.memory.spec import PRECISION_DTYPES, resolve_precision
+
+        precision = resolve_precision(dtype, device_type)
+        dtype = PRECISION_DTYPES[precision][0]
+    d = DTYPE_BYTES[dtype]
+    total = prompt_length + max_new_tokens
+    if total > config.block_size:
+        raise UsageError(f"Prompt plus new tokens ({total}) exceed {config.name}'s context of {config.block_size} tokens.")
+    pc = analytic.param_counts(config)
+    C, V, L, I = config.n_embd, config.padded_vocab_size, config.n_layer, config.intermediate_size
+    hs, n_kv = config.head_size, config.n_query_groups
+    # weights
+    linear_bytes, quant_state, largest = 0, 0, 0
+    for i, o, bias in pc.block_linear.values():
+        if quantize:
+            packed, state = quantized_weight_bytes(i * o, quantize)
+            linear_bytes += packed
+            quant_state += o * 4 if quantize == "bnb.int8" else state
+            largest = max(largest, i * o)
+        else:
+            linear_bytes += i * o * d
+        linear_bytes += o * d if bias else 0
+    params = L * (linear_bytes + pc.block_norms * d) + (pc.embed + pc.head + pc.norm_f) * d
+    params += 2 * total * config.rope_n_elem * 4  # RoPE tables for max_seq_length = prompt + new
+    quant_state *= L
+    kv = 2 * L * batch_size * n_kv * total * hs * d
+    B, P = batch_size, prompt_length
+    mask = P * total * (1 + d)  # boolean mask and its float conversion for SDPA, one layer at a time
+    prefill_acts = B * P * (3 * I + 3 * C) * d + mask + 16 * B * P
+    if config.attention_logit_softcapping is not None:
+        prefill_acts = max(prefill_acts, B * config.n_head * P * total * (d + 4 + d))
+    logits = B * V * 4 * 3  # last position's logits, fp32 copy and probabilities for sampling
+    dequant = largest * d if quantize else 0  # one weight dequantized for a prompt's matmuls
+    prefill = {c: 0 for c in CATEGORIES}
+    prefill.update(parameters=params, quantization=quant_state + dequant, kv_cache=kv, activations=prefill_acts,
+                   logits_loss=logits)
+    decode = {c: 0 for c in CATEGORIES}
+    decode.update(parameters=params, quantization=quant_state, kv_cache=kv, activations=B * (3 * I + 3 * C) * d + total * (1 + d),
+                  logits_loss=logits)
+    spec = RunSpec(config=config, precision="bf16-true", micro_batch_size=B, seq_len=total, global_batch_size=B,
+                   device_type=device_type)
+    memory = _resolve_memory(device_memory, device_type, detect)
+    plan = _assemble(spec, {"prefill": prefill, "decode": decode}, memory, "analytic", [])
+    plan.run = {"model": config.name, "parameters": pc.total, "dtype": str(dtype).replace("torch.", ""),
+                "quantize": quantize, "batch_size": B, "prompt_length": P, "max_new_tokens": max_new_tokens,
+                "kv_cache_bytes": kv, "kv_cache_positions": total}
+    plan.host_bytes = {}
+    plan.notes.append(f"KV cache: {format_bytes(kv)} for {total} positions (prompt + new tokens), allocated once.")
+    if memory is not None and not plan.fits:
+        plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
+                                                   memory, device_type)
+    plan._inputs = ("generation", config, None, {})
+    return plan
+
+
+def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type):
+    options = []
+    if quantize is None:
+        options += [({"quantize": "bnb.nf4"}, 1.5), ({"quantize": "bnb.int8"}, 2.0)]
+    if dtype == torch.float32:
+        options.append(({"precision": "bf16-true"}, 1.0))
+    if batch_size > 1:
+        options.append(({"num_samples": max(1, batch_size // 2)}, 1.0))
+    out = []
+    for changes, speed in options:
+        q = changes.get("quantize", quantize)
+        dt = torch.bfloat16 if "precision" in changes else dtype
+        b = changes.get("num_samples", batch_size)
+        p = plan_generation(config, prompt_length, max_new_tokens, b, dt, q, memory, device_type, detect=False)
+        if p.fits:
+            out.append(Suggestion(changes=changes, flags=_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
+                                  cost=speed, by_category=p.by_category))
+    return sorted(out, key=lambda s: s.cost)
+
+
+# ---- text ------------------------------------------------------------------------------------------------
+def _describe(plan: Plan) -> str:
+    r = plan.run
+    if "prompt_length" in r:
+        return (f"{r['model']} generation, {r['dtype']}{', ' + r['quantize'] if r['quantize'] else ''}, batch "
+                f"{r['batch_size']}, prompt {r['prompt_length']} + {r['max_new_tokens']} new tokens")
+    what = {"full": "full training", "lora": f"LoRA r={r.get('lora_r')} ({', '.join(r.get('lora_targets', []))})",
+            "adapter": "LLaMA-Adapter"}[r["trainable"]]
+    parts = [r["model"], what, r["precision"]]
+    if r.get("quantize"):
+        parts.append(r["quantize"])
+    parts.append(f"micro batch {r['micro_batch_size']} x {r['seq_length']} tokens"
+                 + (f" ({r['accumulation_steps']} accumulation steps)" if r["accumulation_steps"] > 1 else ""))
+    if r["activation_checkpointing_interval"]:
+        parts.append("activation checkpointing" + (f" every {r['activation_checkpointing_interval']} blocks"
+                                                   if r["activation_checkpointing_interval"] > 1 else ""))
+    parts.append(f"{r['optimizer']}")
+    unit = "GPU" if plan.device_type == "cuda" else "process"
+    ranks = f"{r['world_size']} {unit}{('es' if unit == 'process' else 's') if r['world_size'] > 1 else ''}"
+    parts.append(ranks + (f" ({r['strategy']}{', CPU offload' if r['cpu_offload'] else ''})" if r["world_size"] > 1 or r["cpu_offload"] else ""))
+    return ", ".join(parts)
+
+
+def _format_text(plan: Plan) -> str:
+    lines = [f"Memory plan (per rank): {_describe(plan)}",
+             f"engine: {plan.engine} ({'exact tensor trace' if plan.engine == 'trace' else 'closed-form model'}) + overhead; device: {plan.device_type}", ""]
+    phases = list(plan.phase_categories)
+    header = f"{'':18s}" + "".join(f"{p:>17s}" for p in phases)
+    lines.append(header)
+    for cat in CATEGORIES:
+        values = [plan.phase_categories[p].get(cat, 0) for p in phases]
+        if not any(values):
+            continue
+        lines.append(f"{cat:18s}" + "".join(f"{format_bytes(v):>17s}" for v in values))
+    lines.append(f"{'total':18s}" + "".join(f"{format_bytes(plan.by_phase[p]):>17s}" for p in phases))
+    lines.append("")
+    verdict = f"peak: {format_bytes(plan.peak_bytes)} in {plan.peak_phase}"
+    if plan.device_memory is None:
+        verdict += " (no device memory to compare with)"
+    elif plan.fits:
+        verdict += f" -> FITS in {format_bytes(plan.device_memory)} ({format_bytes(plan.headroom_bytes)} to spare)"
+    else:
+        verdict += f" -> DOES NOT FIT in {format_bytes(plan.device_memory)} ({format_bytes(-plan.headroom_bytes)} over)"
+    lines.append(verdict)
+    for key, value in plan.host_bytes.items():
+        lines.append(f"host memory, {key.replace('_', ' ')}: {format_bytes(value)}")
+    if plan.suggestions:
+        lines += ["", "Changes that make it fit (cheapest first; step time relative to this run):"]
+        for i, s in enumerate(plan.suggestions, 1):
+            note = f"  [{'; '.join(s.notes)}]" if s.notes else ""
+            lines.append(f"{i:2d}. {' '.join(s.flags):60s} peak {format_bytes(s.peak_bytes):>10s}  step time x{s.speed_factor:.2f}{note}")
+    if plan.notes:
+        lines += [""] + [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,323 @@
+"""The memory planner (lit_model/memory): exact trace vs analytic model, verdicts, suggestions, units, plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lit_model import Config
+from lit_model.errors import UsageError
+from lit_model.memory import (
+    Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
+)
+from lit_model.memory.analytic import CATEGORIES, training_phases
+from lit_model.memory.spec import make_spec
+from lit_model.memory.trace import trace_training
+
+GB = 10**9
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(**overrides) -> Config:
+    fields = dict(name="tiny", block_size=256, vocab_size=1024, n_layer=2, n_embd=128, n_head=4, n_query_groups=2,
+                  intermediate_size=344, tie_embeddings=True)
+    fields.update(overrides)
+    return Config(**fields)
+
+
+def args(**overrides) -> SimpleNamespace:
+    """The memory-relevant TrainArgs fields (the planner also accepts a TrainArgs)."""
+    fields = dict(precision="bf16-true", micro_batch_size=2, global_batch_size=8, override_max_seq_length=128,
+                  activation_checkpointing=False, optimizer="AdamW", loss_chunk_size=1024, devices=1, num_nodes=1)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def peak(config: Config, settings, **kwargs) -> int:
+    kwargs.setdefault("engine", "analytic")
+    kwargs.setdefault("device_type", "cuda")
+    return plan_training(config, settings, suggest=False, detect=False, **kwargs).peak_bytes
+
+
+LLAMA2 = Config.from_name("Llama-2-7b-hf")
+
+
+# ---- the plan's bookkeeping ------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["analytic", "trace"])
+def test_categories_add_up_to_the_peak(engine):
+    plan = plan_training(tiny(), args(), trainable="lora", device_type="cpu", engine=engine, detect=False)
+    assert plan.engine == engine
+    assert sum(plan.by_category.values()) == plan.peak_bytes
+    assert plan.peak_bytes == max(plan.by_phase.values()) == plan.by_phase[plan.peak_phase]
+    assert set(plan.by_phase) == {"train_step", "evaluation", "checkpoint_save"}
+    for phase, categories in plan.phase_categories.items():
+        assert set(categories) == set(CATEGORIES)
+        assert sum(categories.values()) == plan.by_phase[phase]
+    assert plan.by_category["parameters"] > 0 and plan.by_category["overhead"] > 0
+
+
+def test_json_and_text():
+    plan = plan_training(LLAMA2, args(micro_batch_size=4, override_max_seq_length=2048), trainable="lora",
+                         device_memory="24GB", engine="analytic")
+    data = json.loads(plan.to_json())
+    assert data["peak_bytes"] == plan.peak_bytes and data["fits"] is False and data["device_memory"] == 24 * GB
+    assert data["suggestions"] and all("flags" in s for s in data["suggestions"])
+    text = plan.to_text()
+    assert "DOES NOT FIT" in text and "train_step" in text and "activations" in text
+    assert plan.suggestions[0].flags[0] in text
+
+
+def test_fits_and_does_not_fit():
+    config, settings = tiny(), args()
+    need = peak(config, settings)
+    assert plan_training(config, settings, device_memory=need, engine="analytic", suggest=False).fits
+    small = plan_training(config, settings, device_memory=need - 1, engine="analytic", suggest=False)
+    assert not small.fits and small.headroom_bytes == -1
+    unknown = plan_training(config, settings, engine="analytic", detect=False)
+    assert unknown.fits and unknown.device_memory is None and any("--device_memory" in n for n in unknown.notes)
+
+
+def test_every_suggestion_fits_when_applied():
+    config = Config.from_name("lit-model-40m")
+    settings = args(precision="32-true", micro_batch_size=8, global_batch_size=32, override_max_seq_length=1024)
+    need = peak(config, settings)
+    plan = plan_training(config, settings, device_memory=int(need * 0.55), engine="analytic")
+    assert not plan.fits and len(plan.suggestions) >= 3
+    costs = [s.cost for s in plan.suggestions]
+    assert costs == sorted(costs)
+    for suggestion in plan.suggestions:
+        assert 1 <= len(suggestion.changes) <= 4  # up to 3 levers (--devices also sets --strategy)
+        assert suggestion.peak_bytes <= plan.device_memory
+        new_settings = suggestion.apply(settings)
+        assert new_settings is not settings and settings.micro_batch_size == 8  # the original is untouched
+        replanned = plan_training(config, new_settings, device_memory=plan.device_memory, engine="analytic",
+                                  **{k: v for k, v in suggestion.plan_kwargs({}).items()})
+        assert replanned.fits, (suggestion.flags, replanned.peak_bytes, plan.device_memory)
+        assert replanned.peak_bytes == suggestion.peak_bytes
+        assert plan.replan(suggestion).fits
+    halved = [s for s in plan.suggestions if "micro_batch_size" in s.changes]
+    for s in halved:  # the global batch is kept: the micro batch divides the per-rank batch
+        assert settings.global_batch_size % s.changes["micro_batch_size"] == 0
+
+
+def test_lora_suggestions_include_quantization_and_offload_on_gpu():
+    plan = plan_training(LLAMA2, args(micro_batch_size=1, global_batch_size=1, override_max_seq_length=1024),
+                         trainable="lora", device_memory="12GB", engine="analytic")
+    flags = [" ".join(s.flags) for s in plan.suggestions]
+    assert any("--quantize bnb.nf4" in f for f in flags) and any("--cpu_offload" in f for f in flags)
+    for suggestion in plan.suggestions:
+        assert plan.replan(suggestion).fits
+
+
+# ---- exact trace vs analytic model ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config_kw, settings_kw, plan_kw",
+    [
+        ({}, dict(precision="32-true"), dict(trainable="full")),
+        ({}, dict(activation_checkpointing=True), dict(trainable="lora")),
+        ({}, dict(global_batch_size=8, micro_batch_size=2, loss_chunk_size=64), dict(trainable="full")),
+        ({}, dict(precision="bf16-mixed"), dict(trainable="full")),
+        ({}, dict(optimizer="AdamW8bit"), dict(trainable="lora", quantize="bnb.nf4")),
+        (dict(n_layer=3), dict(), dict(trainable="adapter")),
+        (dict(mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", parallel_residual=True, bias=True,
+              rotary_percentage=0.25, tie_embeddings=False), dict(precision="32-true"), dict(trainable="full")),
+        (dict(sliding_window_size=64, vocab_size=4096), dict(), dict(trainable="lora")),
+    ],
+)
+def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
+    spec = make_spec(tiny(**config_kw), args(**settings_kw), device_type="cpu", **plan_kw)
+    traced = trace_training(spec).phases
+    closed = training_phases(spec)
+    for phase in ("train_step", "evaluation"):
+        t, a = sum(traced[phase].values()), sum(closed[phase].values())
+        assert a == pytest.approx(t, rel=0.05), (phase, traced[phase], closed[phase])
+    # the resident state is exact
+    for category in ("parameters", "optimizer_state"):
+        assert closed["train_step"][category] == pytest.approx(traced["train_step"][category], rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("trainable", ["full", "lora"])
+@pytest.mark.parametrize("ac", [False, True])
+def test_trace_agrees_with_analytic_lit_model_40m(precision, trainable, ac):
+    spec = make_spec(Config.from_name("lit-model-40m"), args(precision=precision, micro_batch_size=4, global_batch_size=4,
+                                                             override_max_seq_length=256, activation_checkpointing=ac),
+                     trainable=trainable, device_type="cpu")
+    t = sum(trace_training(spec).phases["train_step"].values())
+    a = sum(training_phases(spec)["train_step"].values())
+    assert a == pytest.approx(t, rel=0.02)
+
+
+# ---- the prediction moves the right way ----------------------------------------------------------------
+def test_prediction_orders():
+    config = Config.from_name("lit-model-40m")
+    base = dict(precision="32-true", micro_batch_size=4, global_batch_size=16, override_max_seq_length=512)
+    assert peak(config, args(**base, activation_checkpointing=True)) < peak(config, args(**base))
+    assert peak(config, args(**{**base, "precision": "bf16-true"})) < peak(config, args(**base))
+    assert peak(config, args(**{**base, "micro_batch_size": 8})) > peak(config, args(**base))
+    assert peak(config, args(**base), trainable="lora") < peak(config, args(**base))
+    assert peak(config, args(**{**base, "override_max_seq_length": 256})) < peak(config, args(**base))
+    one = peak(LLAMA2, args(micro_batch_size=1, global_batch_size=16, devices=1, strategy="fsdp"))
+    four = peak(LLAMA2, args(micro_batch_size=1, global_batch_size=16, devices=4, strategy="fsdp"))
+    assert four < one / 2
+    offload = peak(LLAMA2, args(micro_batch_size=1, global_batch_size=16, cpu_offload=True))
+    assert offload < four
+    ddp = peak(config, args(**base, devices=2, strategy="ddp"))
+    assert ddp > peak(config, args(**base))  # DDP's gradient buckets
+
+
+def test_fsdp_checkpoint_gathers_on_rank0_host():
+    plan = plan_training(LLAMA2, args(micro_batch_size=1, global_batch_size=8, devices=8, strategy="fsdp"),
+                         device_memory="80GB", engine="analytic")
+    assert plan.world_size == 8
+    assert plan.phase_categories["checkpoint_save"]["checkpoint"] > 0  # the largest weight, gathered unsharded
+    assert plan.host_bytes["checkpoint_save_rank0"] == pytest.approx(13.5 * GB, rel=0.01)
+    assert any("host RAM" in note for note in plan.notes)
+
+
+def test_llama2_7b_on_24gb():
+    settings = args(micro_batch_size=1, global_batch_size=16, override_max_seq_length=1304)
+    full = plan_training(LLAMA2, settings, trainable="full", device_memory="24GB", engine="analytic")
+    assert not full.fits and full.by_category["optimizer_state"] > 26 * GB
+    lora = plan_training(LLAMA2, settings, trainable="lora", device_memory="24GB", engine="analytic")
+    assert lora.fits
+    # litgpt's resource table: 21.30 GB max_memory_allocated for this run (longest Alpaca sample: 1304 tokens)
+    assert lora.tensor_peak_bytes == pytest.approx(21.3 * GB, rel=0.10)
+
+
+@pytest.mark.slow
+def test_llama2_7b_lora_trace():
+    settings = args(micro_batch_size=1, global_batch_size=16, override_max_seq_length=1304)
+    traced = plan_training(LLAMA2, settings, trainable="lora", device_memory="24GB", engine="trace")
+    closed = plan_training(LLAMA2, settings, trainable="lora", device_memory="24GB", engine="analytic")
+    assert traced.engine == "trace" and traced.fits
+    assert closed.tensor_peak_bytes == pytest.approx(traced.tensor_peak_bytes, rel=0.03)
+
+
+# ---- micro batch auto ------------------------------------------------------------------------------------
+def test_max_micro_batch_size():
+    config = Config.from_name("lit-model-40m")
+    settings = args(precision="bf16-true", global_batch_size=48, override_max_seq_length=512)
+    budget = 2 * GB
+    best = max_micro_batch_size(config, settings, budget, margin=0.1, confirm_with_trace=False)
+    assert best >= 1 and 48 % best == 0
+    limit = budget * 0.9
+    assert peak(config, args(**{**vars(settings), "micro_batch_size": best})) <= limit
+    bigger = min(m for m in range(best + 1, 49) if 48 % m == 0)
+    assert peak(config, args(**{**vars(settings), "micro_batch_size": bigger})) > limit
+    assert max_micro_batch_size(config, settings, 100 * 10**6, confirm_with_trace=False) == 0
+    # "auto" in the settings is resolved by plan_training
+    plan = plan_training(config, args(**{**vars(settings), "micro_batch_size": "auto"}), device_memory=budget, engine="analytic")
+    assert plan.run["micro_batch_size"] == best
+
+
+def test_max_micro_batch_size_confirmed_by_trace():
+    config = tiny()
+    settings = args(global_batch_size=16, override_max_seq_length=256)
+    p2, p4 = (plan_training(config, args(**{**vars(settings), "micro_batch_size": m}), device_type="cpu", engine="trace",
+                            detect=False).peak_bytes for m in (2, 4))
+    budget = int((p2 + p4) / 2 / 0.9)
+    assert max_micro_batch_size(config, settings, budget, device_type="cpu", confirm_with_trace=True) == 2
+
+
+# ---- generation -----------------------------------------------------------------------------------------
+def test_generation_plan_grows_with_new_tokens_not_block_size():
+    short = plan_generation(LLAMA2, 512, 128, detect=False)
+    long = plan_generation(LLAMA2, 512, 1024, detect=False)
+    assert long.peak_bytes > short.peak_bytes
+    assert long.run["kv_cache_bytes"] == pytest.approx(short.run["kv_cache_bytes"] * (1536 / 640))
+    # KV cache: 2 (k, v) x 32 layers x 640 positions x 4096 channels x 2 bytes
+    assert short.run["kv_cache_bytes"] == 2 * 32 * 640 * 4096 * 2
+    bigger_context = Config.from_name("Llama-2-7b-hf", block_size=32768)
+    assert plan_generation(bigger_context, 512, 128, detect=False).peak_bytes == short.peak_bytes
+    assert sum(short.by_category.values()) == short.peak_bytes
+
+
+def test_generation_quantized_and_verdict():
+    bf16 = plan_generation(LLAMA2, 256, 256, dtype="bf16-true", device_memory="8GB")
+    assert not bf16.fits and any(s.changes.get("quantize") == "bnb.nf4" for s in bf16.suggestions)
+    nf4 = plan_generation(LLAMA2, 256, 256, dtype="bf16-true", quantize="bnb.nf4", device_memory="8GB")
+    assert nf4.fits and nf4.peak_bytes < bf16.peak_bytes / 2
+    # litgpt's table: Llama-2-7B inference 13.52 GB bf16, 4.57 GB nf4 (max allocated)
+    assert bf16.tensor_peak_bytes == pytest.approx(13.52 * GB, rel=0.08)
+    assert nf4.tensor_peak_bytes == pytest.approx(4.57 * GB, rel=0.15)
+    with pytest.raises(UsageError):
+        plan_generation(LLAMA2, 4000, 200, detect=False)
+
+
+# ---- units, device, plot -----------------------------------------------------------------------------------
+def test_parse_memory():
+    assert parse_memory("24GB") == 24 * 10**9
+    assert parse_memory("24GiB") == 24 * 2**30
+    assert parse_memory("512MB") == 512 * 10**6
+    assert parse_memory("512 MiB") == 512 * 2**20
+    assert parse_memory("1.5gb") == 1_500_000_000
+    assert parse_memory("80G") == 80 * 10**9
+    assert parse_memory("1TB") == 10**12
+    assert parse_memory(123456) == 123456
+    assert parse_memory("8e9") == 8 * 10**9
+    for bad in ("", "GB", "24 parsecs", "-1GB", "0", "24GBs"):
+        with pytest.raises(UsageError):
+            parse_memory(bad)
+
+
+def test_detect_device_memory_cpu():
+    available = detect_device_memory("cpu")
+    assert 10**8 < available < 10**14
+
+
+def test_plot_plan(tmp_path):
+    plan = plan_training(LLAMA2, args(micro_batch_size=4, override_max_seq_length=2048), trainable="lora",
+                         device_memory="24GB", engine="analytic")
+    path = plot_plan(plan, tmp_path / "plan.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+def test_bad_inputs():
+    with pytest.raises(UsageError):
+        plan_training(LLAMA2, args(), trainable="full", quantize="bnb.nf4", engine="analytic")
+    with pytest.raises(UsageError):
+        plan_training(LLAMA2, args(), trainable="prefix", engine="analytic")
+    with pytest.raises(UsageError):
+        plan_training(LLAMA2, args(precision="fp8"), engine="analytic")
+
+
+def test_plan_is_a_dataclass_with_the_documented_fields():
+    plan = plan_training(tiny(), args(), engine="analytic", detect=False)
+    assert isinstance(plan, Plan)
+    for name in ("peak_bytes", "by_category", "by_phase", "fits", "device_memory", "suggestions"):
+        assert hasattr(plan, name)
+
+
+def test_with_the_scripts_args_dataclasses():
+    """The scripts' own argument dataclasses work as settings; suggestions apply to them."""
+    import importlib.util
+
+    from lit_model.training.args import TrainArgs
+
+    pretrain = TrainArgs(micro_batch_size=8, global_batch_size=32, precision="32-true", override_max_seq_length=512)
+    plan = plan_training(Config.from_name("lit-model-40m"), pretrain, device_memory="1GB", engine="analytic")
+    assert not plan.fits and plan.suggestions
+    applied = plan.suggestions[0].apply(pretrain)
+    assert isinstance(applied, TrainArgs) and plan.replan(plan.suggestions[0]).fits
+
+    spec = importlib.util.spec_from_file_location("finetune_lora", ROOT / "finetune" / "lora.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["finetune_lora"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop("finetune_lora", None)
+    lora_args = module.LoRAArgs(micro_batch_size=1, global_batch_size=16, precision="bf16-true",
+                                override_max_seq_length=1304, lora_key=True)
+    plan = plan_training(LLAMA2, lora_args, trainable="lora", device_memory="24GB", engine="analytic")
+    assert plan.fits and plan.run["lora_targets"] == ["query", "key", "value"]
+    qlora = plan_training(LLAMA2, module.LoRAArgs(quantize="bnb.nf4", micro_batch_size=1, override_max_seq_length=1304),
+                          trainable="lora", device_memory="24GB", engine="analytic")
+    assert qlora.run["quantize"] == "bnb.nf4" and qlora.peak_bytes < plan.peak_bytes
