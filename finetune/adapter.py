@@ -16,11 +16,10 @@ from typing import Optional
 from lightning.fabric import Fabric
 from safetensors.torch import save_file
 
-from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterAttention, AdapterConfig, apply_adapter
+from lit_model.adapter import ADAPTER_WEIGHTS, AdapterAttention, AdapterConfig, apply_adapter
 from lit_model.checkpoint import derive_checkpoint_dir
 from lit_model.cli import parse
 from lit_model.errors import run_cli
-from lit_model.prompts import PROMPT_STYLE_FILE
 from lit_model.training import finetune, session
 
 
@@ -73,7 +72,7 @@ def train(fabric: Fabric, args: AdapterArgs) -> None:
         setup.style.save(directory)
 
     if fabric.global_rank == 0:  # the untouched base weights, copied, with the adapter beside them
-        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, (ADAPTER_WEIGHTS, ADAPTER_CONFIG, PROMPT_STYLE_FILE))
+        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES)
     fabric.barrier()
     finetune.finish(fabric, args, setup, run, final_dir, "adapter")
 

@@ -16,7 +16,6 @@ from lightning.fabric import Fabric
 from lit_model.cli import parse
 from lit_model.errors import run_cli
 from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
-from lit_model.prompts import PROMPT_STYLE_FILE
 from lit_model.training import finetune, session
 
 
@@ -38,29 +37,26 @@ class LoRAArgs(finetune.FinetuneArgs):
     """
 
     out_dir: Path = Path("out/finetune/lora")
-    lora_r: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05
-    lora_query: bool = True
-    lora_key: bool = False
-    lora_value: bool = True
-    lora_projection: bool = False
-    lora_mlp: bool = False
-    lora_head: bool = False
-    lora_bias: bool = False
+    lora_r: int = LoRAConfig.r
+    lora_alpha: float = LoRAConfig.alpha
+    lora_dropout: float = LoRAConfig.dropout
+    lora_query: bool = LoRAConfig.query
+    lora_key: bool = LoRAConfig.key
+    lora_value: bool = LoRAConfig.value
+    lora_projection: bool = LoRAConfig.projection
+    lora_mlp: bool = LoRAConfig.mlp
+    lora_head: bool = LoRAConfig.head
+    lora_bias: bool = LoRAConfig.bias
 
 
 def main(args: LoRAArgs) -> None:
+    lora = LoRAConfig.from_flags(args)  # bad LoRA flags fail before any process starts
     fabric = session.create_fabric(args)
-    fabric.launch(train, args)
+    fabric.launch(train, args, lora)
     session.finish(fabric)
 
 
-def train(fabric: Fabric, args: LoRAArgs) -> None:
-    lora = LoRAConfig(
-        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, query=args.lora_query, key=args.lora_key,
-        value=args.lora_value, projection=args.lora_projection, mlp=args.lora_mlp, head=args.lora_head, bias=args.lora_bias,
-    )
+def train(fabric: Fabric, args: LoRAArgs, lora: LoRAConfig) -> None:
     setup = finetune.prepare(fabric, args, "lora")
     fabric.seed_everything(args.seed)  # the same adapter initialisation on every rank
     model = finetune.load_model(fabric, args, setup)
@@ -73,7 +69,7 @@ def train(fabric: Fabric, args: LoRAArgs) -> None:
     final_dir = args.out_dir / "final"
     adapter_weights = finetune.gather_trainable(model)
     if fabric.global_rank == 0:  # merged from the full-precision base weights, never from a quantized copy
-        save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, (PROMPT_STYLE_FILE,))
+        save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, finetune.DERIVED_FILES)
     fabric.barrier()
     finetune.finish(fabric, args, setup, run, final_dir, "lora" if args.quantize is None else f"qlora ({args.quantize})")
 

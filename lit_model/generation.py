@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -499,8 +498,9 @@ def peak_memory_bytes(devices: Sequence[torch.device]) -> int:
     """CUDA: max_memory_reserved summed over the devices; CPU: the process's peak RSS."""
     if devices and devices[0].type == "cuda":
         return sum(torch.cuda.max_memory_reserved(d) for d in devices)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+    from lit_model.memory.units import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def stats_line(result: Generation, devices: Sequence[torch.device]) -> str:

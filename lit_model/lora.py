@@ -82,6 +82,11 @@ class LoRAConfig:
         (Path(directory) / LORA_CONFIG).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
 
     @classmethod
+    def from_flags(cls, flags: object) -> "LoRAConfig":
+        """From a script's ``lora_r``, ``lora_alpha``, ... flags."""
+        return cls(**{f.name: getattr(flags, f"lora_{f.name}") for f in fields(cls) if hasattr(flags, f"lora_{f.name}")})
+
+    @classmethod
     def from_dir(cls, directory: Path) -> "LoRAConfig":
         path = Path(directory) / LORA_CONFIG
         if not path.is_file():
@@ -109,10 +114,6 @@ class LoRALayer:
         out = super().forward(x)  # type: ignore[misc]
         low_rank = F.linear(F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
         return out + (low_rank * self.lora_scaling).to(out.dtype)
-
-    def lora_delta(self) -> torch.Tensor:
-        """The update to the base weight, in fp32: scaling * B @ A."""
-        return (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.lora_scaling
 
 
 _LORA_CLASSES: dict[type, type] = {}
@@ -146,22 +147,10 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
             module._init_lora(config, dtype)
             if config.bias and module.bias is not None:
                 module.bias.requires_grad_(True)
-            if hasattr(module, "support_avx512bf16_for_cpu"):
-                # bitsandbytes repacks 4-bit weights for CPU inference in eval mode; training needs them as they are
-                module.support_avx512bf16_for_cpu = False
             names.append(name)
     if not names:
         raise UsageError(f"No linear layer of the model matches the LoRA targets {config}; check the --lora_* flags.")
     return names
-
-
-def lora_layers(model: nn.Module) -> dict[str, LoRALayer]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALayer)}
-
-
-def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that train (adapter weights, trainable biases), detached on the CPU."""
-    return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:

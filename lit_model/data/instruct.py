@@ -142,7 +142,7 @@ class InstructDataset(Dataset):
 
 def collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad to the longest sample: input ids with ``pad_id``, targets with -100 (no loss)."""
-    length = max(len(ids) for ids, _ in items)
+    length = max(len(ids) for ids, _ in items); length = -(-length // 64) * 64
     input_ids = torch.full((len(items), length), pad_id, dtype=torch.long)
     targets = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
     for row, (ids, tgt) in enumerate(items):

@@ -85,3 +85,19 @@ def detect_device_memory(device_type: Optional[str] = None, device_index: int = 
     available = int(psutil.virtual_memory().available)
     limit = _cgroup_limit()
     return min(available, limit) if limit is not None else available
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. Linux's VmHWM, not getrusage's ru_maxrss: the latter survives
+    execve, so a process started by a large parent (pytest, a launcher) would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

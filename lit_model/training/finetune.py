@@ -13,19 +13,23 @@ import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
 
+from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.errors import UsageError, UserError
+from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
 from lit_model.model import GPT
 from lit_model.precision import param_dtype
-from lit_model.prompts import PromptStyle
+from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
 from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, find_resume_path, fit, write_summary
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")
+# What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from
+DERIVED_FILES = (LORA_WEIGHTS, LORA_CONFIG, ADAPTER_WEIGHTS, ADAPTER_CONFIG, PROMPT_STYLE_FILE)
 Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"]
 
 
@@ -77,7 +81,6 @@ class Setup:
 
 def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     """Check the flags and the checkpoint, then load the data; every rank does the same and fails alike."""
-    from lit_model.adapter import ADAPTER_CONFIG
     from lit_model.quantize import check_quantize
 
     check_quantize(args.quantize, fabric.device.type, param_dtype(fabric.precision_name), "mixed" in fabric.precision_name)
@@ -106,6 +109,7 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     config = Config.from_checkpoint(checkpoint_dir)
     seq_length = session.sequence_length(config, args.override_max_seq_length)
     check_out_dir(args.out_dir, args)
+    fabric.barrier()  # every rank checks out_dir before rank 0 writes metrics.csv into it (FSDP setup does not sync)
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:
         style = PromptStyle.from_name(args.prompt_style)
@@ -127,8 +131,15 @@ def load_model(fabric: Fabric, args: FinetuneArgs, setup: Setup) -> GPT:
     device = torch.device("cpu") if fabric.strategy_name == "fsdp" else fabric.device
     dtype = param_dtype(fabric.precision_name)
     model = load_checkpoint_model(setup.checkpoint_dir, [device], dtype, args.quantize, max_seq_length=setup.seq_length)
-    fabric.print(f"Model: {setup.config.name} from {setup.checkpoint_dir}, {sum(p.numel() for p in model.parameters()):,} "
-                 f"parameters{f', base weights in {args.quantize}' if args.quantize else ''}")
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            # bitsandbytes repacks 4-bit weights in place for CPU inference when it sees an eval-mode forward
+            # without gradients (our validation): keep the one layout that training and FSDP's shards use
+            module.support_avx512bf16_for_cpu = False
+    with torch.device("meta"):  # counted before quantization packs the weights
+        n_parameters = sum(p.numel() for p in GPT(setup.config).parameters())
+    fabric.print(f"Model: {setup.config.name} from {setup.checkpoint_dir}, {n_parameters:,} parameters"
+                 f"{f', frozen base weights in {args.quantize}' if args.quantize else ''}")
     return model.train()
 
 

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import resource
 import shutil
 import signal
 import sys
@@ -31,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
+from lit_model.memory.units import peak_rss_bytes
 from lit_model.training.args import TrainArgs
 from lit_model.training.optimizers import lr_at, set_lr
 
@@ -71,7 +71,7 @@ def freeze_layers(model: nn.Module, spec: Optional[Union[int, list[str]]]) -> in
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return peak_rss_bytes()
 
 
 def release_cached_memory(device: torch.device) -> None:
