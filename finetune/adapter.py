@@ -40,6 +40,8 @@ class AdapterArgs(finetune.FinetuneArgs):
 
 
 def main(args: AdapterArgs) -> None:
+    if args.plan is not None:
+        return finetune.print_plan(args, "adapter")
     fabric = session.create_fabric(args)
     fabric.launch(train, args)
     session.finish(fabric)

@@ -35,6 +35,8 @@ def main(args: FullArgs) -> None:
             f"--quantize {args.quantize} stores frozen weights, but full fine-tuning trains every weight. Use "
             f"finetune/lora.py --quantize {args.quantize} (QLoRA), or drop --quantize."
         )
+    if args.plan is not None:
+        return finetune.print_plan(args, "full")
     fabric = session.create_fabric(args)
     fabric.launch(train, args)
     session.finish(fabric)

@@ -51,6 +51,8 @@ class LoRAArgs(finetune.FinetuneArgs):
 
 def main(args: LoRAArgs) -> None:
     lora = LoRAConfig.from_flags(args)  # bad LoRA flags fail before any process starts
+    if args.plan is not None:
+        return finetune.print_plan(args, "lora")
     fabric = session.create_fabric(args)
     fabric.launch(train, args, lora)
     session.finish(fabric)

@@ -66,6 +66,8 @@ def train(fabric: Fabric, args: PretrainArgs) -> None:
     config = model_config(args)
     seq_length = session.sequence_length(config, args.override_max_seq_length)
     check_out_dir(args.out_dir, args)
+    fabric.barrier()  # every rank checks out_dir before rank 0 writes into it
+    session.resolve_micro_batch_size(fabric, args, config)
     tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise UsageError(
@@ -95,7 +97,9 @@ def train(fabric: Fabric, args: PretrainArgs) -> None:
         f"(micro batch {args.micro_batch_size}, {sampler.accumulation_steps} accumulation steps, "
         f"{fabric.world_size} process(es), {fabric.precision_name})"
     )
-    run = fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps, run, config)
+    rehearsal_batch = session.longest_batch(fabric, train_data, args)
+    run = fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps, run,
+              config, rehearsal_batch=rehearsal_batch)
 
     final_dir = args.out_dir / "final"
     save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)

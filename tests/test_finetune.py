@@ -260,6 +260,8 @@ def run_in_process(method: str, argv: list[str], capsys) -> tuple[int, str]:
         ("lora", ("--data_path", "BAD_LINE"), 1, "Line 3 of"),
         ("lora", ("--data_path", "MISSING_OUTPUT"), 1, "has keys ['answer', 'instruction']"),
         ("lora", ("--checkpoint_dir", "NO_TOKENIZER"), 1, "missing tokenizer.json or tokenizer.model"),
+        ("lora", ("--model_name", "pythia-14m"), 2, "applies with --plan only"),
+        ("lora", ("--plan", "json", "--checkpoint_dir", "NO_TOKENIZER/missing"), 2, "Pass --model_name"),
     ],
 )
 def test_bad_input_is_one_clear_message(ft, tmp_path, capsys, method, extra, code, needle):
@@ -275,6 +277,26 @@ def test_bad_input_is_one_clear_message(ft, tmp_path, capsys, method, extra, cod
             *[replace.get(a, a) for a in extra]]
     got, message = run_in_process(method, argv, capsys)
     assert got == code and needle in message, message
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "adapter"])
+def test_plan_from_the_checkpoint_or_a_model_name(ft, capsys, method):
+    from lit_model.cli import parse
+
+    module = load_script(method)
+    args_cls = getattr(module, {"lora": "LoRAArgs", "full": "FullArgs", "adapter": "AdapterArgs"}[method])
+    module.main(parse(args_cls, ["--checkpoint_dir", str(ft["base"]), "--plan", "json"]))
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["run"]["trainable"] == method and sum(plan["by_category"].values()) == plan["peak_bytes"]
+    base_params = plan["by_category"]["parameters"]
+    trainable_share = plan["by_category"]["gradients"] / base_params
+    assert trainable_share > 0.9 if method == "full" else trainable_share < 0.2  # parameters include buffers
+
+    # before downloading: will Llama-2-7B fit a 24 GB GPU?
+    module.main(parse(args_cls, ["--model_name", "Llama-2-7b-hf", "--plan", "json", "--device_memory", "24GB"]))
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["run"]["model"] == "Llama-2-7b-hf" and plan["fits"] is False and plan["suggestions"]
+    assert all(s["peak_bytes"] <= 24e9 for s in plan["suggestions"])
 
 
 def test_missing_default_checkpoint_names_the_command_that_makes_it(ft, tmp_path, monkeypatch, capsys):

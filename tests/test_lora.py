@@ -179,6 +179,9 @@ def test_prompt_tokens_are_masked_and_contribute_no_loss(tokenizer):
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=256)
     batch_ids, batch_targets = collate([dataset[0], dataset[1]])
     assert batch_ids.shape == batch_targets.shape and (batch_targets[0, len(dataset[0][1]):] == -100).all()
+    longest = max(len(dataset[0][0]), len(dataset[1][0]))
+    assert batch_ids.shape[1] == -(-longest // 64) * 64 and (batch_ids[0, len(dataset[0][0]):] == 0).all()  # to a multiple of 64
+    assert collate([dataset[0]], max_length=len(dataset[0][0]))[0].shape[1] == len(dataset[0][0])  # not past the context
     logits = model(batch_ids)
     keep = batch_targets != -100
     manual = torch.nn.functional.cross_entropy(logits[keep], batch_targets[keep])

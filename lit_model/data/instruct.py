@@ -32,6 +32,10 @@ from lit_model.prompts import Alpaca, PromptStyle
 
 IGNORE_INDEX = -100
 MAX_SOURCE_CHARS = 1200  # default data: functions up to this long (most fit 512 tokens with their prompt)
+# Batches are padded to a multiple of this many tokens: few distinct shapes. With exact lengths, the default LoRA
+# run's peak RSS on the CPU grew from 1.0 to 3.2 GB over 100 steps (freed blocks of ever new sizes stay with the
+# allocator); padded to 64 it stayed at 0.9 GB, at the same speed.
+PAD_MULTIPLE = 64
 
 
 # ---- reading records -----------------------------------------------------------------------------------
@@ -140,9 +144,14 @@ class InstructDataset(Dataset):
         return int(sum(flags[1:].sum() for _, flags in self.samples))
 
 
-def collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sample: input ids with ``pad_id``, targets with -100 (no loss)."""
-    length = max(len(ids) for ids, _ in items); length = -(-length // 64) * 64
+def collate(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0, multiple: int = PAD_MULTIPLE,
+    max_length: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest sample rounded up to ``multiple`` (at most ``max_length``): input ids with
+    ``pad_id``, targets with -100 (no loss)."""
+    length = -(-max(len(ids) for ids, _ in items) // multiple) * multiple
+    length = min(length, max_length) if max_length is not None else length  # samples are cut to max_length
     input_ids = torch.full((len(items), length), pad_id, dtype=torch.long)
     targets = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
     for row, (ids, tgt) in enumerate(items):

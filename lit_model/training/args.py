@@ -58,6 +58,11 @@ class TrainArgs(DistributedSettings):
         overwrite: allow writing into an out_dir that holds another run
         device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB
         plan: print the predicted peak memory of this run and exit
+        plan_plot: with --plan: also write a PNG of peak memory by category for this run and each suggestion
+        rehearse: before training, run one step on the longest batch, one evaluation batch and a checkpoint save
+            (a fresh run's rehearsal changes nothing), so an out-of-memory shows in the first minute
+        oom_recovery: on out-of-memory inside a step, redo the step's samples in micro batches half as large
+            (same global batch); when even 1 does not fit, stop with a report of what took the memory
     """
 
     out_dir: Path = Path("out/pretrain")
@@ -89,3 +94,6 @@ class TrainArgs(DistributedSettings):
     overwrite: bool = False
     device_memory: Optional[str] = None
     plan: Optional[Literal["text", "json"]] = None
+    plan_plot: Optional[Path] = None
+    rehearse: bool = True
+    oom_recovery: bool = True

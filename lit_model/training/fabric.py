@@ -7,6 +7,7 @@ on GPUs and, with gloo, on the CPU, which Fabric's FSDP1 strategy refuses.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -76,6 +77,9 @@ def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fab
             "--num_nodes >= 2. Use FULL_SHARD or SHARD_GRAD_OP on one node."
         )
     backend = "nccl" if accelerator == "cuda" else "gloo"
+    if accelerator == "cpu" and devices > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # The processes share the cores: more threads than cores makes every step many times slower.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // devices))
     if strategy == "single":
         fabric_strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if accelerator == "cuda" else "cpu"))
     elif strategy == "ddp":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -47,9 +48,12 @@ class FinetuneArgs(TrainArgs):
         mask_prompt: compute the loss on the responses only (prompt tokens get target -100)
         val_split_fraction: share of the records held out for validation
         sample_instruction: instruction answered at the end (default: the first validation sample's)
+        model_name: with --plan: a name from the config registry in place of --checkpoint_dir, to plan a run
+            before its weights are downloaded
     """
 
     checkpoint_dir: Path = DEFAULT_CHECKPOINT
+    model_name: Optional[str] = None
     out_dir: Path = Path("out/finetune")
     quantize: Optional[Quantize] = None
     prompt_style: Optional[str] = None
@@ -77,12 +81,32 @@ class Setup:
     style: PromptStyle
     data: InstructData
     seq_length: int
+    method: str  # full, lora or adapter
+
+
+def print_plan(args: FinetuneArgs, method: str) -> None:
+    """``--plan``: the architecture from --model_name or the checkpoint's config; no weights are read."""
+    if args.model_name is not None:
+        config = Config.from_name(args.model_name)
+    elif (args.checkpoint_dir / "model_config.yaml").is_file():
+        config = Config.from_checkpoint(args.checkpoint_dir)
+    else:
+        raise UsageError(
+            f"--plan needs the model's architecture, but {args.checkpoint_dir} has no model_config.yaml. Pass "
+            "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
+        )
+    session.print_plan(config, args, trainable=method)
 
 
 def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     """Check the flags and the checkpoint, then load the data; every rank does the same and fails alike."""
     from lit_model.quantize import check_quantize
 
+    if args.model_name is not None:
+        raise UsageError(
+            f"--model_name {args.model_name} applies with --plan only: fine-tuning starts from the weights in "
+            "--checkpoint_dir (convert a Hugging Face download with `python -m lit_model.convert hf_to_lit`)."
+        )
     check_quantize(args.quantize, fabric.device.type, param_dtype(fabric.precision_name), "mixed" in fabric.precision_name)
     if args.quantize == "bnb.int8" and fabric.strategy_name == "fsdp":
         raise UsageError(
@@ -110,6 +134,7 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     seq_length = session.sequence_length(config, args.override_max_seq_length)
     check_out_dir(args.out_dir, args)
     fabric.barrier()  # every rank checks out_dir before rank 0 writes metrics.csv into it (FSDP setup does not sync)
+    session.resolve_micro_batch_size(fabric, args, config, method)
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:
         style = PromptStyle.from_name(args.prompt_style)
@@ -120,7 +145,7 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
-    return Setup(checkpoint_dir, config, tokenizer, style, data, seq_length)
+    return Setup(checkpoint_dir, config, tokenizer, style, data, seq_length, method)
 
 
 def load_model(fabric: Fabric, args: FinetuneArgs, setup: Setup) -> GPT:
@@ -170,8 +195,9 @@ def train(fabric: Fabric, args: FinetuneArgs, setup: Setup, model: nn.Module, op
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
         check_resumable(args, model, names)
     session.resume_if_asked(fabric, args, model, optimizer, run, setup.config, strict=save_filter is None)
-    train_batches, sampler = session.train_batches(fabric, data.train, args, run.step, collate, data.train.lengths)
-    val_batches = session.val_batches(fabric, data.val, args, collate)
+    pad = partial(collate, max_length=setup.seq_length)
+    train_batches, sampler = session.train_batches(fabric, data.train, args, run.step, pad, data.train.lengths)
+    val_batches = session.val_batches(fabric, data.val, args, pad)
     tokens_per_sample = data.train.target_tokens / len(data.train)
     max_steps = args.max_steps
     if args.max_tokens is not None:
@@ -183,8 +209,9 @@ def train(fabric: Fabric, args: FinetuneArgs, setup: Setup, model: nn.Module, op
         f"each; micro batch {args.micro_batch_size}, {sampler.accumulation_steps} accumulation steps, "
         f"{fabric.world_size} process(es), {fabric.precision_name})"
     )
+    rehearsal_batch = session.longest_batch(fabric, data.train, args, pad, data.train.lengths)
     return fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps,
-               run, setup.config, save_filter=save_filter)
+               run, setup.config, save_filter=save_filter, rehearsal_batch=rehearsal_batch, trainable=setup.method)
 
 
 def check_resumable(args: FinetuneArgs, model: nn.Module, names: set[str]) -> None:

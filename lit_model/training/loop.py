@@ -8,6 +8,7 @@ the random numbers (dropout) an uninterrupted run would, without storing RNG sta
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import ctypes
 import fnmatch
@@ -20,8 +21,9 @@ import shutil
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -33,6 +35,10 @@ from lit_model.errors import UsageError, UserError
 from lit_model.memory.units import peak_rss_bytes
 from lit_model.training.args import TrainArgs
 from lit_model.training.optimizers import lr_at, set_lr
+from lit_model.training.recovery import (
+    StepOutOfMemory, agreed_out_of_memory, count_targets, out_of_memory_report, simulated_memory_cap, split_batches,
+    start_memory_history,
+)
 
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "state.pt"
@@ -134,6 +140,17 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def write_state(fabric: Fabric, directory: Path, state: dict[str, Any], config: Config, filter: Optional[dict[str, Any]] = None) -> None:
+    """The model config and the resumable state into a fresh ``directory`` (every rank takes part)."""
+    if fabric.global_rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        config.save(directory)
+    fabric.barrier()
+    fabric.save(directory / STATE_NAME, state, filter=filter)
+    fabric.barrier()
+
+
 def save_resumable(
     fabric: Fabric, out_dir: Path, state: dict[str, Any], config: Config, step: int, keep_last: int,
     filter: Optional[dict[str, Any]] = None,
@@ -143,13 +160,7 @@ def save_resumable(
     ``filter`` (Fabric's ``save(filter=...)``) keeps part of a state, e.g. only the trainable parameters."""
     final = out_dir / CHECKPOINTS / f"step-{step:08d}"
     tmp = final.with_name(f".{final.name}.tmp")
-    if fabric.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        config.save(tmp)
-    fabric.barrier()
-    fabric.save(tmp / STATE_NAME, state, filter=filter)
-    fabric.barrier()
+    write_state(fabric, tmp, state, config, filter)
     if fabric.global_rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -220,6 +231,104 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+# ---- the training step ---------------------------------------------------------------------------
+class TrainStep:
+    """One optimizer step's forward and backward passes over the step's samples, in micro batches. When the
+    device runs out of memory (every rank learns it, see recovery.py), the step's memory is freed and the same
+    samples are redone in micro batches half as large; the smaller size is kept for the rest of the run.
+    The loss is the mean over every target token of the step on all ranks, so the gradients do not depend on
+    how the samples are split (up to float summation order)."""
+
+    def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, micro_batch_size: int, recover: bool,
+                 report: Callable[[int, str, str], str]) -> None:
+        from lit_model.training.optimizers import needs_create_graph
+
+        self.fabric, self.model, self.optimizer = fabric, model, optimizer
+        self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
+        self.create_graph = needs_create_graph(optimizer)
+
+    def attention_backend(self) -> Any:
+        # Hessian-based optimizers differentiate twice; the fused attention kernels have no double backward.
+        return sdpa_kernel([SDPBackend.MATH]) if self.create_graph else contextlib.nullcontext()
+
+    def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over ``batches``; returns this rank's summed token loss and its token count."""
+        fabric = self.fabric
+        chunks = split_batches(batches, self.micro_batch_size)
+        local_tokens = sum(count_targets(targets) for _, targets in chunks)
+        all_tokens = fabric.all_reduce(local_tokens.float(), reduce_op="sum") if fabric.world_size > 1 else local_tokens.float()
+        scale = fabric.world_size / all_tokens.clamp(min=1)  # the ranks average their gradients
+        loss_sum = torch.zeros((), device=fabric.device)
+        for index, (input_ids, targets) in enumerate(chunks):
+            with fabric.no_backward_sync(self.model, enabled=index < len(chunks) - 1), self.attention_backend():
+                with agreed_out_of_memory(fabric), simulated_memory_cap(self.model, self.optimizer):
+                    loss = self.model(input_ids, targets=targets) * count_targets(targets)
+                with agreed_out_of_memory(fabric):
+                    fabric.backward(loss * scale, create_graph=self.create_graph)
+            loss_sum += loss.detach()
+        return loss_sum, local_tokens
+
+    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        while True:
+            try:
+                return self.accumulate(batches)
+            except StepOutOfMemory as error:
+                message = str(error)
+            self.optimizer.zero_grad(set_to_none=True)
+            release_cached_memory(self.fabric.device)
+            if not self.recover or self.micro_batch_size == 1:
+                raise UserError(self.report(self.micro_batch_size, where, message))
+            old, self.micro_batch_size = self.micro_batch_size, (self.micro_batch_size + 1) // 2
+            self.fabric.print(
+                f"Out of memory {where} with micro batch {old} ({message}): redoing the same samples in micro batches "
+                f"of {self.micro_batch_size} (the global batch is unchanged) and keeping that size.", flush=True,
+            )
+
+
+def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, torch.Tensor], val_batches: list[Any],
+             state: dict[str, Any], config: Config, out_dir: Path, save_filter: Optional[dict[str, Any]]) -> None:
+    """The run's memory-hungriest moments once, before the main loop: a step on the longest batch, the largest
+    evaluation batch and a checkpoint save, so an out-of-memory shows in the first minute, not after hours.
+    A fresh run's rehearsal changes nothing: its optimizer step has learning rate and weight decay 0, and the
+    optimizer state it creates is dropped afterwards. A resumed run skips the optimizer step (its loaded state
+    already holds that memory)."""
+    start = time.perf_counter()
+    model, optimizer = train_step.model, train_step.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    fresh = not inner.state
+    saved_groups = copy.deepcopy([{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups])
+    train_step([batch], "in the rehearsal step on the longest batch")
+    if fresh:
+        for group in inner.param_groups:
+            group["lr"] = 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    evaluate(fabric, model, [max(val_batches, key=lambda b: b[0].numel())])
+    tmp = out_dir / CHECKPOINTS / ".rehearsal.tmp"
+    write_state(fabric, tmp, state, config, save_filter)
+    if fabric.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if fresh:
+        inner.state.clear()
+        for group, saved in zip(inner.param_groups, saved_groups):  # also drops keys the step added ("step")
+            params = group["params"]
+            group.clear()
+            group.update(saved, params=params)
+    fabric.print(
+        f"Rehearsal passed in {time.perf_counter() - start:.1f} s: a step on the longest batch "
+        f"({batch[0].shape[0]} x {batch[0].shape[1]} tokens), the largest evaluation batch and a checkpoint save; "
+        f"peak memory so far {format_bytes(peak_memory_bytes(fabric.device))}.", flush=True,
+    )
+
+
+def _report(config: Config, args: TrainArgs, trainable: str, fabric: Fabric, out_dir: Path, micro_batch_size: int,
+            where: str, message: str) -> str:
+    return out_of_memory_report(config, args, trainable, fabric.device, fabric.world_size, micro_batch_size, where,
+                                message, out_dir)
+
+
 # ---- the loop ------------------------------------------------------------------------------------
 def fit(
     fabric: Fabric,
@@ -233,19 +342,25 @@ def fit(
     run: RunState,
     config: Config,
     save_filter: Optional[dict[str, Any]] = None,
+    rehearsal_batch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    trainable: str = "full",
 ) -> RunState:
     """Train until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
-    ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``)."""
-    from lit_model.training.optimizers import hessian_step, needs_create_graph
+    ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``). With ``--rehearse``,
+    ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. ``trainable`` (full, lora,
+    adapter) is what an out-of-memory report plans with."""
+    from lit_model.training.optimizers import hessian_step
 
     out_dir = args.out_dir
-    create_graph = needs_create_graph(optimizer)
-    # Hessian-based optimizers differentiate twice; the fused attention kernels have no double backward.
-    attention_backend = (lambda: sdpa_kernel([SDPBackend.MATH])) if create_graph else contextlib.nullcontext
-    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
-    stop = StopRequest()
+    start_memory_history(fabric.device)
+    report = partial(_report, config, args, trainable, fabric, out_dir)
+    train_step = TrainStep(fabric, model, optimizer, int(args.micro_batch_size), args.oom_recovery, report)
     # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
     state = {"model": model, "optimizer": optimizer, "run": run}
+    if args.rehearse and rehearsal_batch is not None:
+        rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter)
+    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
+    stop = StopRequest()
     window_start, window_tokens = time.perf_counter(), 0
     fit_start = time.perf_counter() - run.fit_seconds
     steps_at_start = run.step
@@ -254,25 +369,17 @@ def fit(
         torch.manual_seed(args.seed + 1_000_003 * run.step + 7919 * fabric.global_rank)
         lr = lr_at(run.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
         set_lr(optimizer, lr)
-        step_loss = torch.zeros((), device=fabric.device)
-        step_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
-        for micro_step in range(accumulation):
-            input_ids, targets = next(train_batches)
-            with fabric.no_backward_sync(model, enabled=micro_step < accumulation - 1), attention_backend():
-                loss = model(input_ids, targets=targets)
-                fabric.backward(loss / accumulation, create_graph=create_graph)
-            step_loss += loss.detach() / accumulation
-            step_tokens += (targets != -100).sum()
+        step_loss, step_tokens = train_step([next(train_batches) for _ in range(accumulation)], f"at step {run.step + 1}")
         if args.grad_clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
-        if create_graph:
+        if train_step.create_graph:
             hessian_step(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         run.step += 1
 
         reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
-        run.last_train_loss = reduced[0].item() / fabric.world_size
+        run.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
         run.tokens += int(reduced[1].item())
         window_tokens += int(reduced[1].item())
         if not math.isfinite(run.last_train_loss):
@@ -316,6 +423,7 @@ def fit(
                 fabric.print(f"Stopped by signal at step {run.step}; saved {path}. Continue with --resume auto.")
                 break
     run.fit_seconds = time.perf_counter() - fit_start
+    args.micro_batch_size = train_step.micro_batch_size  # what the summary reports, after any out-of-memory split
     return run
 
 

@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, Dataset
 
 from lit_model.config import Config
-from lit_model.errors import UsageError
+from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT
 from lit_model.precision import param_dtype
 from lit_model.training.args import TrainArgs
@@ -24,21 +24,47 @@ from lit_model.training.optimizers import build_optimizer
 
 
 def create_fabric(args: TrainArgs) -> Fabric:
-    if args.micro_batch_size == "auto":
-        raise UsageError(
-            "--micro_batch_size auto needs the memory planner, which is not built yet. Pass a number "
-            "(e.g. --micro_batch_size 4) and keep --global_batch_size for the effective batch."
-        )
     return setup_fabric(args, args.precision)
 
 
 def print_plan(config: Config, args: TrainArgs, trainable: str = "full") -> None:
-    """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights."""
-    from lit_model.memory import plan_training
+    """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights;
+    ``--plan_plot`` also draws it."""
+    from lit_model.memory import plan_training, plot_plan
 
     device_type = "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
     plan = plan_training(config, args, trainable=trainable, device_memory=args.device_memory, device_type=device_type)
     print(plan.to_json() if args.plan == "json" else plan.to_text())
+    if args.plan_plot is not None:
+        print(f"Plot: {plot_plan(plan, args.plan_plot)}", file=sys.stderr)
+
+
+def resolve_micro_batch_size(fabric: Fabric, args: TrainArgs, config: Config, trainable: str = "full") -> None:
+    """``--micro_batch_size auto``: the largest micro batch that divides the per-rank batch and whose predicted
+    peak fits this device with a 10 % margin, so gradient accumulation keeps the global batch. Every rank takes
+    the smallest any rank found; the rehearsal then confirms it with a real step on the longest batch."""
+    if args.micro_batch_size != "auto":
+        return
+    from lit_model.memory import detect_device_memory, format_bytes, max_micro_batch_size, parse_memory
+
+    device_type = "cuda" if fabric.device.type == "cuda" else "cpu"
+    if args.device_memory:
+        budget = parse_memory(args.device_memory)
+    else:
+        budget = detect_device_memory(device_type, fabric.device.index or 0)
+        if device_type == "cpu":  # the processes on one machine share its memory
+            budget //= max(1, fabric.world_size // args.num_nodes)
+    found = max_micro_batch_size(config, args, budget, trainable=trainable, device_type=device_type, world_size=fabric.world_size)
+    found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item()) if fabric.world_size > 1 else found
+    if found == 0:
+        raise UserError(
+            f"--micro_batch_size auto: not even a micro batch of 1 is predicted to fit in {format_bytes(budget)} per "
+            "process. Run the same command with --plan text to see what takes the memory and which flag changes "
+            "make it fit."
+        )
+    args.micro_batch_size = found
+    fabric.print(f"--micro_batch_size auto: {found} (the largest predicted to fit {format_bytes(budget)} with a 10 % margin; "
+                 f"global batch {args.global_batch_size})")
 
 
 def finish(fabric: Fabric) -> None:
@@ -128,6 +154,11 @@ def train_batches(
     return iter(loader), sampler
 
 
+def _collate(items: list[Any], collate_fn: Optional[Callable], device: torch.device) -> tuple[torch.Tensor, ...]:
+    batch = collate_fn(items) if collate_fn is not None else [torch.stack(parts) for parts in zip(*items)]
+    return tuple(part.to(device) for part in batch)
+
+
 def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: Optional[Callable] = None) -> list[Any]:
     """The same fixed evaluation windows for any world size, split evenly so every rank runs the same
     number of batches (no rank waits for another). ``collate_fn`` (default: stack) makes a batch of samples."""
@@ -136,12 +167,18 @@ def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: O
     per_rank = max(1, total // fabric.world_size)
     first = fabric.global_rank * per_rank
     indices = [(first + i) % len(dataset) for i in range(per_rank)]
-    batches = []
-    for start in range(0, per_rank, batch_size):
-        items = [dataset[j] for j in indices[start : start + batch_size]]
-        batch = collate_fn(items) if collate_fn is not None else [torch.stack(parts) for parts in zip(*items)]
-        batches.append(tuple(part.to(fabric.device) for part in batch))
-    return batches
+    return [
+        _collate([dataset[j] for j in indices[start : start + batch_size]], collate_fn, fabric.device)
+        for start in range(0, per_rank, batch_size)
+    ]
+
+
+def longest_batch(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: Optional[Callable] = None,
+                  lengths: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, ...]:
+    """A micro batch of the longest samples (any, when all have one length): the rehearsal's worst case."""
+    count = min(int(args.micro_batch_size), len(dataset))
+    order = range(len(dataset)) if lengths is None else sorted(range(len(dataset)), key=lambda i: -lengths[i])
+    return _collate([dataset[i] for i in list(order)[:count]], collate_fn, fabric.device)
 
 
 def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, max_new_tokens: int = 60) -> str:

@@ -1,0 +1,149 @@
+"""Out-of-memory handling inside the fit loop: a training step that splits its micro batch and redoes the
+same samples when the device runs out of memory, the agreement of all ranks on that, the report printed when
+nothing is left to split, and an injectable memory cap that lets the CPU tests cause a real
+``torch.OutOfMemoryError`` at a chosen size.
+
+The simulated cap: with ``LIT_MODEL_SIMULATED_MEMORY_CAP=4MB`` every training forward counts the bytes of the
+step's tensors -- parameters, gradients and optimizer state held at that moment, plus the activations the forward
+saves for backward -- and raises ``torch.OutOfMemoryError`` once they pass the cap. The activations grow with the
+micro batch, so halving it fits, as on a GPU; the framework's own overhead is not simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from lightning.fabric import Fabric
+
+SIMULATED_CAP_ENV = "LIT_MODEL_SIMULATED_MEMORY_CAP"
+IGNORE_INDEX = -100
+
+
+def _storages(tensors: Iterator[torch.Tensor]) -> dict[int, int]:
+    """data pointer -> bytes of each distinct storage (FSDP's DTensors: the local shard)."""
+    found = {}
+    for tensor in tensors:
+        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
+        found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def step_tensors(model: torch.nn.Module, optimizer: Any) -> dict[int, int]:
+    """The storages a training step holds besides its activations: parameters, gradients, optimizer state."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    grads = (p.grad for p in model.parameters() if p.grad is not None)
+    state = (v for per_param in inner.state.values() for v in per_param.values() if torch.is_tensor(v))
+    return _storages(itertools.chain(model.parameters(), grads, state))
+
+
+@contextlib.contextmanager
+def simulated_memory_cap(model: torch.nn.Module, optimizer: Any) -> Iterator[None]:
+    """Raise ``torch.OutOfMemoryError`` when the step's tensors (parameters, gradients, optimizer state and the
+    activations saved for backward in this context) pass the cap; a no-op unless the environment variable is set."""
+    cap = os.environ.get(SIMULATED_CAP_ENV)
+    if not cap:
+        yield
+        return
+    from lit_model.memory.units import parse_memory
+
+    limit = parse_memory(cap)
+    held = step_tensors(model, optimizer)
+    total = sum(held.values())
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            held[storage.data_ptr()] = storage.nbytes()
+            total += storage.nbytes()
+            if total > limit:
+                raise torch.OutOfMemoryError(f"Simulated out of memory: the step's tensors passed {cap} ({SIMULATED_CAP_ENV})")
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+def split_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's samples in micro batches of at most ``micro_batch_size`` rows, in the same order."""
+    return [pair for input_ids, targets in batches for pair in zip(input_ids.split(micro_batch_size), targets.split(micro_batch_size))]
+
+
+def any_rank(fabric: Fabric, flag: bool) -> bool:
+    if fabric.world_size == 1:
+        return flag
+    return bool(fabric.all_reduce(torch.tensor(float(flag), device=fabric.device), reduce_op="max").item())
+
+
+class StepOutOfMemory(Exception):
+    """Raised on every rank when any rank ran out of memory in a step (so all take the same decision)."""
+
+
+@contextlib.contextmanager
+def agreed_out_of_memory(fabric: Fabric) -> Iterator[None]:
+    """Run a forward or a backward; afterwards every rank learns whether any rank ran out of memory and, if so,
+    all raise ``StepOutOfMemory`` together. Checked between forward and backward so that no rank is left alone
+    in a gradient collective (an OOM inside an FSDP collective itself cannot be caught by the other ranks)."""
+    message = ""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+    if any_rank(fabric, bool(message)):
+        raise StepOutOfMemory(message or "another rank ran out of memory")
+
+
+def count_targets(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE_INDEX).sum()
+
+
+def start_memory_history(device: torch.device) -> None:
+    """On a GPU, record allocations so that an out-of-memory report can write a snapshot."""
+    if device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
+def write_snapshot(device: torch.device, out_dir: Path) -> Optional[Path]:
+    if device.type != "cuda":
+        return None
+    path = out_dir / f"oom_snapshot_{int(time.time())}.pickle"
+    torch.cuda.memory._dump_snapshot(str(path))
+    return path
+
+
+def out_of_memory_report(config: Any, args: Any, trainable: str, device: torch.device, world_size: int,
+                         micro_batch_size: int, where: str, message: str, out_dir: Path) -> str:
+    """What took the memory (the planner's categories for this run), the three cheapest fixes with their
+    predicted peaks, and a memory snapshot on GPU: one paragraph."""
+    from dataclasses import replace
+
+    from lit_model.memory.plan import SUGGESTION_MARGIN, plan_training, suggest_changes
+    from lit_model.memory.spec import make_spec
+    from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
+
+    settings = replace(args, micro_batch_size=micro_batch_size)
+    device_type = "cuda" if device.type == "cuda" else "cpu"
+    common = dict(trainable=trainable, device_type=device_type, world_size=world_size, engine="analytic", detect=False)
+    plan = plan_training(config, settings, suggest=False, **common)
+    memory = parse_memory(args.device_memory) if args.device_memory else detect_device_memory(device_type, device.index or 0)
+    # It ran out, so the real budget is below this run's peak even where the plan thought it fits: ask for a
+    # quarter less tensor memory (the framework overhead stays).
+    budget = min(memory, int((plan.peak_bytes - plan.tensor_peak_bytes // 4) / (1 - SUGGESTION_MARGIN)))
+    spec = make_spec(config, settings, trainable, device_type=device_type, world_size=world_size)
+    fixes = suggest_changes(spec, budget, limit=3)
+    categories = ", ".join(f"{name} {format_bytes(size)}" for name, size in sorted(plan.by_category.items(), key=lambda kv: -kv[1]) if size)
+    fix_text = "; ".join(f"{i + 1}) {' '.join(s.flags)} (predicted peak {format_bytes(s.peak_bytes)}, speed x{s.speed_factor})"
+                         for i, s in enumerate(fixes)) or "none of up to 3 flag changes fits: use more devices"
+    snapshot = write_snapshot(device, out_dir)
+    return (
+        f"Out of memory {where} even with micro batch {micro_batch_size} ({message}). Predicted memory "
+        f"per rank: {categories} (peak {format_bytes(plan.peak_bytes)}). Fixes, cheapest first: {fix_text}. "
+        + (f"Memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz). " if snapshot else "")
+        + f"Checkpoints so far are in {out_dir / 'checkpoints'}: continue with the new flags and --resume auto."
+    )
