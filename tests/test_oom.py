@@ -204,3 +204,22 @@ def test_two_processes_recover_together(tiny_setup, tmp_path, monkeypatch):
     assert "Out of memory at step 2 with micro batch 4" in proc.stdout
     for ref, row in zip(read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "split")):
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=2e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_auto_micro_batch_size_with_fsdp_on_two_processes(tiny_setup, tmp_path, monkeypatch):
+    from lit_model.memory import max_micro_batch_size
+    from lit_model.training.args import TrainArgs
+
+    config = Config.from_file(tiny_setup["config"])
+    settings = TrainArgs(micro_batch_size="auto", global_batch_size=8, devices=2, strategy="fsdp")
+    expected = max_micro_batch_size(config, settings, "1GB", device_type="cpu", world_size=2)
+    monkeypatch.setenv(SIMULATED_CAP_ENV, "3MB")  # and the rehearsal confirms it, halving what does not fit
+    proc = pretrain(tiny_setup, tmp_path / "run", "--devices", "2", "--strategy", "fsdp", "--micro_batch_size", "auto",
+                    "--device_memory", "1GB")
+    assert proc.returncode == 0, proc.stderr
+    assert f"--micro_batch_size auto: {expected} " in proc.stdout and "Rehearsal passed" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["global_batch_size"] == 8 and summary["tokens"] == 6 * 8 * 64
+    assert summary["micro_batch_size"] <= expected
