@@ -162,6 +162,13 @@ def test_the_reported_fixes_fit_when_applied(tiny_setup, tmp_path, monkeypatch):
         assert "Out of memory" not in proc.stdout, fix
 
 
+def test_plan_plot(tiny_setup, tmp_path):
+    proc = pretrain(tiny_setup, tmp_path / "run", "--plan", "json", "--plan_plot", tmp_path / "plan.png")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["peak_bytes"] > 0 and (tmp_path / "plan.png").stat().st_size > 1000
+    assert not (tmp_path / "run").exists()  # a plan trains nothing
+
+
 def test_rehearsal_keeps_the_losses(tiny_setup, tmp_path):
     with_rehearsal = pretrain(tiny_setup, tmp_path / "a")
     without = pretrain(tiny_setup, tmp_path / "b", "--rehearse", "false")
@@ -204,6 +211,10 @@ def test_two_processes_recover_together(tiny_setup, tmp_path, monkeypatch):
     assert "Out of memory at step 2 with micro batch 4" in proc.stdout
     for ref, row in zip(read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "split")):
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=2e-4)
+
+    monkeypatch.setenv(SIMULATED_CAP_ENV, "100KB")  # nothing fits: every rank stops with the report, none hangs
+    proc = pretrain(tiny_setup, tmp_path / "none", "--devices", "2", "--strategy", "ddp", timeout=120)
+    assert proc.returncode == 1 and "Fixes, cheapest first" in " ".join(proc.stderr.split())
 
 
 @pytest.mark.multiprocess
