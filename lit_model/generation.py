@@ -171,27 +171,65 @@ def kv_cache_shape(model: GPT) -> Optional[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def forward_last(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+def forward_last(
+    model: GPT, idx: torch.Tensor, input_pos: torch.Tensor, input_pos_maxp1: Optional[int] = None
+) -> torch.Tensor:
     """``model(idx, input_pos)[:, -1]`` (logits of shape (batch, vocab)) without the head over every prompt
-    position; activations hop to the next device where consecutive blocks live on different GPUs."""
+    position; activations hop to the next device where consecutive blocks live on different GPUs.
+    ``input_pos_maxp1`` (``input_pos[-1] + 1``) lets attention read only the filled part of the cache."""
     x = model.embed(idx.to(model.embed.weight.device))  # sampled on the head's device
     if model.config.scale_embeddings:
         x = x * torch.tensor(model.config.n_embd**0.5, dtype=x.dtype)
-    cos, sin = model.cos.index_select(0, input_pos), model.sin.index_select(0, input_pos)
+    # cast once here rather than in every block's apply_rope (the same values: apply_rope casts to this dtype)
+    cos = model.cos.index_select(0, input_pos).to(x.dtype)
+    sin = model.sin.index_select(0, input_pos).to(x.dtype)
     for block in model.blocks:
         device = block.norm_1.weight.device
         if x.device != device:
             x, cos, sin, input_pos = x.to(device), cos.to(device), sin.to(device), input_pos.to(device)
-        x = block(x, cos, sin, input_pos)
+        x = block(x, cos, sin, input_pos, input_pos_maxp1)
     x = model.norm_f(x[:, -1:].to(model.norm_f.weight.device))
     return model.head(x.to(model.lm_head.weight.device))[:, -1]
 
 
-def decode_step(model: GPT, compile: bool = False) -> Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The single-token step: ``forward_last``, compiled once for its static shapes when ``compile``."""
+Step = Callable[[GPT, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def decode_step(model: GPT, compile: bool = False) -> Step:
+    """The single-token step ``(model, token, input_pos, input_pos_maxp1) -> logits``: ``forward_last``, or,
+    when ``compile``, ``forward_last`` compiled once for static shapes (so over the whole cache, masked)."""
     if not compile:
         return forward_last
-    return torch.compile(forward_last, dynamic=False)
+    compiled = torch.compile(forward_last, dynamic=False)
+
+    def step(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor, input_pos_maxp1: int) -> torch.Tensor:
+        return compiled(model, idx, input_pos)
+
+    return step
+
+
+# oneDNN (what PyTorch runs bfloat16 matmuls on, on the CPU) costs ~20 us per call beyond the memory traffic:
+# for a batch of one token that is most of the time of a small matrix (256x256: 27 us vs 7-12 us with ATen's own
+# kernel), while from ~2**24 elements on oneDNN is the faster one (11008x4096: 7.0 ms vs 12.4 ms, one core).
+ATEN_GEMV_MAX_NUMEL = 2**24
+
+
+def use_aten_gemv(model: GPT, batch: int) -> bool:
+    """Whether decoding steps should bypass oneDNN: one sample, bfloat16 on the CPU, every matrix small."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return batch == 1 and all(
+        w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.numel() <= ATEN_GEMV_MAX_NUMEL for w in weights
+    )
+
+
+@contextlib.contextmanager
+def onednn_disabled() -> Iterator[None]:
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 def sample(
@@ -251,7 +289,7 @@ def generate(
     num_samples: int = 1,
     generator: Optional[torch.Generator] = None,
     start_pos: int = 0,
-    step: Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tensor] = forward_last,
+    step: Step = forward_last,
 ) -> Generation:
     """Sample up to ``max_new_tokens`` tokens after ``prompt_ids`` for ``num_samples`` samples in one batch.
 
@@ -292,44 +330,49 @@ def generate(
                 done[row] = True
 
     start = time.perf_counter()
-    logits = forward_last(model, prompt, torch.arange(start_pos, start_pos + length, device=device))
+    end = start_pos + length
+    logits = forward_last(model, prompt, torch.arange(start_pos, end, device=device), end)
     token = sample(logits, temperature, top_k, top_p, generator)
-    input_pos = torch.tensor([start_pos + length], device=device)
+    input_pos = torch.tensor([end], device=device)  # the step's position, advanced in place with ``end``
     steps, first_token_at, second_token_at = 0, 0.0, 0.0
     # On an accelerator the next step is queued before this token is read on the host, so the device keeps
     # computing while Python looks at the token (an early stop wastes one step, written past the kept tokens)
     lookahead = device.type != "cpu"
-    while True:
-        next_token = None
-        if lookahead and 0 < steps < max_new_tokens - 1:
-            next_token = sample(step(model, token, input_pos), temperature, top_k, top_p, generator)
-            input_pos.add_(1)
-        values = token.reshape(-1).tolist()  # the one host sync per step
-        steps += 1
-        if steps <= 2:  # a compiled step compiles on its first call: the rate is measured after it
-            second_token_at = time.perf_counter()
-            first_token_at = first_token_at or second_token_at
-        for row, value in enumerate(values):
-            if done[row]:
-                continue
-            if value in eos:
-                emit(row, len(tokens[row]))
-                done[row] = True
-                continue
-            tokens[row].append(value)
-            matched = next((s for s in stops if tokens[row][-len(s):] == s), None)
-            if matched is not None:
-                del tokens[row][-len(matched):]
-                emit(row, len(tokens[row]))
-                done[row] = True
-            else:
-                emit(row, len(tokens[row]) - hold)
-        if all(done) or steps >= max_new_tokens:
-            break
-        if next_token is None:
-            next_token = sample(step(model, token, input_pos), temperature, top_k, top_p, generator)
-            input_pos.add_(1)
-        token = next_token
+    kernels = onednn_disabled() if use_aten_gemv(model, batch) else contextlib.nullcontext()
+    with kernels:
+        while True:
+            next_token = None
+            if lookahead and 0 < steps < max_new_tokens - 1:
+                next_token = sample(step(model, token, input_pos, end + 1), temperature, top_k, top_p, generator)
+                input_pos.add_(1)
+                end += 1
+            values = token.reshape(-1).tolist()  # the one host sync per step
+            steps += 1
+            if steps <= 2:  # a compiled step compiles on its first call: the rate is measured after it
+                second_token_at = time.perf_counter()
+                first_token_at = first_token_at or second_token_at
+            for row, value in enumerate(values):
+                if done[row]:
+                    continue
+                if value in eos:
+                    emit(row, len(tokens[row]))
+                    done[row] = True
+                    continue
+                tokens[row].append(value)
+                matched = next((s for s in stops if tokens[row][-len(s):] == s), None)
+                if matched is not None:
+                    del tokens[row][-len(matched):]
+                    emit(row, len(tokens[row]))
+                    done[row] = True
+                else:
+                    emit(row, len(tokens[row]) - hold)
+            if all(done) or steps >= max_new_tokens:
+                break
+            if next_token is None:
+                next_token = sample(step(model, token, input_pos, end + 1), temperature, top_k, top_p, generator)
+                input_pos.add_(1)
+                end += 1
+            token = next_token
     stopped = list(done)
     for row in range(batch):
         emit(row, len(tokens[row]))

@@ -191,10 +191,15 @@ class Block(nn.Module):
         self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        input_pos_maxp1: Optional[int] = None,
     ) -> torch.Tensor:
         x_normed = self.norm_1(x)
-        attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos))
+        attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, input_pos_maxp1))
         if self.config.parallel_residual:
             mlp_input = x_normed if self.norm_2 is None else self.norm_2(x)
             return x + attention_output + self.post_mlp_norm(self.mlp(mlp_input))
@@ -216,8 +221,16 @@ class CausalSelfAttention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        input_pos_maxp1: Optional[int] = None,
     ) -> torch.Tensor:
+        """``input_pos_maxp1`` (decoding only): ``max(input_pos) + 1``, known on the host, for ``input_pos`` that
+        is a contiguous range. Attention then reads only the cache positions written so far, and needs no mask
+        where causality follows from the shapes (one query, or a prefill that starts at position 0)."""
         B, T, _ = x.shape
         hs, n_head, n_kv = self.config.head_size, self.config.n_head, self.config.n_query_groups
         # (B, heads, T, head_size)
@@ -231,8 +244,14 @@ class CausalSelfAttention(nn.Module):
             if self.kv_cache is None:
                 raise RuntimeError("Call `model.set_kv_cache(...)` before decoding with input_pos.")
             k, v = self.kv_cache(input_pos, k, v)
+            if input_pos_maxp1 is None:
+                mask = attention_mask(input_pos, k.size(2), self.sliding_window)
+            else:
+                k, v = k[:, :, :input_pos_maxp1], v[:, :, :input_pos_maxp1]
+                windowed = self.sliding_window is not None and input_pos_maxp1 > self.sliding_window
+                needs_mask = windowed or T not in (1, input_pos_maxp1)
+                mask = attention_mask(input_pos, input_pos_maxp1, self.sliding_window) if needs_mask else None
             k, v = k.to(q.dtype), v.to(q.dtype)
-            mask = attention_mask(input_pos, k.size(2), self.sliding_window)
         elif self.sliding_window is not None and T > self.sliding_window:
             mask = attention_mask(torch.arange(T, device=x.device), T, self.sliding_window)
         else:
@@ -242,7 +261,8 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.reshape(B, T, n_head * hs))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Returns (B, T, heads, head_size)."""
+        """Returns (B, T, heads, head_size). Without a mask: causal, except that one query sees every key (a
+        decoding step over the cache)."""
         softcapping = self.config.attention_logit_softcapping
         if softcapping is not None:
             # Soft-capping needs the scores themselves, so this path is explicit (Gemma 2).
@@ -267,7 +287,8 @@ class CausalSelfAttention(nn.Module):
             )
             return out
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=k.size(1) != q.size(1)
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale,
+            enable_gqa=k.size(1) != q.size(1),
         )
         return y.transpose(1, 2)
 

@@ -12,7 +12,7 @@ from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
 from lit_model.errors import UsageError, UserError
 from lit_model.generation import (
     ChatSession, TextStream, check_lengths, forward_last, generate, kv_cache_nbytes, load_model, make_generator,
-    sample, set_kv_cache,
+    sample, set_kv_cache, use_aten_gemv,
 )
 from lit_model.prompts import STYLES, PromptStyle
 from lit_model.tokenizer import Tokenizer, train_bpe
@@ -92,6 +92,36 @@ def test_greedy_with_kv_cache_equals_full_recomputation(fields: dict) -> None:
     set_kv_cache(model, 1, 7)
     with torch.no_grad():
         torch.testing.assert_close(forward_last(model, prompt[None], torch.arange(7)), model(prompt[None])[:, -1])
+
+
+@pytest.mark.parametrize(
+    "fields", [{}, dict(sliding_window_size=4), LOCAL_SOFTCAP], ids=["llama-like", "sliding-window", "softcap"]
+)
+def test_decoding_over_the_filled_cache_equals_masking_the_whole_cache(fields: dict) -> None:
+    """With ``input_pos_maxp1`` attention reads only the written positions and leaves out the mask where the
+    shapes imply it: the same logits for a prefill at 0, a chat turn after it and single steps past the window."""
+    model = tiny_model(**fields)
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2))
+    chunks = [(0, 6), (6, 9), (9, 10), (10, 11), (11, 12)]
+    outputs = {}
+    for filled_only in (False, True):
+        set_kv_cache(model, 1, 16)
+        with torch.no_grad():
+            outputs[filled_only] = [
+                forward_last(model, ids[:, a:b], torch.arange(a, b), b if filled_only else None) for a, b in chunks
+            ]
+    for masked, filled in zip(outputs[False], outputs[True]):
+        torch.testing.assert_close(filled, masked)
+
+
+def test_bfloat16_batch_one_decoding_bypasses_onednn_and_restores_it() -> None:
+    model = tiny_model().to(torch.bfloat16)
+    assert use_aten_gemv(model, batch=1) and not use_aten_gemv(model, batch=2)
+    assert not use_aten_gemv(tiny_model(), batch=1)  # float32 matmuls never run on oneDNN here
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    seen: list[bool] = []
+    result = generate(model, prompt, 6, temperature=0, on_token=lambda row, token: seen.append(torch.backends.mkldnn.enabled))
+    assert len(result.tokens[0]) == 6 and seen == [False] * 6 and torch.backends.mkldnn.enabled
 
 
 def test_eos_and_stop_sequences_end_a_sample() -> None:
