@@ -14,14 +14,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
+from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
 from lit_model.precision import param_dtype, resolve_precision
+from lit_model.prompts import PromptStyle
+from lit_model.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup: devices, precision, lengths, loading
@@ -63,14 +66,22 @@ class Precision:
         return torch.autocast(device_type, dtype=self.autocast)
 
 
-def resolve_generation_precision(precision: Optional[str], device_type: str, quantize: Optional[str]) -> Precision:
-    from lit_model.quantize import check_quantize
+def resolve_generation_precision(
+    precision: Optional[str], device_type: str, quantize: Optional[str], planning: bool = False
+) -> Precision:
+    """``planning``: for a device that need not be here (a CUDA plan assumes bfloat16 support) and without
+    bitsandbytes installed, so only the --quantize name is checked."""
+    from lit_model.memory.spec import resolve_precision as resolve_planned_precision
+    from lit_model.quantize import QUANTIZE_MODES, check_quantize
 
     if precision is None and quantize == "bnb.int8" and device_type == "cuda":
         precision = "16-true"  # LLM.int8() computes in float16 on CUDA
-    name = resolve_precision(precision, device_type)
+    name = (resolve_planned_precision if planning else resolve_precision)(precision, device_type)
     autocast = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
-    check_quantize(quantize, device_type, param_dtype(name), mixed=autocast is not None)
+    if not planning:
+        check_quantize(quantize, device_type, param_dtype(name), mixed=autocast is not None)
+    elif quantize is not None and quantize not in QUANTIZE_MODES:
+        raise UsageError(f"Unknown --quantize {quantize!r}. Choose one of: {', '.join(QUANTIZE_MODES)}, or drop it.")
     return Precision(name, param_dtype(name), autocast)
 
 
@@ -572,3 +583,139 @@ def out_of_memory_hint(what: str) -> Iterator[None]:
         ) from None
 
 
+# ---------------------------------------------------------------------------------------------------------
+# What generate/base.py and generate/chat.py share: flags checked, files read, then loading and sampling
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationArgs:
+    """Flags generate/base.py and generate/chat.py share.
+
+    Args:
+        checkpoint_dir: checkpoint directory (weights, model_config.yaml, tokenizer)
+        temperature: sampling temperature; 0 is greedy decoding
+        top_k: sample only among the k most likely tokens (omit for no limit)
+        top_p: nucleus sampling: only among the most likely tokens that cover this probability (1: off)
+        precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true; default: the cheapest the device runs
+        quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8: load the linear layers' weights quantized
+        compile: torch.compile the single-token decode step
+        seed: random seed for sampling
+        stop: a string, or a list like '["\\n\\n", "User:"]', that ends the generation (not printed)
+        devices: GPUs to place consecutive blocks on, for models that do not fit one (CPU: 1)
+        prompt_style: how to wrap the prompt (default, alpaca, chatml, llama-3, ...); default: the checkpoint's
+        plan: text or json: print the predicted peak memory of this generation and exit without reading weights
+        model_name: with --plan: a name from the config registry in place of --checkpoint_dir
+        device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB (default: this machine)
+    """
+
+    checkpoint_dir: Path = Path("out/pretrain/final")
+    temperature: float = 0.8
+    top_k: Optional[int] = 50
+    top_p: float = 1.0
+    precision: Optional[str] = None
+    quantize: Optional[str] = None
+    compile: bool = False
+    seed: int = 1234
+    stop: Optional[Union[list[str], str]] = None
+    devices: int = 1
+    prompt_style: Optional[str] = None
+    plan: Optional[Literal["text", "json"]] = None
+    model_name: Optional[str] = None
+    device_memory: Optional[str] = None
+
+
+@dataclass
+class GenerationSetup:
+    """A generation script's checked flags and everything it knows before reading the weights.
+    ``checkpoint_dir`` and ``tokenizer`` are None when planning from ``--model_name`` (or, for the tokenizer,
+    from a checkpoint directory without one); ``devices`` is empty when planning."""
+
+    args: GenerationArgs
+    checkpoint_dir: Optional[Path]
+    config: Config
+    tokenizer: Optional[Tokenizer]
+    style: PromptStyle
+    device_type: str
+    devices: list[torch.device]
+    precision: Precision
+    stop: list[str]  # --stop, as a list
+
+    def load(self, max_seq_length: int) -> GPT:
+        """The model with RoPE tables for ``max_seq_length`` positions; torch is seeded first."""
+        torch.manual_seed(self.args.seed)
+        with out_of_memory_hint("loading the model"):
+            return load_model(self.checkpoint_dir, self.devices, self.precision.dtype, self.args.quantize,
+                              max_seq_length)
+
+    def sampling(self, model: GPT) -> dict[str, Any]:
+        """``generate``'s (and ``ChatSession``'s) sampling arguments: the flags, a generator seeded on the head's
+        device and the decode step (compiled with --compile)."""
+        return dict(
+            temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
+            generator=make_generator(self.args.seed, model.lm_head.weight.device),
+            step=decode_step(model, self.args.compile),
+        )
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Around each generation: the precision's autocast, and out-of-memory errors told as such."""
+        with out_of_memory_hint("generating"), self.precision.context(self.device_type):
+            yield
+
+    def print_plan(self, prompt_length: int, max_new_tokens: int, batch_size: int) -> None:
+        """``--plan text|json``: the predicted peak memory of generating ``max_new_tokens`` after
+        ``prompt_length`` tokens for ``batch_size`` samples: weights in the precision's dtype (or packed with
+        --quantize), the KV cache for exactly those positions, activations, logits and overhead."""
+        from lit_model.memory import plan_generation
+
+        args = self.args
+        plan = plan_generation(self.config, prompt_length, max_new_tokens, batch_size, self.precision.name,
+                               args.quantize, args.device_memory, self.device_type)
+        if args.devices > 1:
+            plan.notes.append(
+                f"--devices {args.devices} spreads the blocks over {args.devices} GPUs; this plan holds the whole "
+                f"model on one, so each GPU needs about 1/{args.devices} of the weights and KV cache."
+            )
+        print(plan.to_json() if args.plan == "json" else plan.to_text())
+
+
+def prepare_generation(args: GenerationArgs, num_samples: int = 1) -> GenerationSetup:
+    """Check the flags, then read the config, tokenizer and prompt style (never the weights). With ``--plan``
+    the device is the one planned for (a CUDA GPU with ``--device_memory``, else this machine's), and
+    ``--model_name`` may stand for the checkpoint: its config comes from the registry."""
+    check_sampling(args.temperature, args.top_k, args.top_p, num_samples)
+    checkpoint_dir: Optional[Path] = Path(args.checkpoint_dir)
+    if args.plan is None:
+        for flag, value in (("--model_name", args.model_name), ("--device_memory", args.device_memory)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} {value} applies with --plan only (to plan a generation before its weights are here). "
+                    "Generating reads the model from --checkpoint_dir."
+                )
+        checkpoint_dir = check_checkpoint_dir(checkpoint_dir, need_tokenizer=True)
+        devices = resolve_devices(args.devices)
+        device_type = devices[0].type
+        config, tokenizer = Config.from_checkpoint(checkpoint_dir), Tokenizer(checkpoint_dir)
+    else:
+        devices, device_type = [], "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
+        if args.model_name is not None:
+            checkpoint_dir, config, tokenizer = None, Config.from_name(args.model_name), None
+        elif (checkpoint_dir / "model_config.yaml").is_file():
+            config = Config.from_checkpoint(checkpoint_dir)
+            has_tokenizer = any((checkpoint_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))
+            tokenizer = Tokenizer(checkpoint_dir) if has_tokenizer else None
+        else:
+            raise UsageError(
+                f"--plan needs the model's architecture, but {checkpoint_dir} has no model_config.yaml. Pass "
+                "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
+            )
+    precision = resolve_generation_precision(args.precision, device_type, args.quantize, planning=args.plan is not None)
+    if args.prompt_style:
+        style = PromptStyle.from_name(args.prompt_style)
+    elif checkpoint_dir is not None:
+        style = PromptStyle.from_checkpoint(checkpoint_dir, config)
+    else:
+        style = PromptStyle.from_config(config)
+    stop = [args.stop] if isinstance(args.stop, str) else list(args.stop or [])
+    return GenerationSetup(args, checkpoint_dir, config, tokenizer, style, device_type, devices, precision, stop)

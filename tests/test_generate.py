@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -120,7 +122,8 @@ def test_bfloat16_batch_one_decoding_bypasses_onednn_and_restores_it() -> None:
     assert not use_aten_gemv(tiny_model(), batch=1)  # float32 matmuls never run on oneDNN here
     prompt = torch.tensor([3, 1, 4, 1, 5])
     seen: list[bool] = []
-    result = generate(model, prompt, 6, temperature=0, on_token=lambda row, token: seen.append(torch.backends.mkldnn.enabled))
+    record = lambda row, token: seen.append(torch.backends.mkldnn.enabled)  # noqa: E731
+    result = generate(model, prompt, 6, temperature=0, on_token=record)
     assert len(result.tokens[0]) == 6 and seen == [False] * 6 and torch.backends.mkldnn.enabled
 
 
@@ -293,6 +296,42 @@ def test_base_script_errors_are_one_paragraph_without_traceback(checkpoint_dir: 
                "--max_new_tokens", "1000", "--quantize", "bnb.nf4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"Pass --max_new_tokens {256 - prompt_length}" in " ".join(proc.stderr.split())
+
+
+# ---- --plan ------------------------------------------------------------------------------------------------
+def test_plan_json_reads_no_weights_and_its_kv_cache_grows_with_max_new_tokens(checkpoint_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(checkpoint_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    prompt_length = len(Tokenizer(checkpoint_dir).encode("def f(x):"))
+    c = Config.from_checkpoint(checkpoint_dir)
+    plans = {}
+    for new in (10, 100):
+        proc = run("generate/base.py", "--checkpoint_dir", str(no_weights), "--prompt", "def f(x):", "--plan", "json",
+                   "--max_new_tokens", str(new), "--num_samples", "2", "--precision", "32-true")
+        assert proc.returncode == 0, proc.stderr
+        plans[new] = json.loads(proc.stdout)
+        assert {"peak_bytes", "by_category", "by_phase", "fits", "suggestions"} <= set(plans[new])
+        # keys and values of every layer, for prompt + new positions of both samples, in float32
+        kv_cache, positions = plans[new]["by_category"]["kv_cache"], prompt_length + new
+        assert kv_cache == 2 * c.n_layer * 2 * c.n_query_groups * positions * c.head_size * 4
+        assert plans[new]["peak_bytes"] == max(plans[new]["by_phase"].values())
+    assert plans[100]["peak_bytes"] > plans[10]["peak_bytes"]
+    proc = run("generate/chat.py", "--checkpoint_dir", str(no_weights), "--plan", "json", "--max_seq_length", "64",
+               "--max_new_tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["by_category"]["kv_cache"] == 2 * c.n_layer * c.n_query_groups * 64 * c.head_size * 4
+
+
+def test_plan_from_a_model_name_says_7b_does_not_fit_8gb_and_suggests_quantize() -> None:
+    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "text")
+    assert proc.returncode == 0, proc.stderr
+    assert "DOES NOT FIT in 8.00 GB" in proc.stdout and "--quantize bnb.nf4" in proc.stdout
+    proc = run("generate/chat.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "json")
+    plan = json.loads(proc.stdout)
+    assert not plan["fits"] and any(flag.startswith("--quantize") for s in plan["suggestions"] for flag in s["flags"])
+    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf")
+    assert proc.returncode == 2 and "applies with --plan only" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ---- quantization ----------------------------------------------------------------------------------------
