@@ -251,7 +251,7 @@ class CausalSelfAttention(nn.Module):
                 windowed = self.sliding_window is not None and input_pos_maxp1 > self.sliding_window
                 needs_mask = windowed or T not in (1, input_pos_maxp1)
                 mask = attention_mask(input_pos, input_pos_maxp1, self.sliding_window) if needs_mask else None
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = as_dtype(k, q.dtype), as_dtype(v, q.dtype)
         elif self.sliding_window is not None and T > self.sliding_window:
             mask = attention_mask(torch.arange(T, device=x.device), T, self.sliding_window)
         else:
@@ -363,11 +363,11 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
+        x_fp32 = as_dtype(x, torch.float32)
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * as_dtype(normed, x.dtype)
 
 
 def make_norm(config: Config, size: int) -> nn.Module:
@@ -401,12 +401,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: in
     """Rotate the first ``n_elem`` channels of each head (the "rotate half" convention of HF weights)."""
     if n_elem == 0:
         return x
-    rotated, passthrough = x[..., :n_elem], x[..., n_elem:]
+    partial = n_elem < x.size(-1)
+    rotated = x[..., :n_elem] if partial else x
     x1, x2 = rotated.chunk(2, dim=-1)
     rotate_half = torch.cat((-x2, x1), dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rotated = rotated * cos + rotate_half * sin
-    return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
+    rotated = rotated * as_dtype(cos, x.dtype) + rotate_half * as_dtype(sin, x.dtype)
+    return torch.cat((rotated, x[..., n_elem:]), dim=-1) if partial else rotated
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call where it would return ``x`` itself: a decoding step runs dozens of
+    these, and each call costs about a microsecond of dispatch."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class KVCache(nn.Module):
@@ -419,6 +425,6 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
-        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        self.k.index_copy_(2, input_pos, as_dtype(k, self.k.dtype))
+        self.v.index_copy_(2, input_pos, as_dtype(v, self.v.dtype))
         return self.k, self.v
