@@ -190,14 +190,8 @@ class Block(nn.Module):
         self.mlp = MLP_CLASSES[config.mlp_class_name](config)
         self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        input_pos: Optional[torch.Tensor] = None,
-        input_pos_maxp1: Optional[int] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                input_pos_maxp1: Optional[int] = None) -> torch.Tensor:
         x_normed = self.norm_1(x)
         attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, input_pos_maxp1))
         if self.config.parallel_residual:
@@ -220,14 +214,8 @@ class CausalSelfAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        input_pos: Optional[torch.Tensor] = None,
-        input_pos_maxp1: Optional[int] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                input_pos_maxp1: Optional[int] = None) -> torch.Tensor:
         """``input_pos_maxp1`` (decoding only): ``max(input_pos) + 1``, known on the host, for ``input_pos`` that
         is a contiguous range. Attention then reads only the cache positions written so far, and needs no mask
         where causality follows from the shapes (one query, or a prefill that starts at position 0)."""
