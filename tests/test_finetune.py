@@ -126,6 +126,20 @@ def test_lora_resume_gives_exactly_the_uninterrupted_losses(ft, lora_run, tmp_pa
     assert proc.returncode == 2 and "other trainable parameters" in " ".join(proc.stderr.split())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["adapter", "full"])
+def test_adapter_and_full_resume_give_exactly_the_uninterrupted_losses(ft, tmp_path, method):
+    uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    flags = ("--max_steps", "4", "--save_interval", "2", "--keep_last", "10")
+    assert finetune(ft, method, uninterrupted, *flags).returncode == 0
+    shutil.copytree(uninterrupted, interrupted)
+    for path in ("checkpoints/step-00000004", "final", "summary.json"):  # as if it died after the step-2 checkpoint
+        shutil.rmtree(interrupted / path) if (interrupted / path).is_dir() else (interrupted / path).unlink()
+    proc = finetune(ft, method, interrupted, *flags, "--resume", "auto")
+    assert proc.returncode == 0 and "at step 2" in proc.stdout, proc.stderr
+    assert losses(interrupted) == losses(uninterrupted)
+
+
 def test_adapter_trains_only_its_prefixes_and_generate_loads_it(ft, tmp_path):
     from lit_model import GPT
     from lit_model.adapter import AdapterAttention
