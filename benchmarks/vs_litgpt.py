@@ -6,8 +6,9 @@ peak RSS, and greedy decode tokens/s.
 Training (benchmarks/_train_worker.py): Fabric, AdamW, micro batch 4 x 512 tokens, 4 layers, 256 wide, vocab
 8192, untied head; lit-model's chunked fp32 cross-entropy inside the model vs litgpt's step as in its
 pretrain script (full logits, then chunked_cross_entropy). Generation (benchmarks/_generate_worker.py): 32
-prompt tokens, 256 new, greedy, KV cache. Runs alternate between implementations, each in a fresh process,
-`--repeats` times; tables report medians and ratios to litgpt.
+prompt tokens, 256 new, greedy, KV cache, timed at each streamed token (decode rate and median step rate).
+Runs alternate between implementations, each in a fresh process, `--repeats` times; tables report medians and
+ratios to litgpt, and the machine's load average before and after (other jobs on a shared machine slow both).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 LITGPT_VENV = HERE / ".venv-litgpt"
 LITGPT_VERSION = "0.5.13"
-BENCHMARKS = {  # name: (worker, speed metric, lit-model variants as extra worker flags)
-    "train": ("_train_worker.py", "tokens_per_sec", [[], ["--compile"]]),
-    "generate": ("_generate_worker.py", "decode_tokens_per_sec", [[]]),
+BENCHMARKS = {  # name: (worker, speed metrics, lit-model variants as extra worker flags)
+    "train": ("_train_worker.py", ["tokens_per_sec"], [[], ["--compile"]]),
+    "generate": ("_generate_worker.py", ["decode_tokens_per_sec", "step_tokens_per_sec"], [[]]),
 }
 
 
@@ -38,15 +40,17 @@ def litgpt_python() -> str:
     return str(python)
 
 
-def run(python: str, worker: str, impl: str, precision: str, flags: list[str]) -> dict:
+def run(python: str, worker: str, impl: str, precision: str, flags: list[str], threads: Optional[int]) -> dict:
     command = [python, str(HERE / worker), "--impl", impl, "--precision", precision, *flags]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)} if impl == "lit_model" else dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=HERE).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int) -> list[dict]:
-    worker, metric, lit_variants = BENCHMARKS[name]
+def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int, threads: Optional[int]) -> list[dict]:
+    worker, metrics, lit_variants = BENCHMARKS[name]
     variants = [("litgpt", litgpt, [])] + [("lit_model", sys.executable, flags) for flags in lit_variants]
     rows = []
     for precision in precisions:
@@ -54,32 +58,44 @@ def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int) -> li
         for _ in range(repeats):
             for impl, python, flags in variants:
                 label = " ".join([impl, *flags])
-                results.setdefault(label, []).append(run(python, worker, impl, precision, flags))
-        median = {label: {key: statistics.median(r[key] for r in runs) for key in (metric, "peak_rss_bytes")}
+                results.setdefault(label, []).append(run(python, worker, impl, precision, flags, threads))
+        median = {label: {key: statistics.median(r[key] for r in runs) for key in (*metrics, "peak_rss_bytes")}
                   for label, runs in results.items()}
         base = median["litgpt"]
         for label, values in median.items():
-            rows.append({
-                "precision": precision, "implementation": label, metric: round(values[metric], 1),
-                "speed_vs_litgpt": round(values[metric] / base[metric], 3),
-                "peak_rss_mb": round(values["peak_rss_bytes"] / 2**20),
-                "rss_vs_litgpt": round(values["peak_rss_bytes"] / base["peak_rss_bytes"], 3),
-            })
+            row = {"precision": precision, "implementation": label}
+            for i, metric in enumerate(metrics):  # the first metric's ratio keeps its historical column name
+                row[metric] = round(values[metric], 1)
+                row["speed_vs_litgpt" if i == 0 else f"{metric.removesuffix('_tokens_per_sec')}_speed_vs_litgpt"] = (
+                    round(values[metric] / base[metric], 3))
+            row["peak_rss_mb"] = round(values["peak_rss_bytes"] / 2**20)
+            row["rss_vs_litgpt"] = round(values["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
+            rows.append(row)
     return rows
 
 
-def write_table(name: str, rows: list[dict], repeats: int) -> str:
+def write_table(name: str, rows: list[dict], repeats: int, threads: Optional[int], load: tuple[float, float]) -> str:
     header = list(rows[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
     table = "\n".join(lines)
+    flag = f" --threads {threads}" if threads else ""
+    threads_text = "torch's default (one per core)" if not threads else (
+        f"{threads} (OMP_NUM_THREADS and MKL_NUM_THREADS, for both implementations: where other jobs share the "
+        "cores, a thread per core makes every parallel kernel wait for a descheduled thread, which measures the "
+        "load, not the code)")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     csv_lines = [",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]
     (results / f"{name}_vs_litgpt.csv").write_text("\n".join(csv_lines) + "\n")
     (results / f"{name}_vs_litgpt.md").write_text(
         f"# {name}: lit-model vs litgpt {LITGPT_VERSION} (CPU, {os.cpu_count()} cores, median of {repeats})\n\n"
-        f"Regenerate: `python benchmarks/vs_litgpt.py`\n\n{table}\n"
+        f"Regenerate: `python benchmarks/vs_litgpt.py --only {name}{flag}`\n\n"
+        f"Threads per process: {threads_text}.\n\n"
+        f"Taken on a {os.cpu_count()}-core machine shared with other jobs (1-minute load average {load[0]:.1f} "
+        f"before, {load[1]:.1f} after): absolute speeds move with their load; the ratios come from runs that "
+        "alternate between the implementations.\n\n"
+        f"{table}\n"
     )
     return table
 
@@ -89,10 +105,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-true"])
     parser.add_argument("--only", choices=list(BENCHMARKS), nargs="+", default=list(BENCHMARKS))
+    # Where other jobs share the cores, a thread per core makes every parallel kernel wait for a descheduled
+    # thread (decoding a tiny model ran 60x slower here at 2 threads than at 1): one thread measures the code.
+    parser.add_argument("--threads", type=int, default=None, help="OMP/MKL threads per run (default: torch's)")
     args = parser.parse_args()
     litgpt = litgpt_python()
     for name in args.only:
-        print(f"\n{name}\n" + write_table(name, benchmark(name, litgpt, args.precisions, args.repeats), args.repeats))
+        before = os.getloadavg()[0]
+        rows = benchmark(name, litgpt, args.precisions, args.repeats, args.threads)
+        print(f"\n{name}\n" + write_table(name, rows, args.repeats, args.threads, (before, os.getloadavg()[0])))
 
 
 if __name__ == "__main__":
