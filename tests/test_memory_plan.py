@@ -171,6 +171,14 @@ def test_prediction_orders():
     assert ddp > peak(config, args(**base))  # DDP's gradient buckets
 
 
+def test_sophia_is_traced_with_its_double_backward():
+    """Sophia's Hessian steps run backward with create_graph=True on the math attention kernel: the trace runs
+    exactly that (benchmarks/results/memory_ladder.md measured 2.7x AdamW's peak on the CPU)."""
+    sophia = plan_training(tiny(), args(optimizer="Sophia"), device_type="cpu", engine="trace", suggest=False, detect=False)
+    adamw = plan_training(tiny(), args(), device_type="cpu", engine="trace", suggest=False, detect=False)
+    assert sophia.engine == "trace" and sophia.tensor_peak_bytes > 1.5 * adamw.tensor_peak_bytes
+
+
 def test_fsdp_checkpoint_gathers_on_rank0_host():
     plan = plan_training(LLAMA2, args(micro_batch_size=1, global_batch_size=8, devices=8, strategy="fsdp"),
                          device_memory="80GB", engine="analytic")

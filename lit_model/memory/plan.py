@@ -158,12 +158,10 @@ def _tensor_phases(spec: RunSpec, engine: str, notes: list[str]) -> tuple[dict[s
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
     phases = analytic.training_phases(spec)
-    if spec.optimizer.lower() in ("sophia", "adafactor", "lion") or "." in spec.optimizer:
+    if spec.optimizer.lower() in ("adafactor", "lion") or "." in spec.optimizer:
         if engine == "trace":
             notes.append(f"The trace cannot run {spec.optimizer}'s step on fake tensors; analytic estimate used.")
         engine = "analytic"
-        if spec.optimizer.lower() == "sophia":
-            notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
     if engine == "auto":
         small = spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
         engine = "trace" if _traceable(spec) and small else "analytic"
@@ -186,6 +184,8 @@ def _tensor_phases(spec: RunSpec, engine: str, notes: list[str]) -> tuple[dict[s
                 cats["gradients"] = cats.get("gradients", 0) + buckets
         traced["checkpoint_save"] = phases["checkpoint_save"]
         return traced, "trace"
+    if spec.optimizer.lower() == "sophia":
+        notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
     return phases, "analytic"
 
 

@@ -20,10 +20,12 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_map_only
 
 from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
 from lit_model.memory.spec import RunSpec
+from lit_model.training.optimizers import needs_create_graph
 
 try:
     from torch._guards import active_fake_mode
@@ -154,9 +156,6 @@ def _build_optimizer(model: nn.Module, spec: RunSpec, notes: list[str]) -> torch
     if name.lower() in ("adamw8bit", "pagedadamw8bit"):
         params = [p for p in model.parameters() if p.requires_grad]
         return _Sim8bitAdam(params)
-    if name.lower() == "sophia":
-        notes.append("Sophia's Hessian steps (backward with create_graph) are not traced; traced as AdamW-sized state.")
-        name = "AdamW"
     # device_type "cuda" selects the fused AdamW a GPU run uses; fused AdamW also runs on (fake) CPU tensors.
     return build_optimizer(model, name, learning_rate=1e-4, device_type=spec.device_type, param_dtype=spec.param_dtype)
 
@@ -286,15 +285,19 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
         y = torch.randint(0, vocab, (B, T))
         tracker.track_external(x, y)
         micro_steps = min(spec.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
+        create_graph = needs_create_graph(optimizer)  # Sophia: the backward keeps its own graph for the Hessian
+        # as the fit loop: the fused attention kernels have no double backward
+        attention = (lambda: sdpa_kernel([SDPBackend.MATH])) if create_graph else contextlib.nullcontext
 
         def train_step() -> None:
             for _ in range(micro_steps):
                 tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
-                with autocast:
+                with autocast, attention():
                     loss = model(x, targets=y)
                 in_loss_backward["active"] = True
                 tracker.push_category("loss")
-                (loss / spec.accumulation).backward()
+                with attention():
+                    (loss / spec.accumulation).backward(create_graph=create_graph)
                 end_loss_backward(None)  # type: ignore[arg-type]
                 del loss
             if spec.grad_clip > 0:
