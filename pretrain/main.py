@@ -40,7 +40,7 @@ class PretrainArgs(TrainArgs):
     model_name: str = "lit-model-5m"
     model_config: Optional[Path] = None
     tokenizer_dir: Optional[Path] = None
-    micro_batch_size: Union[int, Literal["auto"]] = 8
+    micro_batch_size: Union[int, Literal["auto"]] = 4  # divides the global batch over 1, 2 or 4 processes
     global_batch_size: int = 16
     max_steps: Optional[int] = 100  # ~5 minutes of the default model on 2 CPU cores
     warmup_steps: int = 10
