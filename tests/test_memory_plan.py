@@ -246,6 +246,12 @@ def test_generation_plan_grows_with_new_tokens_not_block_size():
     assert sum(short.by_category.values()) == short.peak_bytes
 
 
+def test_generation_kv_cache_in_the_compute_dtype():
+    kv = {p: plan_generation(LLAMA2, 100, 100, dtype=p, device_memory="80GB").run["kv_cache_bytes"]
+          for p in ("32-true", "bf16-mixed", "bf16-true")}
+    assert kv["bf16-mixed"] == kv["bf16-true"] == kv["32-true"] // 2
+
+
 def test_generation_quantized_and_verdict():
     bf16 = plan_generation(LLAMA2, 256, 256, dtype="bf16-true", device_memory="8GB")
     assert not bf16.fits and any(s.changes.get("quantize") == "bnb.nf4" for s in bf16.suggestions)

@@ -499,11 +499,13 @@ def plan_generation(
     ``dtype``: a torch dtype or a --precision string (default bf16 on CUDA, fp32 on the CPU)."""
     from lit_model.memory.modules import quantized_weight_bytes
 
+    kv_dtype = dtype
     if isinstance(dtype, str) or dtype is None:
         from lit_model.memory.spec import PRECISION_DTYPES, resolve_precision
 
         precision = resolve_precision(dtype, device_type)
-        dtype = PRECISION_DTYPES[precision][0]
+        dtype, compute_dtype = PRECISION_DTYPES[precision]
+        kv_dtype = compute_dtype or dtype  # -mixed: generation keeps the cache in the autocast dtype
     d = DTYPE_BYTES[dtype]
     total = prompt_length + max_new_tokens
     if total > config.block_size:
@@ -525,7 +527,7 @@ def plan_generation(
     params = L * (linear_bytes + pc.block_norms * d) + (pc.embed + pc.head + pc.norm_f) * d
     params += 2 * total * config.rope_n_elem * 4  # RoPE tables for max_seq_length = prompt + new
     quant_state *= L
-    kv = 2 * L * batch_size * n_kv * total * hs * d
+    kv = 2 * L * batch_size * n_kv * total * hs * DTYPE_BYTES[kv_dtype]
     B, P = batch_size, prompt_length
     mask = P * total * (1 + d)  # boolean mask and its float conversion for SDPA, one layer at a time
     prefill_acts = B * P * (3 * I + 3 * C) * d + mask + 16 * B * P
