@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -36,8 +35,8 @@ from lit_model.memory.units import peak_rss_bytes
 from lit_model.training.args import TrainArgs
 from lit_model.training.optimizers import lr_at, set_lr
 from lit_model.training.recovery import (
-    StepOutOfMemory, agreed_out_of_memory, count_targets, out_of_memory_report, simulated_memory_cap, split_batches,
-    start_memory_history,
+    StepOutOfMemory, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
+    simulated_memory_cap, split_batches, start_memory_history,
 )
 
 CHECKPOINTS = "checkpoints"
@@ -127,7 +126,7 @@ def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> float:
     total = torch.zeros(2, device=fabric.device)
     for input_ids, targets in batches:
         loss = model(input_ids, targets=targets)
-        count = (targets != -100).sum()
+        count = count_targets(targets)
         total += torch.stack([loss.float() * count, count.float()])
     model.train()
     total = fabric.all_reduce(total, reduce_op="sum")
@@ -252,19 +251,32 @@ class TrainStep:
         return sdpa_kernel([SDPBackend.MATH]) if self.create_graph else contextlib.nullcontext()
 
     def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over ``batches``; returns this rank's summed token loss and its token count."""
+        """Forward and backward over ``batches``; returns this rank's summed token loss and its token count.
+        The ranks agree on out-of-memory twice per step: before the last micro batch's backward (its gradient
+        all-reduce; the accumulation micro batches start no collective, so a rank that fails there stops early
+        and waits at that point) and after it."""
         fabric = self.fabric
         chunks = split_batches(batches, self.micro_batch_size)
-        local_tokens = sum(count_targets(targets) for _, targets in chunks)
+        counts = [count_targets(targets) for _, targets in chunks]
+        local_tokens = sum(counts)
         all_tokens = fabric.all_reduce(local_tokens.float(), reduce_op="sum") if fabric.world_size > 1 else local_tokens.float()
         scale = fabric.world_size / all_tokens.clamp(min=1)  # the ranks average their gradients
         loss_sum = torch.zeros((), device=fabric.device)
-        for index, (input_ids, targets) in enumerate(chunks):
-            with fabric.no_backward_sync(self.model, enabled=index < len(chunks) - 1), self.attention_backend():
-                with agreed_out_of_memory(fabric), simulated_memory_cap(self.model, self.optimizer):
-                    loss = self.model(input_ids, targets=targets) * count_targets(targets)
-                with agreed_out_of_memory(fabric):
-                    fabric.backward(loss * scale, create_graph=self.create_graph)
+        failures: list[str] = []
+        last = len(chunks) - 1
+        for index, ((input_ids, targets), count) in enumerate(zip(chunks, counts)):
+            sync = index == last
+            with fabric.no_backward_sync(self.model, enabled=not sync), self.attention_backend():
+                with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
+                    loss = self.model(input_ids, targets=targets) * count
+                    if not sync:
+                        fabric.backward(loss * scale, create_graph=self.create_graph)
+                if failures or sync:
+                    raise_if_any_rank_failed(fabric, failures)
+                if sync:
+                    with catch_out_of_memory(failures):
+                        fabric.backward(loss * scale, create_graph=self.create_graph)
+                    raise_if_any_rank_failed(fabric, failures)
             loss_sum += loss.detach()
         return loss_sum, local_tokens
 
@@ -323,12 +335,6 @@ def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, t
     )
 
 
-def _report(config: Config, args: TrainArgs, trainable: str, fabric: Fabric, out_dir: Path, micro_batch_size: int,
-            where: str, message: str) -> str:
-    return out_of_memory_report(config, args, trainable, fabric.device, fabric.world_size, micro_batch_size, where,
-                                message, out_dir)
-
-
 # ---- the loop ------------------------------------------------------------------------------------
 def fit(
     fabric: Fabric,
@@ -353,7 +359,11 @@ def fit(
 
     out_dir = args.out_dir
     start_memory_history(fabric.device)
-    report = partial(_report, config, args, trainable, fabric, out_dir)
+
+    def report(micro_batch_size: int, where: str, message: str) -> str:
+        return out_of_memory_report(config, args, trainable, fabric.device, fabric.world_size, micro_batch_size,
+                                    where, message, out_dir)
+
     train_step = TrainStep(fabric, model, optimizer, int(args.micro_batch_size), args.oom_recovery, report)
     # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
     state = {"model": model, "optimizer": optimizer, "run": run}

@@ -21,8 +21,9 @@ from typing import Any, Iterator, Optional
 import torch
 from lightning.fabric import Fabric
 
+from lit_model.data.instruct import IGNORE_INDEX
+
 SIMULATED_CAP_ENV = "LIT_MODEL_SIMULATED_MEMORY_CAP"
-IGNORE_INDEX = -100
 
 
 def _storages(tensors: Iterator[torch.Tensor]) -> dict[int, int]:
@@ -86,17 +87,19 @@ class StepOutOfMemory(Exception):
 
 
 @contextlib.contextmanager
-def agreed_out_of_memory(fabric: Fabric) -> Iterator[None]:
-    """Run a forward or a backward; afterwards every rank learns whether any rank ran out of memory and, if so,
-    all raise ``StepOutOfMemory`` together. Checked between forward and backward so that no rank is left alone
-    in a gradient collective (an OOM inside an FSDP collective itself cannot be caught by the other ranks)."""
-    message = ""
+def catch_out_of_memory(failures: list[str]) -> Iterator[None]:
+    """Record an out-of-memory error (its first line) in ``failures`` instead of raising it."""
     try:
         yield
     except torch.OutOfMemoryError as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
-    if any_rank(fabric, bool(message)):
-        raise StepOutOfMemory(message or "another rank ran out of memory")
+        failures.append(str(error).strip().splitlines()[0] if str(error).strip() else "out of memory")
+
+
+def raise_if_any_rank_failed(fabric: Fabric, failures: list[str]) -> None:
+    """Every rank learns whether any rank ran out of memory and, if so, all raise ``StepOutOfMemory`` together.
+    Every rank must call it at the same points of the step (it is a collective with several ranks)."""
+    if any_rank(fabric, bool(failures)):
+        raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
 
 def count_targets(targets: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ loaders, resume, and a clean end of the processes."""
 
 from __future__ import annotations
 
+import heapq
 import os
 import sys
 from pathlib import Path
@@ -177,8 +178,8 @@ def longest_batch(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn:
                   lengths: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, ...]:
     """A micro batch of the longest samples (any, when all have one length): the rehearsal's worst case."""
     count = min(int(args.micro_batch_size), len(dataset))
-    order = range(len(dataset)) if lengths is None else sorted(range(len(dataset)), key=lambda i: -lengths[i])
-    return _collate([dataset[i] for i in list(order)[:count]], collate_fn, fabric.device)
+    chosen = range(count) if lengths is None else heapq.nlargest(count, range(len(dataset)), key=lengths.__getitem__)
+    return _collate([dataset[i] for i in chosen], collate_fn, fabric.device)
 
 
 def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, max_new_tokens: int = 60) -> str:
