@@ -1,5 +1,5 @@
 """One timed training run of a tiny Llama-style model, with lit-model or with litgpt (whichever the running
-interpreter has). Prints one JSON line. Used by train_vs_litgpt.py; each run is a fresh process so peak RSS
+interpreter has). Prints one JSON line. Used by vs_litgpt.py; each run is a fresh process so peak RSS
 belongs to that run alone."""
 
 import argparse
@@ -12,20 +12,35 @@ from lightning.fabric import Fabric
 
 ARCH = dict(block_size=512, vocab_size=8192, padded_vocab_size=8192, n_layer=4, n_embd=256, n_head=4,
             n_query_groups=2, intermediate_size=688)
+OPTIMIZER = dict(learning_rate=1e-3, weight_decay=0.1)
 
 
 def build(impl: str):
     if impl == "lit_model":
         from lit_model import GPT, Config
 
+        from lit_model.training.optimizers import build_optimizer
+
         model = GPT(Config(name="bench", **ARCH))
-        return model, lambda idx, targets: model(idx, targets=targets)
+
+        def optimizer(model, precision):  # as lit-model's scripts build it (fused AdamW where supported)
+            from lit_model.precision import param_dtype
+
+            return build_optimizer(model, "AdamW", **OPTIMIZER, device_type="cpu", param_dtype=param_dtype(precision))
+
+        return model, lambda idx, targets: model(idx, targets=targets), optimizer
     from litgpt import GPT, Config
-    from litgpt.utils import chunked_cross_entropy
+    from litgpt.utils import chunked_cross_entropy, instantiate_torch_optimizer
 
     model = GPT(Config(name="bench", mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", bias=False,
                        rotary_percentage=1.0, parallel_residual=False, **ARCH))
-    return model, lambda idx, targets: chunked_cross_entropy(model(idx), targets)  # litgpt pretrain's step
+
+    def optimizer(model, precision):  # as litgpt's pretrain.py builds it: fused only on CUDA
+        args = {"lr": OPTIMIZER["learning_rate"], "weight_decay": OPTIMIZER["weight_decay"], "betas": (0.9, 0.95)}
+        return instantiate_torch_optimizer({"class_path": "torch.optim.AdamW", "init_args": args},
+                                           model.parameters(), fused=False)
+
+    return model, lambda idx, targets: chunked_cross_entropy(model(idx), targets), optimizer  # its pretrain step
 
 
 def main() -> None:
@@ -40,12 +55,12 @@ def main() -> None:
 
     fabric = Fabric(accelerator="cpu", devices=1, precision=args.precision)
     fabric.seed_everything(0)
-    model, loss_fn = build(args.impl)
+    model, loss_fn, make_optimizer = build(args.impl)
     n_params = sum(p.numel() for p in model.parameters())
     if args.compile:
         model = torch.compile(model)
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    optimizer = fabric.setup_optimizers(make_optimizer(model, args.precision))
     tokens = torch.randint(0, ARCH["vocab_size"], (args.micro_batch_size, args.seq_length + 1))
     idx, targets = tokens[:, :-1], tokens[:, 1:]
 

@@ -3,9 +3,11 @@ peak RSS, and greedy decode tokens/s.
 
     python benchmarks/vs_litgpt.py            # installs litgpt into benchmarks/.venv-litgpt first
 
-Training (benchmarks/_train_worker.py): Fabric, AdamW, micro batch 4 x 512 tokens, 4 layers, 256 wide, vocab
-8192, untied head; lit-model's chunked fp32 cross-entropy inside the model vs litgpt's step as in its
-pretrain script (full logits, then chunked_cross_entropy). Generation (benchmarks/_generate_worker.py): 32
+Training (benchmarks/_train_worker.py): Fabric, micro batch 4 x 512 tokens, 4 layers, 256 wide, vocab 8192,
+untied head; each implementation's step as its pretrain script takes it: lit-model's fused chunked
+cross-entropy inside the model and its optimizer factory's AdamW (fused), litgpt's full logits then
+chunked_cross_entropy and AdamW as its pretrain.py builds it (fused only on CUDA). Both eager and compiled
+(litgpt's pretrain.py compiles); each row's ratios are to litgpt run the same way. Generation (benchmarks/_generate_worker.py): 32
 prompt tokens, 256 new, greedy, KV cache, timed at each streamed token (decode rate and median step rate).
 Runs alternate between implementations, each in a fresh process, `--repeats` times; tables report medians and
 ratios to litgpt, and the machine's load average before and after (other jobs on a shared machine slow both).
@@ -25,7 +27,8 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 LITGPT_VENV = HERE / ".venv-litgpt"
 LITGPT_VERSION = "0.5.13"
-BENCHMARKS = {  # name: (worker, speed metrics, lit-model variants as extra worker flags)
+BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags, each run by both implementations)
+    # litgpt's pretrain.py always compiles the model; both are measured eager and compiled.
     "train": ("_train_worker.py", ["tokens_per_sec"], [[], ["--compile"]]),
     "generate": ("_generate_worker.py", ["decode_tokens_per_sec", "step_tokens_per_sec"], [[]]),
 }
@@ -50,8 +53,9 @@ def run(python: str, worker: str, impl: str, precision: str, flags: list[str], t
 
 
 def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int, threads: Optional[int]) -> list[dict]:
-    worker, metrics, lit_variants = BENCHMARKS[name]
-    variants = [("litgpt", litgpt, [])] + [("lit_model", sys.executable, flags) for flags in lit_variants]
+    worker, metrics, flag_variants = BENCHMARKS[name]
+    variants = [(impl, python, flags) for flags in flag_variants
+                for impl, python in (("litgpt", litgpt), ("lit_model", sys.executable))]
     rows = []
     for precision in precisions:
         results: dict[str, list[dict]] = {}
@@ -61,8 +65,8 @@ def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int, threa
                 results.setdefault(label, []).append(run(python, worker, impl, precision, flags, threads))
         median = {label: {key: statistics.median(r[key] for r in runs) for key in (*metrics, "peak_rss_bytes")}
                   for label, runs in results.items()}
-        base = median["litgpt"]
         for label, values in median.items():
+            base = median[" ".join(["litgpt", *label.split()[1:]])]  # litgpt run the same way
             row = {"precision": precision, "implementation": label}
             for i, metric in enumerate(metrics):  # the first metric's ratio keeps its historical column name
                 row[metric] = round(values[metric], 1)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_model.config import Config
 from lit_model.errors import UserError
+from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -35,7 +36,9 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
-        self.loss_chunk_size = 1024
+        self.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE
+        # Set by optimizers that differentiate the gradients again (Sophia's Hessian): the fused loss cannot.
+        self.loss_differentiable_twice = False
         # Recompute every k-th block's activations in backward (0: off, 1: every block); see training/fabric.py.
         self.activation_checkpointing_interval = 0
         self.register_buffer("cos", torch.empty(0), persistent=False)
@@ -107,21 +110,28 @@ class GPT(nn.Module):
         return logits
 
     def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy in fp32. Each chunk's logits are recomputed in backward (checkpointed), so
-        at most ``loss_chunk_size`` rows of (tokens x vocab) logits are alive at once."""
+        """Mean cross-entropy in fp32, ``loss_chunk_size`` tokens at a time, so the (tokens x vocab) logits are
+        never all alive at once."""
         x = x.reshape(-1, x.size(-1))
         targets = targets.reshape(-1)
+        return self._loss_sum(x, targets) / (targets != -100).sum().clamp(min=1)
+
+    def _loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         chunk = self.loss_chunk_size if self.loss_chunk_size > 0 else x.size(0)
+        if type(self.lm_head) is nn.Linear and not self.loss_differentiable_twice:
+            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets, chunk,
+                                        self.config.final_logit_softcapping)
+        # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
         total = x.new_zeros((), dtype=torch.float32)
         for start in range(0, x.size(0), chunk):
             x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
             if chunk < x.size(0) and torch.is_grad_enabled():
-                total = total + checkpoint(self._loss_sum, x_chunk, t_chunk, use_reentrant=False)
+                total = total + checkpoint(self._chunk_loss_sum, x_chunk, t_chunk, use_reentrant=False)
             else:
-                total = total + self._loss_sum(x_chunk, t_chunk)
-        return total / (targets != -100).sum().clamp(min=1)
+                total = total + self._chunk_loss_sum(x_chunk, t_chunk)
+        return total
 
-    def _loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _chunk_loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.head(x).float(), targets, ignore_index=-100, reduction="sum")
 
     # ---- generation --------------------------------------------------------------------------

@@ -437,24 +437,36 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     this, transient, checkpointed = last
     block_backward = transient + (this if checkpointed else 0.0)
     first_block = first[0] + first[1]  # block 0 in backward: its kept (or recomputed) tensors + transient
-    # The loss, measured with the trace (c = tokens per chunk): a forward chunk holds fp32 logits and
-    # log-probabilities (8 bytes per logit). In backward, a chunk recomputes them and adds their gradients
-    # (12 bytes per logit). With a trainable head, its weight gradient sits in autograd's buffer while the
-    # chunks are summed (up to three V x C tensors at once when a chunk's gradient is added). The gradient of
-    # the whole final-norm output (N x C) fills up chunk by chunk.
-    c = min(spec.loss_chunk_size or N, N)
-    chunked = c < N
+    c = min(spec.loss_chunk_size or N, N)  # tokens per loss chunk
     vc = V * C * d if head_train else 0
-    if chunked:
-        loss_forward = 8.0 * c * V
+    autocast = spec.autocast_dtype is not None
+    softcap = config.final_logit_softcapping is not None
+    # Both loss paths, measured with the trace: a chunk holds its fp32 logits and their log-probabilities (8
+    # bytes per logit; soft-capping keeps its tanh too: 12).
+    chunk_logits = (12.0 if softcap else 8.0) * c * V
+    fused = not (spec.trainable == "lora" and "head" in spec.lora_targets) and spec.optimizer.lower() != "sophia"
+    if fused:
+        # lit_model/loss.py: the gradients of the final norm's output and of the head's weight are made in the
+        # forward, chunk by chunk, and only scaled in backward. Under autocast it casts the head's weight (and
+        # each chunk's input) to half precision itself.
+        loss_forward = chunk_logits + (N * C * d if out_rg else 0.0) + vc
+        if autocast:
+            loss_forward += spec.compute_bytes * (V * C + c * C)
+        loss_backward = (N * C * d if out_rg else 0.0) + vc
+    elif c < N:
+        # checkpointed chunks: in backward a chunk recomputes its logits and adds their gradients (12 bytes per
+        # logit). With a trainable head, its weight gradient sits in autograd's buffer while the chunks are
+        # summed (up to three V x C tensors at once when a chunk's gradient is added). The gradient of the whole
+        # final-norm output (N x C) fills up chunk by chunk.
+        loss_forward = chunk_logits
         # with a trainable head, also max(one V x C gradient in autograd's buffer, the sum of the buffer and
         # a chunk's new gradient: three V x C tensors at once)
         loss_backward = max(12.0 * c * V + vc, 3.0 * vc + c * C * d) if head_train else 12.0 * c * V
         loss_backward += N * C * d
     else:
-        loss_forward = 8.0 * N * V
+        loss_forward = chunk_logits
         loss_backward = max(12.0 * N * V, 8.0 * N * V + vc + N * C * d)
-    if spec.autocast_dtype is not None:  # the head's weight cast to half precision for each chunk
+    if autocast and not fused:  # the head's weight cast to half precision for each chunk
         loss_forward += spec.compute_bytes * V * C
         loss_backward += spec.compute_bytes * V * C
     weight_copies, weight_cache = 0.0, 0.0
@@ -466,7 +478,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
         blocks = 2.0 * L * pc.block_linear_weights
         weight_copies = 0.0 if spec.ac_interval else blocks
         if spec.trainable == "full":
-            weight_cache = blocks - weight_copies + 2.0 * V * C
+            weight_cache = blocks - weight_copies + (0.0 if fused else 2.0 * V * C)
     # no-grad forward: the largest set of tensors alive at once inside a block (MLP: 3 intermediates)
     if config.mlp_class_name == "GptNeoxMLP":
         eval_fw = N * (2 * I + 3 * C) * d
@@ -474,7 +486,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
         eval_fw = N * (3 * I + 3 * C) * d
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
-    eval_loss = 8.0 * min(spec.loss_chunk_size or N, N) * V
+    eval_loss = (12.0 if softcap else 8.0) * min(spec.loss_chunk_size or N, N) * V
     if spec.autocast_dtype is not None:
         # autocast caches half-precision copies of weights that require grad, also under no_grad
         pc = param_counts(config)

@@ -12,6 +12,7 @@ import torch
 
 from lit_model.config import Config
 from lit_model.errors import UsageError
+from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 
 from lit_model.memory.modules import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
@@ -40,7 +41,7 @@ class RunSpec:
     num_nodes: int = 1
     cpu_offload: bool = False
     ac_interval: int = 0  # 0: no activation checkpointing; k: every k-th block
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     optimizer: str = "AdamW"
     trainable: str = "full"
     lora_r: int = 8
@@ -170,7 +171,7 @@ def make_spec(
         num_nodes=num_nodes,
         cpu_offload=cpu_offload,
         ac_interval=max(interval, 0),
-        loss_chunk_size=int(_get(settings, "loss_chunk_size", 1024)),
+        loss_chunk_size=int(_get(settings, "loss_chunk_size", DEFAULT_LOSS_CHUNK_SIZE)),
         optimizer=_get(settings, "optimizer", "AdamW"),
         trainable=trainable,
         lora_r=int(lora_r if lora_r is not None else _get(settings, "lora_r", 8)),

@@ -286,6 +286,7 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
         tracker.track_external(x, y)
         micro_steps = min(spec.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
         create_graph = needs_create_graph(optimizer)  # Sophia: the backward keeps its own graph for the Hessian
+        model.loss_differentiable_twice = create_graph
         # as the fit loop: the fused attention kernels have no double backward
         attention = (lambda: sdpa_kernel([SDPBackend.MATH])) if create_graph else contextlib.nullcontext
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.training.fabric import DistributedSettings
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
@@ -90,7 +91,7 @@ class TrainArgs(DistributedSettings):
     seed: int = 1337
     freeze_layers: Optional[Union[int, list[str]]] = None
     empty_cache_interval: int = 0
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     overwrite: bool = False
     device_memory: Optional[str] = None
     plan: Optional[Literal["text", "json"]] = None

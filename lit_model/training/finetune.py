@@ -26,7 +26,7 @@ from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
-from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, find_resume_path, fit, write_summary
+from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, find_resume_path, fit, unwrap, write_summary
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")
 # What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from
@@ -170,11 +170,6 @@ def load_model(fabric: Fabric, args: FinetuneArgs, setup: Setup) -> GPT:
 
 def trainable_names(model: nn.Module) -> set[str]:
     return {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    module = getattr(model, "module", model)  # Fabric's wrapper
-    return getattr(module, "_orig_mod", module)  # torch.compile's
 
 
 def _strip_wrappers(name: str) -> str:

@@ -231,6 +231,11 @@ def format_duration(seconds: float) -> str:
 
 
 # ---- the training step ---------------------------------------------------------------------------
+def unwrap(model: nn.Module) -> nn.Module:
+    module = getattr(model, "module", model)  # Fabric's wrapper
+    return getattr(module, "_orig_mod", module)  # torch.compile's
+
+
 class TrainStep:
     """One optimizer step's forward and backward passes over the step's samples, in micro batches. When the
     device runs out of memory (every rank learns it, see recovery.py), the step's memory is freed and the same
@@ -245,6 +250,7 @@ class TrainStep:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
         self.create_graph = needs_create_graph(optimizer)
+        unwrap(model).loss_differentiable_twice = self.create_graph
 
     def attention_backend(self) -> Any:
         # Hessian-based optimizers differentiate twice; the fused attention kernels have no double backward.
