@@ -118,7 +118,6 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     if job["trainable"] == "lora":
         apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05), dtype=dtype)
     model.activation_checkpointing_interval = 1 if job["ac"] else 0
-    model.loss_chunk_size = 1024
     model.train()
     optimizer = build_optimizer(model, job.get("optimizer", "AdamW"), 1e-4, weight_decay=0.1, device_type="cpu", param_dtype=dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -171,7 +170,7 @@ def run_worker(job: dict) -> dict:
 # ---- predictions -------------------------------------------------------------------------------------------
 def settings_for(precision: str, micro: int, seq_len: int, ac: bool) -> SimpleNamespace:
     return SimpleNamespace(precision=precision, micro_batch_size=micro, global_batch_size=micro, override_max_seq_length=seq_len,
-                           activation_checkpointing=ac, optimizer="AdamW", loss_chunk_size=1024, grad_clip=1.0)
+                           activation_checkpointing=ac, optimizer="AdamW", grad_clip=1.0)  # the default loss chunk
 
 
 def predict(model: str, precision: str, trainable: str, ac: bool, micro: int, seq_len: int) -> dict:
