@@ -27,10 +27,15 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 LITGPT_VENV = HERE / ".venv-litgpt"
 LITGPT_VERSION = "0.5.13"
-BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags, each run by both implementations)
-    # litgpt's pretrain.py always compiles the model; both are measured eager and compiled.
-    "train": ("_train_worker.py", ["tokens_per_sec"], [[], ["--compile"]]),
-    "generate": ("_generate_worker.py", ["decode_tokens_per_sec", "step_tokens_per_sec"], [[]]),
+BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags (both implementations run each), what)
+    "train": ("_train_worker.py", ["tokens_per_sec"], [[], ["--compile"]],
+              "Each implementation takes its training step as its pretrain script does: lit-model's fused chunked "
+              "cross-entropy and its optimizer factory's AdamW (fused), litgpt's full logits then "
+              "chunked_cross_entropy and AdamW as its pretrain.py builds it (fused only on CUDA). Both run eager "
+              "and compiled (litgpt's pretrain.py always compiles); each row's ratios are to litgpt run the same "
+              "way. Tiny Llama-style model: 4 layers, 256 wide, vocab 8192, micro batch 4 x 512 tokens."),
+    "generate": ("_generate_worker.py", ["decode_tokens_per_sec", "step_tokens_per_sec"], [[]],
+                 "Greedy decoding with a KV cache: 32 prompt tokens, 256 new."),
 }
 
 
@@ -53,7 +58,7 @@ def run(python: str, worker: str, impl: str, precision: str, flags: list[str], t
 
 
 def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int, threads: Optional[int]) -> list[dict]:
-    worker, metrics, flag_variants = BENCHMARKS[name]
+    worker, metrics, flag_variants, _ = BENCHMARKS[name]
     variants = [(impl, python, flags) for flags in flag_variants
                 for impl, python in (("litgpt", litgpt), ("lit_model", sys.executable))]
     rows = []
@@ -95,6 +100,7 @@ def write_table(name: str, rows: list[dict], repeats: int, threads: Optional[int
     (results / f"{name}_vs_litgpt.md").write_text(
         f"# {name}: lit-model vs litgpt {LITGPT_VERSION} (CPU, {os.cpu_count()} cores, median of {repeats})\n\n"
         f"Regenerate: `python benchmarks/vs_litgpt.py --only {name}{flag}`\n\n"
+        f"{BENCHMARKS[name][3]}\n\n"
         f"Threads per process: {threads_text}.\n\n"
         f"Taken on a {os.cpu_count()}-core machine shared with other jobs (1-minute load average {load[0]:.1f} "
         f"before, {load[1]:.1f} after): absolute speeds move with their load; the ratios come from runs that "
