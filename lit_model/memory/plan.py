@@ -25,6 +25,7 @@ import torch
 
 from lit_model.config import Config
 from lit_model.errors import UsageError
+from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
@@ -394,9 +395,10 @@ def _options(spec: RunSpec) -> list[_Option]:
     if spec.trainable in ("lora", "adapter") and spec.quantize is None:
         options.append(_Option("quantize", {"quantize": "bnb.nf4"}, {"quantize": "bnb.nf4"}, _speed("quantize_nf4", dev),
                                QUALITY_PENALTY["quantize"], "frozen base weights in 4 bits (QLoRA); needs bitsandbytes"))
-    if spec.loss_chunk_size == 0 or spec.loss_chunk_size > 256:
-        options.append(_Option("loss_chunk_size", {"loss_chunk_size": 256}, {"loss_chunk_size": 256}, 1.01,
-                               note="logits of 256 tokens at a time (estimate: 1 % slower)"))
+    if spec.loss_chunk_size == 0 or spec.loss_chunk_size > DEFAULT_LOSS_CHUNK_SIZE:
+        chunk = {"loss_chunk_size": DEFAULT_LOSS_CHUNK_SIZE}
+        options.append(_Option("loss_chunk_size", chunk, chunk, 1.0,
+                               note=f"the default: logits of {DEFAULT_LOSS_CHUNK_SIZE} tokens at a time"))
     if dev == "cuda":  # on the CPU, "offloading" and more processes use the same RAM
         if not spec.cpu_offload:
             options.append(_Option("cpu_offload", {"cpu_offload": True},
