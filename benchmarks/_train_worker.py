@@ -18,14 +18,12 @@ OPTIMIZER = dict(learning_rate=1e-3, weight_decay=0.1)
 def build(impl: str):
     if impl == "lit_model":
         from lit_model import GPT, Config
-
+        from lit_model.precision import param_dtype
         from lit_model.training.optimizers import build_optimizer
 
         model = GPT(Config(name="bench", **ARCH))
 
         def optimizer(model, precision):  # as lit-model's scripts build it (fused AdamW where supported)
-            from lit_model.precision import param_dtype
-
             return build_optimizer(model, "AdamW", **OPTIMIZER, device_type="cpu", param_dtype=param_dtype(precision))
 
         return model, lambda idx, targets: model(idx, targets=targets), optimizer

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-# Tokens per chunk: a (128 x vocab) fp32 block stays in a CPU core's cache for vocabularies up to ~8k (4 MB; on
-# this project's 2-core CPU, 128 trained faster than 256 or 1024), and is still a large matmul on a GPU.
+# Tokens per chunk: a (128 x vocab) fp32 block stays in a CPU core's cache for vocabularies up to ~8k (4 MB), and
+# is still a large matmul on a GPU.
 DEFAULT_LOSS_CHUNK_SIZE = 128
 
 

@@ -423,7 +423,8 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
             first = (this, acts.transient_per_token * N)
         x_rg = acts.out_requires_grad
     kept = sum(block_kept) + 16 * N  # + the batch: input ids and targets (int64)
-    if spec.optimizer.lower() == "sophia":
+    differentiated_twice = spec.optimizer.lower() == "sophia"
+    if differentiated_twice:
         # Estimate (not traced): on Hessian steps backward runs with create_graph=True, keeping the backward
         # graph (about as much again), and the fit loop switches to the math attention kernel, which keeps the
         # attention probabilities (T x T per head).
@@ -444,7 +445,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     # Both loss paths, measured with the trace: a chunk holds its fp32 logits and their log-probabilities (8
     # bytes per logit; soft-capping keeps its tanh too: 12).
     chunk_logits = (12.0 if softcap else 8.0) * c * V
-    fused = not (spec.trainable == "lora" and "head" in spec.lora_targets) and spec.optimizer.lower() != "sophia"
+    fused = not (spec.trainable == "lora" and "head" in spec.lora_targets) and not differentiated_twice
     if fused:
         # lit_model/loss.py: the gradients of the final norm's output and of the head's weight are made in the
         # forward, chunk by chunk, and only scaled in backward. Under autocast it casts the head's weight (and
@@ -486,7 +487,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
         eval_fw = N * (3 * I + 3 * C) * d
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
-    eval_loss = (12.0 if softcap else 8.0) * min(spec.loss_chunk_size or N, N) * V
+    eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path
     if spec.autocast_dtype is not None:
         # autocast caches half-precision copies of weights that require grad, also under no_grad
         pc = param_counts(config)
