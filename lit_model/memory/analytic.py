@@ -208,6 +208,8 @@ def _norm(config: Config, d: int, x_rg: bool, w_train: bool, C: int, shared_inpu
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
         return (0 if shared_input else d * C) + 8, True  # input + mean + rstd (fp32)
+    if d == 4 and not config.norm_unit_offset:
+        return 4 * C, True  # fp32 in and fp32 weight: ops.rms_norm keeps only its input
     kept = 0.0
     if x_rg:
         kept += 4 * C + 4  # the fp32 input (x itself in fp32) and rsqrt

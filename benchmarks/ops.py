@@ -1,0 +1,108 @@
+"""lit_model/ops.py against the PyTorch calls it replaces, forward + backward, on this machine's CPU:
+
+    python benchmarks/ops.py            # ~2 minutes; writes benchmarks/results/ops.{csv,md}
+
+1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations.
+2. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
+   2048 tokens a batch (batch = 2048 / T), 4 query heads over 2 key/value heads of 64, fp32 and bf16, for T
+   from 128 to 1024. The model takes the halves for 384 <= T <= 512 (lit_model/model.py), where this table
+   shows them faster in both dtypes.
+
+One thread (as benchmarks/vs_litgpt.py runs); each figure is the median of 5 rounds of 10 calls, the two
+implementations alternating within a round, so the ratio comes from the same moments of a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lit_model.ops import causal_attention_in_halves, rms_norm  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def compare(ours: Callable[[], None], theirs: Callable[[], None], rounds: int = 5, calls: int = 10) -> tuple[float, float]:
+    """Median milliseconds per call of each, alternating."""
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for fn in (ours, theirs):
+        fn()  # warm-up
+    for _ in range(rounds):
+        for name, fn in (("ours", ours), ("theirs", theirs)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append(1e3 * (time.perf_counter() - start) / calls)
+    return statistics.median(times["ours"]), statistics.median(times["theirs"])
+
+
+def rms_norm_rows() -> list[dict]:
+    rows = []
+    for width in (256, 512, 1024):
+        x = torch.randn(4, 512, width, requires_grad=True)
+        weight = torch.randn(width, requires_grad=True)
+        grad = torch.randn_like(x)
+        ours, theirs = compare(lambda: rms_norm(x, weight, 1e-5).backward(grad),
+                               lambda: F.rms_norm(x, (width,), weight, 1e-5).backward(grad))
+        rows.append({"op": "rms_norm fwd+bwd", "shape": f"4x512x{width}", "dtype": "float32",
+                     "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
+    return rows
+
+
+def attention_rows() -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for length in (128, 256, 384, 512, 768, 1024):
+            batch = 2048 // length
+            q = torch.randn(batch, 4, length, 64, dtype=dtype, requires_grad=True)
+            k = torch.randn(batch, 2, length, 64, dtype=dtype, requires_grad=True)
+            v = torch.randn(batch, 2, length, 64, dtype=dtype, requires_grad=True)
+            grad = torch.randn(batch, length, 4, 64, dtype=dtype)
+
+            def halves() -> None:
+                causal_attention_in_halves(q, k, v, 0.125, True).backward(grad)
+
+            def whole() -> None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+                out.transpose(1, 2).backward(grad)
+
+            ours, theirs = compare(halves, whole)
+            rows.append({"op": "causal attention fwd+bwd", "shape": f"{batch}x{length} tokens",
+                         "dtype": str(dtype).removeprefix("torch."), "lit_model_ms": round(ours, 3),
+                         "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
+    return rows
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    before = os.getloadavg()[0]
+    rows = rms_norm_rows() + attention_rows()
+    header = list(rows[0])
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                      + ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "ops.csv").write_text("\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n")
+    (RESULTS / "ops.md").write_text(
+        f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU, 1 thread)\n\n"
+        "Regenerate: `python benchmarks/ops.py`\n\n"
+        "Forward + backward, median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's. "
+        "Attention: 4 query heads over 2 key/value heads of 64, 2048 tokens a batch; lit-model takes the halves "
+        f"for 384 <= T <= 512. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
+        f"{table}\n"
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

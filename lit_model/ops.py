@@ -1,0 +1,69 @@
+"""Two model operations arranged to touch memory fewer times than PyTorch's own, with the same math: an
+RMSNorm with a hand-written backward, and causal attention on the CPU split so that its kernel skips the
+masked quarter. Measured on the CPU training step in benchmarks/results/ops.md."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype.
+
+    ``F.rms_norm``'s backward is composed of about a dozen elementwise kernels on the CPU; this one reads
+    each operand about half as often. It saves only ``x`` (``1/rms`` is recomputed: one pass), and its
+    backward is made of differentiable operations, so a second backward (Sophia's Hessian) still works."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # vector_norm reads x once; x.pow(2).mean() writes a squared copy first.
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return norm.square().div_(x.size(-1)).add_(eps).rsqrt_()
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return (x * _inverse_rms(x, eps)).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, weight = ctx.saved_tensors
+        size = x.size(-1)
+        inverse_rms = _inverse_rms(x, ctx.eps)
+        normed = x * inverse_rms
+        grad_times_normed = grad * normed  # serves both gradients: summed over rows, and dotted with weight
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of w * x * r(x) = r * (g w - x_hat * mean(g w x_hat)), g the incoming gradient.
+            mean_product = (grad_times_normed @ weight).div_(size).unsqueeze(-1)
+            grad_x = torch.addcmul(grad * weight, normed, mean_product, value=-1).mul_(inverse_rms)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_times_normed.reshape(-1, size).sum(0)
+        return grad_x, grad_weight, None
+
+
+def causal_attention_in_halves(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
+) -> torch.Tensor:
+    """Causal ``F.scaled_dot_product_attention`` of (B, heads, T, head_size) inputs, returned as (B, T, heads,
+    head_size), computed as two calls: the first half of the queries against the first half of the keys,
+    the second half against all keys with an explicit mask.
+
+    PyTorch's CPU flash-attention kernel walks the keys in blocks of 512, so for T <= 512 a causal call
+    computes the whole T x T score matrix and masks half of it; the two calls skip the upper-right quarter.
+    Both outputs land in one (B, T, heads, head_size) tensor, the layout the output projection reads."""
+    half = q.size(2) // 2
+    first = F.scaled_dot_product_attention(
+        q[:, :, :half], k[:, :, :half], v[:, :, :half], is_causal=True, scale=scale, enable_gqa=enable_gqa
+    )
+    # Query half + i sees keys 0 .. half + i.
+    mask = torch.ones(q.size(2) - half, k.size(2), dtype=torch.bool, device=q.device).tril(half)
+    second = F.scaled_dot_product_attention(
+        q[:, :, half:], k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
+    return torch.cat((first.transpose(1, 2), second.transpose(1, 2)), dim=1)
