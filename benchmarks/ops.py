@@ -5,7 +5,7 @@
 1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations.
 2. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
    2048 tokens a batch (batch = 2048 / T), 4 query heads over 2 key/value heads of 64, fp32 and bf16, for T
-   from 128 to 1024. The model takes the halves for 384 <= T <= 512 (lit_model/model.py), where this table
+   from 128 to 1024. The model takes the halves for 384 <= T <= 512 (``ops.attends_in_halves``), where this table
    shows them faster in both dtypes.
 
 One thread (as benchmarks/vs_litgpt.py runs); each figure is the median of 5 rounds of 10 calls, the two

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_model.config import Config
 from lit_model.errors import UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.ops import causal_attention_in_halves, rms_norm
+from lit_model.ops import attends_in_halves, causal_attention_in_halves, rms_norm
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -286,8 +286,7 @@ class CausalSelfAttention(nn.Module):
             )
             return out
         enable_gqa = k.size(1) != q.size(1)
-        if mask is None and q.device.type == "cpu" and 384 <= q.size(2) <= 512:
-            # Where the CPU kernel computes the masked half anyway (see ops.py); measured faster only here.
+        if mask is None and attends_in_halves(q.device.type, q.size(2)):
             return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale, enable_gqa=enable_gqa
@@ -366,7 +365,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32 and not self.unit_offset:
-            return rms_norm(x, self.weight, self.eps)  # the same math in fewer passes over memory
+            if x.device.type == "cpu":  # the same math in fewer passes (measured on the CPU only: ops.py)
+                return rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         x_fp32 = as_dtype(x, torch.float32)
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -1,6 +1,6 @@
-"""Two model operations arranged to touch memory fewer times than PyTorch's own, with the same math: an
-RMSNorm with a hand-written backward, and causal attention on the CPU split so that its kernel skips the
-masked quarter. Measured on the CPU training step in benchmarks/results/ops.md."""
+"""Two model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
+hand-written backward, and causal attention on the CPU split so that its kernel skips the masked quarter.
+Both against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype.
 
-    ``F.rms_norm``'s backward is composed of about a dozen elementwise kernels on the CPU; this one reads
-    each operand about half as often. It saves only ``x`` (``1/rms`` is recomputed: one pass), and its
-    backward is made of differentiable operations, so a second backward (Sophia's Hessian) still works."""
+    On the CPU, ``F.rms_norm`` runs as separate elementwise kernels in forward and backward; this one makes
+    fewer passes over the activations (a one-pass ``vector_norm``, one product shared by both gradients). It
+    saves only ``x`` (``1/rms`` is recomputed in backward), and its backward is made of differentiable
+    operations, so a second backward (Sophia's Hessian) still works."""
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -45,6 +46,13 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = grad_times_normed.reshape(-1, size).sum(0)
         return grad_x, grad_weight, None
+
+
+def attends_in_halves(device_type: str, length: int) -> bool:
+    """Whether causal attention without a mask over ``length`` tokens takes ``causal_attention_in_halves``:
+    on the CPU for 384 to 512 tokens, where benchmarks/results/ops.md measures the halves faster in fp32 and
+    bf16 (below, the halves are too short to gain; above, the kernel's own key blocks skip masked work)."""
+    return device_type == "cpu" and 384 <= length <= 512
 
 
 def causal_attention_in_halves(

@@ -22,6 +22,7 @@ from typing import Optional
 from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.memory.spec import RunSpec
+from lit_model.ops import attends_in_halves
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -200,16 +201,17 @@ class BlockActs:
     transient_per_token: float  # extra bytes in flight during this block's backward
 
 
-def _norm(config: Config, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False) -> tuple[float, bool]:
+def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False) -> tuple[float, bool]:
     """Kept bytes per token of a norm over C channels and whether its output requires grad.
     ``shared_input``: the input is already kept by another consumer (LayerNorm keeps its input)."""
+    config = spec.config
     out_rg = x_rg or w_train
     if not out_rg:
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
         return (0 if shared_input else d * C) + 8, True  # input + mean + rstd (fp32)
-    if d == 4 and not config.norm_unit_offset:
-        return 4 * C, True  # fp32 in and fp32 weight: ops.rms_norm keeps only its input
+    if d == 4 and not config.norm_unit_offset and spec.device_type == "cpu":
+        return 4 * C, True  # fp32 in and fp32 weight on the CPU: ops.rms_norm keeps only its input
     kept = 0.0
     if x_rg:
         kept += 4 * C + 4  # the fp32 input (x itself in fp32) and rsqrt
@@ -267,7 +269,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     t2 = 0.0
     per_layer = 0.0
     # norm_1 and the q, k, v linears
-    kept, xn_rg = _norm(config, d, x_rg, norm_w, C)
+    kept, xn_rg = _norm(spec, d, x_rg, norm_w, C)
     per_token += kept
     out_rg = {}
     for name in ("attn.query", "attn.key", "attn.value"):
@@ -291,6 +293,8 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
         per_token += (Hq + 2 * Hkv) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
         if sliding:
             per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
+        elif attends_in_halves(spec.device_type, T):
+            per_layer += (T - T // 2) * T  # attention in halves (ops.py): the second half's boolean mask
     if adapter:
         # LLaMA-Adapter: every query also attends to the trainable prefix (SDPA keeping q, its output and
         # logsumexp); the gate keeps that output. The attention output now requires grad.
@@ -309,7 +313,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     per_token += lk
     a_rg = y_rg or W["attn.proj"] or l_rg
     if config.post_attention_norm:
-        kept, a_rg = _norm(config, dm, a_rg, norm_w, C)
+        kept, a_rg = _norm(spec, dm, a_rg, norm_w, C)
         per_token += kept
     per_token += xn_kept
     # MLP input
@@ -319,13 +323,13 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
             shared_with_attention = True
         else:
             shared = config.norm_class_name == "LayerNorm" and x_rg  # norm_1 already keeps x
-            kept, m_in_rg = _norm(config, d, x_rg, norm_w, C, shared_input=shared)
+            kept, m_in_rg = _norm(spec, d, x_rg, norm_w, C, shared_input=shared)
             per_token += kept
             shared_with_attention = False
         res_rg = x_rg or a_rg
     else:
         x2_rg = x_rg or a_rg
-        kept, m_in_rg = _norm(config, d, x2_rg, norm_w, C)
+        kept, m_in_rg = _norm(spec, d, x2_rg, norm_w, C)
         per_token += kept
         shared_with_attention = False
         res_rg = x2_rg
@@ -376,7 +380,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
         per_token += kept_linear_inputs(fc_names, C, d)
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
     if config.post_mlp_norm:
-        kept, m_rg = _norm(config, dm, m_rg, norm_w, C)
+        kept, m_rg = _norm(spec, dm, m_rg, norm_w, C)
         per_token += kept
     out_rg = res_rg or m_rg
     return BlockActs(per_token, t2, per_layer, out_rg, transient)
@@ -433,7 +437,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
         kept = 2 * kept + L * B * config.n_head * T * T * 2 * spec.compute_bytes
     # final norm + its output kept by the loss checkpoint (or by the head)
     head_train = spec.trainable == "full" or (spec.trainable == "lora" and "head" in spec.lora_targets)
-    kept_nf, out_rg = _norm(config, d, x_rg, spec.trainable == "full", C)
+    kept_nf, out_rg = _norm(spec, d, x_rg, spec.trainable == "full", C)
     kept += kept_nf * N
     if out_rg or head_train:
         kept += C * d * N  # norm_f output
