@@ -256,12 +256,16 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = None  # plain causal
 
-        y = self.attend(q, k, v, mask)
-        return self.proj(y.reshape(B, T, n_head * hs))
+        # Each piece is projected on its own: the projection then keeps (a view of) what attention keeps, not a
+        # concatenated copy; the concatenated output is not kept.
+        out = [self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in self.attend(q, k, v, mask)]
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Returns (B, T, heads, head_size). Without a mask: causal, except that one query sees every key (a
-        decoding step over the cache)."""
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Returns the output as consecutive pieces along time, each (B, T_i, heads, head_size): usually one.
+        Without a mask: causal, except that one query sees every key (a decoding step over the cache)."""
         softcapping = self.config.attention_logit_softcapping
         if softcapping is not None:
             # Soft-capping needs the scores themselves, so this path is explicit (Gemma 2).
@@ -274,7 +278,7 @@ class CausalSelfAttention(nn.Module):
                 mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return (probs @ v).transpose(1, 2)
+            return [(probs @ v).transpose(1, 2)]
         if (
             flash_attn_func is not None
             and q.is_cuda
@@ -284,14 +288,14 @@ class CausalSelfAttention(nn.Module):
             out = flash_attn_func(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scale, causal=True
             )
-            return out
+            return [out]
         enable_gqa = k.size(1) != q.size(1)
         if mask is None and attends_in_halves(q.device.type, q.size(2)):
             return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale, enable_gqa=enable_gqa
         )
-        return y.transpose(1, 2)
+        return [y.transpose(1, 2)]
 
 
 def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:

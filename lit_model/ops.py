@@ -12,10 +12,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype.
 
     On the CPU, ``F.rms_norm`` runs as separate elementwise kernels in forward and backward; this one makes
-    fewer passes over the activations (a one-pass ``vector_norm``, one product shared by both gradients). It
-    saves only ``x`` (``1/rms`` is recomputed in backward), and its backward is made of differentiable
-    operations, so a second backward (Sophia's Hessian) still works."""
-    return _RMSNorm.apply(x, weight, eps)
+    fewer passes over the activations (a one-pass ``vector_norm``; in backward, one product shared by both
+    gradients). It saves only ``x`` (``1/rms`` is recomputed), and its backward is made of differentiable
+    operations, so a second backward (Sophia's Hessian) still works. Without autograd it computes the same
+    numbers without the autograd.Function's overhead."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return _forward(x, weight, eps)
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x * _inverse_rms(x, eps)).mul_(weight)
 
 
 def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +36,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):  # type: ignore[no-untyped-def]
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return (x * _inverse_rms(x, eps)).mul_(weight)
+        return _forward(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
@@ -57,14 +64,15 @@ def attends_in_halves(device_type: str, length: int) -> bool:
 
 def causal_attention_in_halves(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
-) -> torch.Tensor:
-    """Causal ``F.scaled_dot_product_attention`` of (B, heads, T, head_size) inputs, returned as (B, T, heads,
-    head_size), computed as two calls: the first half of the queries against the first half of the keys,
-    the second half against all keys with an explicit mask.
+) -> list[torch.Tensor]:
+    """Causal ``F.scaled_dot_product_attention`` of (B, heads, T, head_size) inputs as two calls: the first half
+    of the queries against the first half of the keys, the second half against all keys with an explicit mask.
+    Returns the two halves of the output, each (B, T_i, heads, head_size).
 
     PyTorch's CPU flash-attention kernel walks the keys in blocks of 512, so for T <= 512 a causal call
     computes the whole T x T score matrix and masks half of it; the two calls skip the upper-right quarter.
-    Both outputs land in one (B, T, heads, head_size) tensor, the layout the output projection reads."""
+    The halves are returned apart, not concatenated: a consumer that keeps its input (the output projection)
+    can keep views of what attention keeps anyway."""
     half = q.size(2) // 2
     first = F.scaled_dot_product_attention(
         q[:, :, :half], k[:, :, :half], v[:, :, :half], is_causal=True, scale=scale, enable_gqa=enable_gqa
@@ -74,4 +82,4 @@ def causal_attention_in_halves(
     second = F.scaled_dot_product_attention(
         q[:, :, half:], k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
-    return torch.cat((first.transpose(1, 2), second.transpose(1, 2)), dim=1)
+    return [first.transpose(1, 2), second.transpose(1, 2)]

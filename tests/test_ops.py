@@ -33,6 +33,13 @@ def test_rms_norm_gradients_are_exact_to_second_order():
     assert torch.autograd.gradgradcheck(lambda x, w: rms_norm(x, w, 1e-6), (x, weight))
 
 
+def test_rms_norm_gives_the_same_numbers_without_autograd():
+    x, weight = torch.randn(3, 16), torch.randn(16, requires_grad=True)
+    with_autograd = rms_norm(x, weight, 1e-6)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, weight, 1e-6), with_autograd)
+
+
 def test_rms_norm_skips_gradients_nobody_wants():
     x = torch.randn(4, 8, requires_grad=True)
     weight = torch.ones(8)  # frozen, e.g. under LoRA
@@ -48,9 +55,10 @@ def test_attention_in_halves_equals_causal_attention(n_head, n_kv, length):
     v = torch.randn(2, n_kv, length, 8, generator=generator).requires_grad_()
     upstream = torch.randn(2, length, n_head, 8, generator=generator)
     gqa = n_kv != n_head
-    ours = causal_attention_in_halves(q, k, v, 0.3, gqa)
+    halves = causal_attention_in_halves(q, k, v, 0.3, gqa)
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=gqa).transpose(1, 2)
-    assert ours.shape == (2, length, n_head, 8) and ours.is_contiguous()
+    assert [h.shape for h in halves] == [(2, length // 2, n_head, 8), (2, length - length // 2, n_head, 8)]
+    ours = torch.cat(halves, dim=1)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(ours, (q, k, v), upstream), torch.autograd.grad(reference, (q, k, v), upstream)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -70,6 +78,8 @@ def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves)
     idx = torch.randint(0, 64, (1, length))
     logits = model(idx)
     assert bool(calls) is halves
+    # The projection keeps views of what attention keeps, not a concatenated copy: the saved tensors of a
+    # training forward are the same size either way, apart from the second half's mask.
     # Causality holds either way: a later token does not change earlier logits.
     changed = idx.clone()
     changed[0, -1] = (changed[0, -1] + 1) % 64

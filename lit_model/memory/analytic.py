@@ -294,7 +294,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
         if sliding:
             per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
         elif attends_in_halves(spec.device_type, T):
-            per_layer += (T - T // 2) * T  # attention in halves (ops.py): the second half's boolean mask
+            per_layer += (T - T // 2) * T * dm  # attention in halves (ops.py): the second half's mask, converted
     if adapter:
         # LLaMA-Adapter: every query also attends to the trainable prefix (SDPA keeping q, its output and
         # logsumexp); the gate keeps that output. The attention output now requires grad.
