@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_model.config import Config
 from lit_model.errors import UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.ops import attends_in_halves, causal_attention_in_halves, rms_norm
+from lit_model.ops import attends_in_halves, causal_attention_in_halves, path_device, rms_norm
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -258,8 +258,10 @@ class CausalSelfAttention(nn.Module):
 
         # Each piece is projected on its own: the projection then keeps (a view of) what attention keeps, not a
         # concatenated copy; the concatenated output is not kept.
-        out = [self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in self.attend(q, k, v, mask)]
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        pieces = self.attend(q, k, v, mask)
+        if len(pieces) == 1:
+            return self.proj(pieces[0].reshape(B, T, n_head * hs))
+        return torch.cat([self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in pieces], dim=1)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
@@ -290,7 +292,7 @@ class CausalSelfAttention(nn.Module):
             )
             return [out]
         enable_gqa = k.size(1) != q.size(1)
-        if mask is None and attends_in_halves(q.device.type, q.size(2)):
+        if mask is None and attends_in_halves(path_device(q), q.size(2)):
             return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale, enable_gqa=enable_gqa
@@ -369,9 +371,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32 and not self.unit_offset:
-            if x.device.type == "cpu":  # the same math in fewer passes (measured on the CPU only: ops.py)
-                return rms_norm(x, self.weight, self.eps)
-            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)  # on the CPU, fewer passes (ops.py)
         x_fp32 = as_dtype(x, torch.float32)
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -4,21 +4,52 @@ Both against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+# Set by the memory planner, which traces a GPU run with fake tensors on the CPU and must take the GPU's paths.
+_planned_device: Optional[str] = None
+
+
+@contextlib.contextmanager
+def take_paths_of(device_type: str) -> Iterator[None]:
+    """Within this block, the model takes ``device_type``'s code paths whatever device its tensors are on."""
+    global _planned_device
+    previous, _planned_device = _planned_device, device_type
+    try:
+        yield
+    finally:
+        _planned_device = previous
+
+
+def path_device(x: torch.Tensor) -> str:
+    """The device type whose code path the model takes for ``x``."""
+    return _planned_device or x.device.type
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype.
 
-    On the CPU, ``F.rms_norm`` runs as separate elementwise kernels in forward and backward; this one makes
-    fewer passes over the activations (a one-pass ``vector_norm``; in backward, one product shared by both
-    gradients). It saves only ``x`` (``1/rms`` is recomputed), and its backward is made of differentiable
-    operations, so a second backward (Sophia's Hessian) still works. Without autograd it computes the same
-    numbers without the autograd.Function's overhead."""
+    On the CPU, ``F.rms_norm`` runs as separate elementwise kernels in forward and backward; for activations
+    of more than a few rows this one makes fewer passes over them (a one-pass ``vector_norm``; in backward,
+    one product shared by both gradients). It saves only ``x`` (``1/rms`` is recomputed), and its backward is
+    made of differentiable operations, so a second backward (Sophia's Hessian) still works. Which one runs
+    depends on the size and device only, so the numbers are the same with and without autograd."""
+    if not norms_by_hand(path_device(x), x.numel()):
+        return F.rms_norm(x, (x.size(-1),), weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     return _forward(x, weight, eps)
+
+
+def norms_by_hand(device_type: str, numel: int) -> bool:
+    """Whether ``rms_norm`` takes its own path for an fp32 input of ``numel`` elements: on the CPU, above 64k
+    elements. A few rows (decoding) run faster in the fewest calls; on a GPU, PyTorch's own kernel runs."""
+    return device_type == "cpu" and numel > 2**16
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,8 +100,9 @@ def causal_attention_in_halves(
     of the queries against the first half of the keys, the second half against all keys with an explicit mask.
     Returns the two halves of the output, each (B, T_i, heads, head_size).
 
-    PyTorch's CPU flash-attention kernel walks the keys in blocks of 512, so for T <= 512 a causal call
-    computes the whole T x T score matrix and masks half of it; the two calls skip the upper-right quarter.
+    With PyTorch 2.13 on the CPU, a causal flash-attention call over T <= 512 tokens took as long as a call
+    without the mask (its key blocks are 512 long, so it computes the whole T x T score matrix and masks half
+    of it); the two calls skip the upper-right quarter.
     The halves are returned apart, not concatenated: a consumer that keeps its input (the output projection)
     can keep views of what attention keeps anyway."""
     half = q.size(2) // 2

@@ -119,7 +119,7 @@ def test_lora_suggestions_include_quantization_and_offload_on_gpu():
     [
         ({}, dict(precision="32-true"), dict(trainable="full")),
         # 400 tokens: attention in halves on the CPU (lit_model/ops.py), with the fp32 RMSNorm of ops.py too
-        (dict(block_size=512), dict(precision="32-true", override_max_seq_length=400, micro_batch_size=1), dict(trainable="full")),
+        (dict(block_size=512), dict(precision="32-true", override_max_seq_length=400, micro_batch_size=2), dict(trainable="full")),
         ({}, dict(activation_checkpointing=True), dict(trainable="lora")),
         ({}, dict(global_batch_size=8, micro_batch_size=2, loss_chunk_size=64), dict(trainable="full")),
         ({}, dict(precision="bf16-mixed"), dict(trainable="full")),

@@ -22,7 +22,7 @@ from typing import Optional
 from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.memory.spec import RunSpec
-from lit_model.ops import attends_in_halves
+from lit_model.ops import attends_in_halves, norms_by_hand
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -210,8 +210,8 @@ def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
         return (0 if shared_input else d * C) + 8, True  # input + mean + rstd (fp32)
-    if d == 4 and not config.norm_unit_offset and spec.device_type == "cpu":
-        return 4 * C, True  # fp32 in and fp32 weight on the CPU: ops.rms_norm keeps only its input
+    if d == 4 and not config.norm_unit_offset and norms_by_hand(spec.device_type, spec.micro_batch_size * spec.seq_len * C):
+        return 4 * C, True  # fp32 in and fp32 weight: ops.rms_norm's own path keeps only its input
     kept = 0.0
     if x_rg:
         kept += 4 * C + 4  # the fp32 input (x itself in fp32) and rsqrt

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 
 from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
 from lit_model.memory.spec import RunSpec
+from lit_model.ops import take_paths_of
 from lit_model.training.optimizers import needs_create_graph
 
 try:
@@ -309,10 +310,10 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
         quant_state = _quant_state_bytes(model)
         results: dict[str, dict[str, int]] = {}
         dropout = _cuda_dropout if spec.device_type == "cuda" else contextlib.nullcontext
-        with dropout(), tracker:  # iteration 1 creates the optimizer state
+        with dropout(), take_paths_of(spec.device_type), tracker:  # iteration 1 creates the optimizer state
             tracker.reset_mod_stats()
             train_step()
-        with dropout(), tracker:  # iteration 2: the steady state
+        with dropout(), take_paths_of(spec.device_type), tracker:  # iteration 2: the steady state
             tracker.reset_mod_stats()
             train_step()
             results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
@@ -321,7 +322,7 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
             xe, ye = torch.randint(0, vocab, (eb, T)), torch.randint(0, vocab, (eb, T))
             tracker.track_external(xe, ye)
             model.eval()
-            with tracker, torch.no_grad():
+            with take_paths_of(spec.device_type), tracker, torch.no_grad():
                 tracker.reset_mod_stats()
                 with autocast:
                     model(xe, targets=ye)
