@@ -42,7 +42,7 @@ class PretrainArgs(TrainArgs):
     tokenizer_dir: Optional[Path] = None
     micro_batch_size: Union[int, Literal["auto"]] = 4  # divides the global batch over 1, 2 or 4 processes
     global_batch_size: int = 16
-    max_steps: Optional[int] = 100  # ~5 minutes of the default model on 2 CPU cores
+    max_steps: Optional[int] = 100  # ~2 minutes of the default model on 2 idle CPU cores
     warmup_steps: int = 10
     eval_interval: int = 50
     save_interval: int = 50
