@@ -1,6 +1,6 @@
 """lit_model/ops.py against the PyTorch calls it replaces, forward + backward, on this machine's CPU:
 
-    python benchmarks/ops.py            # ~2 minutes; writes benchmarks/results/ops.{csv,md}
+    python benchmarks/ops.py            # ~30 seconds; writes benchmarks/results/ops.{csv,md}
 
 1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations.
 2. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _tables import csv_text, markdown_table  # noqa: E402
 from lit_model.ops import causal_attention_in_halves, rms_norm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -89,11 +90,9 @@ def main() -> None:
     torch.manual_seed(0)
     before = os.getloadavg()[0]
     rows = rms_norm_rows() + attention_rows()
-    header = list(rows[0])
-    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                      + ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows])
+    table = markdown_table(rows)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ops.csv").write_text("\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n")
+    (RESULTS / "ops.csv").write_text(csv_text(rows))
     (RESULTS / "ops.md").write_text(
         f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU, 1 thread)\n\n"
         "Regenerate: `python benchmarks/ops.py`\n\n"

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from _tables import csv_text, markdown_table
+
 HERE = Path(__file__).resolve().parent
 LITGPT_VENV = HERE / ".venv-litgpt"
 LITGPT_VERSION = "0.5.13"
@@ -84,10 +86,7 @@ def benchmark(name: str, litgpt: str, precisions: list[str], repeats: int, threa
 
 
 def write_table(name: str, rows: list[dict], repeats: int, threads: Optional[int], load: tuple[float, float]) -> str:
-    header = list(rows[0])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
-    table = "\n".join(lines)
+    table = markdown_table(rows)
     flag = f" --threads {threads}" if threads else ""
     threads_text = "torch's default (one per core)" if not threads else (
         f"{threads} (OMP_NUM_THREADS and MKL_NUM_THREADS, for both implementations: where other jobs share the "
@@ -95,8 +94,7 @@ def write_table(name: str, rows: list[dict], repeats: int, threads: Optional[int
         "load, not the code)")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    csv_lines = [",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]
-    (results / f"{name}_vs_litgpt.csv").write_text("\n".join(csv_lines) + "\n")
+    (results / f"{name}_vs_litgpt.csv").write_text(csv_text(rows))
     (results / f"{name}_vs_litgpt.md").write_text(
         f"# {name}: lit-model vs litgpt {LITGPT_VERSION} (CPU, {os.cpu_count()} cores, median of {repeats})\n\n"
         f"Regenerate: `python benchmarks/vs_litgpt.py --only {name}{flag}`\n\n"

@@ -100,9 +100,9 @@ def causal_attention_in_halves(
     of the queries against the first half of the keys, the second half against all keys with an explicit mask.
     Returns the two halves of the output, each (B, T_i, heads, head_size).
 
-    With PyTorch 2.13 on the CPU, a causal flash-attention call over T <= 512 tokens took as long as a call
-    without the mask (its key blocks are 512 long, so it computes the whole T x T score matrix and masks half
-    of it); the two calls skip the upper-right quarter.
+    PyTorch 2.13's CPU flash-attention kernel appears to compute the whole T x T score matrix for T <= 512 and
+    mask half of it (its key blocks are 512 long); the two calls skip the upper-right quarter, and
+    benchmarks/results/ops.md measures them against the one call.
     The halves are returned apart, not concatenated: a consumer that keeps its input (the output projection)
     can keep views of what attention keeps anyway."""
     half = q.size(2) // 2

@@ -97,9 +97,33 @@ def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves,
     with take_paths_of(planned_for) if planned_for else contextlib.nullcontext():
         logits = model(idx)
     assert bool(calls) is halves
-    # The projection keeps views of what attention keeps, not a concatenated copy: the saved tensors of a
-    # training forward are the same size either way, apart from the second half's mask.
     # Causality holds either way: a later token does not change earlier logits.
     changed = idx.clone()
     changed[0, -1] = (changed[0, -1] + 1) % 64
     torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_in_halves_keeps_only_the_mask_more(monkeypatch):
+    """The projection keeps views of what attention keeps, not a concatenated copy: a training forward saves the
+    same tensors either way, plus the second half's mask (which SDPA keeps converted to fp32)."""
+    import lit_model.model as model_module
+
+    def saved_bytes(model: GPT, idx: torch.Tensor) -> int:
+        storages = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(idx, targets=idx)
+        return sum(storages.values())
+
+    config = Config(name="t", block_size=512, vocab_size=64, padded_vocab_size=64, n_layer=1, n_embd=16, n_head=2,
+                    n_query_groups=1, intermediate_size=32)
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.randint(0, 64, (2, 400))
+    in_halves = saved_bytes(model, idx)
+    monkeypatch.setattr(model_module, "attends_in_halves", lambda device_type, length: False)
+    assert in_halves - saved_bytes(model, idx) == 200 * 400 * 4

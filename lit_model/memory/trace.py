@@ -221,7 +221,8 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
     B, T = spec.micro_batch_size, spec.seq_len
     tracker = _Tracker()
     old_dtype = torch.get_default_dtype()
-    with FakeTensorMode():
+    # take_paths_of: the fake tensors live on the CPU; the model must take the planned device's code paths
+    with FakeTensorMode(), take_paths_of(spec.device_type):
         from lit_model.model import GPT
 
         torch.set_default_dtype(spec.param_dtype)
@@ -310,10 +311,10 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
         quant_state = _quant_state_bytes(model)
         results: dict[str, dict[str, int]] = {}
         dropout = _cuda_dropout if spec.device_type == "cuda" else contextlib.nullcontext
-        with dropout(), take_paths_of(spec.device_type), tracker:  # iteration 1 creates the optimizer state
+        with dropout(), tracker:  # iteration 1 creates the optimizer state
             tracker.reset_mod_stats()
             train_step()
-        with dropout(), take_paths_of(spec.device_type), tracker:  # iteration 2: the steady state
+        with dropout(), tracker:  # iteration 2: the steady state
             tracker.reset_mod_stats()
             train_step()
             results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
@@ -322,7 +323,7 @@ def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "eval
             xe, ye = torch.randint(0, vocab, (eb, T)), torch.randint(0, vocab, (eb, T))
             tracker.track_external(xe, ye)
             model.eval()
-            with take_paths_of(spec.device_type), tracker, torch.no_grad():
+            with tracker, torch.no_grad():
                 tracker.reset_mod_stats()
                 with autocast:
                     model(xe, targets=ye)
