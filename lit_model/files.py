@@ -1,0 +1,61 @@
+"""Writing files so that a kill at any moment leaves either the old content or the new one, never a mix.
+
+Every file the project writes or rewrites goes through ``atomic_write`` (or ``atomic_open`` for streamed
+content): a temporary file in the target's own directory (never $TMPDIR: same file system, so the rename is
+atomic and a small /tmp cannot fail a save), flushed and fsynced, then renamed over the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator, Union
+
+
+def fsync_directory(directory: Union[str, Path]) -> None:
+    """Make a rename inside ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: Union[str, Path], mode: str = "w", **kwargs) -> Iterator[IO]:
+    """Open a temporary sibling of ``path`` for writing; on leaving the block without an error it replaces
+    ``path``, on an error (or a kill) the target is untouched and the temporary file is removed."""
+    if not any(m in mode for m in "wx"):
+        raise ValueError(f"atomic_open writes a whole file; mode {mode!r} is not a write mode")
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode.replace("x", "w"), **kwargs) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_directory(path.parent)
+
+
+def atomic_write(path: Union[str, Path], data: Union[str, bytes], encoding: str = "utf-8") -> Path:
+    """Replace ``path`` with ``data`` (text or bytes) atomically; returns ``path``."""
+    if isinstance(data, str):
+        with atomic_open(path, "w", encoding=encoding, newline="") as handle:
+            handle.write(data)
+    else:
+        with atomic_open(path, "wb") as handle:
+            handle.write(data)
+    return Path(path)

@@ -1,0 +1,37 @@
+"""lit_model.files: an atomic write leaves the old content or the new one, and no temporary file behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lit_model.files import atomic_open, atomic_write
+
+
+def test_atomic_write_replaces_text_and_bytes(tmp_path):
+    target = tmp_path / "summary.json"
+    atomic_write(target, "old\n")
+    atomic_write(target, "new\n")
+    assert target.read_text() == "new\n"
+    atomic_write(target, b"\x00\x01")
+    assert target.read_bytes() == b"\x00\x01"
+    assert oct(target.stat().st_mode & 0o777) == oct(0o644)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_failure_mid_write_keeps_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "metrics.csv"
+    target.write_text("step\n1\n")
+    with pytest.raises(RuntimeError):
+        with atomic_open(target, "w") as handle:
+            handle.write("step\n")
+            raise RuntimeError("killed")
+    assert target.read_text() == "step\n1\n"
+    assert os.listdir(tmp_path) == ["metrics.csv"]
+
+
+def test_atomic_open_refuses_append(tmp_path):
+    with pytest.raises(ValueError):
+        with atomic_open(tmp_path / "x", "a"):
+            pass
