@@ -23,6 +23,8 @@ setup(
         "sentencepiece>=0.2",
         "tqdm",
         "psutil",
+        "huggingface_hub>=1.0",  # lit_model.download
+        "jinja2>=3.1",  # checkpoints' chat templates, rendered as transformers does
     ],
     extras_require={
         "quantize": ["bitsandbytes>=0.45"],

@@ -1,0 +1,185 @@
+"""Download a model from the Hugging Face Hub and convert it to a lit-model checkpoint in one step.
+
+    python -m lit_model.download ORG/NAME [--access_token T] [--checkpoint_dir DIR] [--dtype bfloat16]
+
+Only the files the conversion reads are fetched: config.json, the tokenizer files and the weights (the
+safetensors shards, or the ``.bin`` shards of a repository without safetensors). ``huggingface_hub`` does the
+transfer, so its cache (``HF_HOME`` / ``HF_HUB_CACHE``), resumption of interrupted downloads, progress bars,
+``HF_TOKEN`` and offline mode (``HF_HUB_OFFLINE=1``: only what the cache holds) all apply. The checkpoint is
+written to ``checkpoints/ORG/NAME`` unless ``--checkpoint_dir`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+import tempfile
+import typing
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from jsonargparse import CLI
+
+from lit_model.cli import bare_bool_flags
+from lit_model.config import Config, known_names
+from lit_model.convert import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, SUPPORTED_TYPES, hf_to_lit
+from lit_model.errors import UsageError, UserError, run_cli
+from lit_model.tokenizer import TOKENIZER_FILES
+
+CONFIG_FILE = "config.json"
+# What hf_to_lit reads, safetensors first; a repository's other weight formats (consolidated.safetensors,
+# original/*.pth, ONNX, GGUF) are never fetched.
+SAFETENSORS_PATTERNS = (SAFE_INDEX, SAFE_SINGLE, "model-*-of-*.safetensors")
+BIN_PATTERNS = (BIN_INDEX, BIN_SINGLE, "pytorch_model-*-of-*.bin")
+DEFAULT_ROOT = Path("checkpoints")
+
+
+def download(
+    repo_id: str,
+    access_token: Optional[str] = None,
+    checkpoint_dir: Optional[Path] = None,
+    overwrite: bool = False,
+    dtype: Optional[str] = None,
+) -> Path:
+    """Download a Hugging Face model (weights, config, tokenizer) and convert it to a lit-model checkpoint.
+
+    Args:
+        repo_id: the model's repository on the Hub, ORG/NAME (e.g. Qwen/Qwen2.5-0.5B-Instruct)
+        access_token: Hugging Face token for gated or private models (default: HF_TOKEN or `hf auth login`'s)
+        checkpoint_dir: where to write the lit-model checkpoint (default: checkpoints/ORG/NAME)
+        overwrite: replace checkpoint_dir if it already holds files
+        dtype: store the weights in this dtype (e.g. bfloat16); default: as published
+    """
+    org, name = _split_repo_id(repo_id)
+    out_dir = Path(checkpoint_dir) if checkpoint_dir is not None else DEFAULT_ROOT / org / name
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(
+            f"{out_dir} already holds files (a checkpoint of {repo_id}?). Use it as --checkpoint_dir {out_dir}, "
+            "or pass --overwrite to download and convert again."
+        )
+    token = access_token or None  # None: huggingface_hub reads HF_TOKEN or the saved login itself
+    config_file = Path(_from_hub(repo_id, token, lambda hub: hub.hf_hub_download(repo_id, CONFIG_FILE, token=token)))
+    _check_model_type(repo_id, config_file)
+    metadata = (CONFIG_FILE, *TOKENIZER_FILES)
+    snapshot = Path(_from_hub(repo_id, token, lambda hub: hub.snapshot_download(
+        repo_id, allow_patterns=[*metadata, *SAFETENSORS_PATTERNS], token=token)))
+    if not _has_weights(snapshot, SAFETENSORS_PATTERNS):  # an older repository: PyTorch pickles only
+        snapshot = Path(_from_hub(repo_id, token, lambda hub: hub.snapshot_download(
+            repo_id, allow_patterns=[*metadata, *BIN_PATTERNS], token=token)))
+    # The cache names a snapshot by its commit; conversion names the model after its directory.
+    with tempfile.TemporaryDirectory() as tmp:
+        named = Path(tmp) / name
+        named.mkdir()
+        for path in snapshot.iterdir():
+            (named / path.name).symlink_to(path.resolve())
+        return hf_to_lit(str(named), str(out_dir), overwrite=overwrite, dtype=dtype)
+
+
+def _split_repo_id(repo_id: str) -> tuple[str, str]:
+    parts = repo_id.strip("/").split("/")
+    if len(parts) == 2 and all(parts):
+        return parts[0], parts[1]
+    known = [Config.from_name(n).hf_name for n in known_names() if n == parts[-1]]
+    hint = f" The registry knows {parts[-1]!r} as {known[0]}." if known and "/" in known[0] else ""
+    raise UsageError(f"{repo_id!r} is not a Hugging Face repository id: give ORG/NAME, e.g. Qwen/Qwen2.5-0.5B.{hint}")
+
+
+def hub_repo_ids() -> list[str]:
+    """The repository ids of every published model in the config registry."""
+    return sorted({config.hf_name for config in map(Config.from_name, known_names()) if config.hf_org})
+
+
+def _close_repo_ids(repo_id: str) -> str:
+    ids = hub_repo_ids()
+    by_lower = {i.lower(): i for i in ids}
+    close = [by_lower[i] for i in difflib.get_close_matches(repo_id.lower(), list(by_lower), n=3, cutoff=0.6)]
+    return f" Did you mean {', '.join(close)}?" if close else ""
+
+
+def _check_model_type(repo_id: str, config_file: Path) -> None:
+    """Refuse before the weights are fetched when conversion could not read them."""
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise UserError(f"{repo_id}'s config.json could not be read ({error}). Check the repository.") from None
+    if model_type not in SUPPORTED_TYPES:
+        raise UserError(
+            f"{repo_id} is a {model_type!r} model; lit-model converts the model types {', '.join(SUPPORTED_TYPES)}. "
+            "Choose a model of one of these families (`python -m lit_model.config` lists the known ones)."
+        )
+
+
+def _has_weights(snapshot: Path, patterns: tuple[str, ...]) -> bool:
+    return any(any(snapshot.glob(pattern)) for pattern in patterns)
+
+
+def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) -> Any:
+    """Run ``call(huggingface_hub)`` with the hub's errors turned into messages that name the fix."""
+    try:
+        import huggingface_hub as hub
+        from huggingface_hub import errors
+    except ImportError:
+        raise UserError(
+            "Downloading needs the huggingface_hub package: `pip install huggingface_hub` (or `pip install -e "
+            '".[hub]"`), or download the files yourself and convert them with `python -m lit_model.convert '
+            "hf_to_lit --hf_dir DIR --out_dir DIR`."
+        ) from None
+    token_hint = (
+        "The token passed does not grant access: check it, and accept the model's license on its page."
+        if token else "Pass --access_token (or set HF_TOKEN) with a token of an account that has access."
+    )
+    local_copy = (
+        "To use a copy you have elsewhere, convert it with `python -m lit_model.convert hf_to_lit --hf_dir DIR "
+        "--out_dir DIR`."
+    )
+    try:
+        return call(hub)
+    except errors.GatedRepoError:
+        raise UserError(
+            f"{repo_id} is a gated model: its files need a Hugging Face account that accepted its license at "
+            f"https://huggingface.co/{repo_id}. {token_hint}"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise UserError(
+            f"There is no model {repo_id!r} on the Hugging Face Hub, or it is private.{_close_repo_ids(repo_id)} "
+            f"Check the spelling; for a private model, {token_hint[0].lower()}{token_hint[1:]}"
+        ) from None
+    except errors.RemoteEntryNotFoundError:
+        raise UserError(
+            f"{repo_id} has no config.json, so it is not a transformers model lit-model can convert. Choose a "
+            "repository that holds config.json and safetensors or .bin weights."
+        ) from None
+    except errors.LocalEntryNotFoundError:
+        offline = hub.constants.is_offline_mode()
+        reason = (
+            "HF_HUB_OFFLINE is set and the Hugging Face cache does not hold it; unset HF_HUB_OFFLINE to download"
+            if offline else
+            "the Hugging Face Hub could not be reached (no network?) and the cache does not hold it; check the "
+            "connection (or HF_ENDPOINT), then run this again: finished files are kept and unfinished ones resume"
+        )
+        raise UserError(f"Could not get {repo_id}: {reason}. {local_copy}") from None
+    except errors.HfHubHTTPError as error:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise UserError(f"The Hugging Face Hub refused access to {repo_id} (HTTP {status}). {token_hint}") from None
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(
+            f"Downloading {repo_id} failed: {first_line}. Run this again later (finished files are kept). {local_copy}"
+        ) from None
+    except OSError as error:  # a full disk, an unwritable cache directory
+        raise UserError(
+            f"Downloading {repo_id} failed: {error}. Free disk space or point HF_HUB_CACHE at a writable directory "
+            f"(now {hub.constants.HF_HUB_CACHE})."
+        ) from None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m lit_model.download ORG/NAME [flags]``: the repository id is positional, as in ``hf download``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = bare_bool_flags(typing.get_type_hints(download), argv)
+    run_cli(CLI, download, args=argv, as_positional=True, fail_untyped=False)
+
+
+if __name__ == "__main__":
+    main()
