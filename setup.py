@@ -13,6 +13,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["lit_model", "lit_model.*"]),
     package_data={"lit_model": ["configs/*.yaml"]},
+    # `lit-model COMMAND` runs the scripts of the source checkout (pretrain/, finetune/, generate/): pip install -e .
+    entry_points={"console_scripts": ["lit-model = lit_model.entry:main"]},
     install_requires=[
         "torch>=2.5",
         "lightning>=2.5",

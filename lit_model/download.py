@@ -121,8 +121,8 @@ def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) ->
         from huggingface_hub import errors
     except ImportError:
         raise UserError(
-            "Downloading needs the huggingface_hub package: `pip install huggingface_hub` (or `pip install -e "
-            '".[hub]"`), or download the files yourself and convert them with `python -m lit_model.convert '
+            "Downloading needs the huggingface_hub package (a dependency of lit-model): `pip install "
+            "huggingface_hub`, or download the files yourself and convert them with `python -m lit_model.convert "
             "hf_to_lit --hf_dir DIR --out_dir DIR`."
         ) from None
     token_hint = (

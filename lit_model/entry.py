@@ -1,0 +1,181 @@
+"""``lit-model``: one command for every script.
+
+    lit-model pretrain | finetune lora|full|adapter | generate | chat | plan COMMAND | download | convert | merge | config
+
+Each command runs exactly what its script runs: the training and generation commands execute the script file
+itself (``pretrain/main.py`` ...) as ``__main__`` with the same arguments, so flags, ``--config`` files, ``--help``,
+errors and multi-process launches are the script's own; the others call the module behind
+``python -m lit_model.download / convert / lora merge / config``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import runpy
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from lit_model.config import CONFIG_DIR, Config
+from lit_model.errors import UsageError, UserError, run_cli
+
+# The scripts live beside the package in a source checkout (installed with `pip install -e .`).
+SCRIPT_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {
+    "pretrain": "pretrain/main.py",
+    "finetune lora": "finetune/lora.py",
+    "finetune full": "finetune/full.py",
+    "finetune adapter": "finetune/adapter.py",
+    "generate": "generate/base.py",
+    "chat": "generate/chat.py",
+}
+FINETUNE_METHODS = ("lora", "full", "adapter")
+HELP = {
+    "pretrain": "pretrain from scratch (pretrain/main.py)",
+    "finetune": "fine-tune: finetune lora | full | adapter (finetune/*.py)",
+    "generate": "continue a prompt (generate/base.py)",
+    "chat": "chat with a model (generate/chat.py)",
+    "plan": "predict a run's peak memory without running it: plan pretrain|finetune M|generate|chat [flags]",
+    "download": "download ORG/NAME from the Hugging Face Hub and convert it (python -m lit_model.download)",
+    "convert": "convert checkpoints: convert hf_to_lit | lit_to_hf (python -m lit_model.convert)",
+    "merge": "merge lora.safetensors into a checkpoint's weights (python -m lit_model.lora merge)",
+    "config": "list the known model names by family, with parameter counts",
+}
+
+
+def usage() -> str:
+    width = max(map(len, HELP))
+    rows = "\n".join(f"  {name.ljust(width)}  {text}" for name, text in HELP.items())
+    return (
+        "usage: lit-model COMMAND [flags]   (lit-model COMMAND --help lists a command's flags)\n\n"
+        f"commands:\n{rows}\n"
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    run_cli(dispatch, sys.argv[1:] if argv is None else list(argv))
+
+
+def dispatch(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), end="")
+        if not argv:
+            raise SystemExit(2)
+        return
+    command, rest = argv[0], argv[1:]
+    if command == "plan":
+        script, rest = _script_for(rest, "lit-model plan")
+        asks = any(arg in ("--plan", "-h", "--help") or arg.startswith("--plan=") for arg in rest)
+        return _run_script(script, rest if asks else [*rest, "--plan", "text"])
+    if command in ("pretrain", "finetune", "generate", "chat"):
+        script, rest = _script_for(argv, "lit-model")
+        return _run_script(script, rest)
+    modules: dict[str, Callable[[list[str]], None]] = {
+        "download": _download, "convert": _convert, "merge": _merge, "config": _config,
+    }
+    if command not in modules:
+        close = difflib.get_close_matches(command, list(HELP), n=2)
+        hint = f" Did you mean {' or '.join(close)}?" if close else ""
+        raise UsageError(f"Unknown command {command!r}.{hint} The commands are: {', '.join(HELP)} (lit-model --help).")
+    modules[command](rest)
+
+
+def _script_for(argv: list[str], prog: str) -> tuple[str, list[str]]:
+    """The script a command line names, and the arguments left for it."""
+    if not argv:
+        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter, generate or chat.")
+    command, rest = argv[0], argv[1:]
+    if command == "finetune":
+        if not rest or rest[0] not in FINETUNE_METHODS:
+            given = f" (got {rest[0]!r})" if rest else ""
+            raise UsageError(
+                f"`{prog} finetune` needs a method{given}: lora, full or adapter, e.g. `{prog} finetune lora "
+                "--checkpoint_dir DIR`."
+            )
+        command, rest = f"finetune {rest[0]}", rest[1:]
+    if command not in SCRIPTS:
+        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter, generate or chat.")
+    return SCRIPTS[command], rest
+
+
+def _run_script(relative: str, args: list[str]) -> None:
+    """Run a script file as ``__main__``, as ``python SCRIPT args`` does (its path as ``sys.argv[0]``, so the
+    processes Fabric launches for ``--devices N`` run the same script)."""
+    path = SCRIPT_ROOT / relative
+    if not path.is_file():
+        raise UserError(
+            f"lit-model runs the scripts of its source checkout, but {path} is missing. Install lit-model from a "
+            "clone of its repository with `pip install -e .`."
+        )
+    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+        if sys.path and sys.path[0] == str(path.parent) and sys.path[0] != saved_path0:
+            sys.path.pop(0)
+
+
+def _download(argv: list[str]) -> None:
+    from lit_model.download import main as download_main
+
+    download_main(argv)
+
+
+def _convert(argv: list[str]) -> None:
+    from lit_model.convert import main as convert_main
+
+    convert_main(argv)
+
+
+def _merge(argv: list[str]) -> None:
+    from lit_model.lora import _cli as lora_cli
+
+    lora_cli(["merge", *argv])
+
+
+def _config(argv: list[str]) -> None:
+    if argv and argv[0] not in ("-h", "--help"):
+        raise UsageError(f"`lit-model config` takes no arguments (got {' '.join(argv)}).")
+    if argv:
+        print("usage: lit-model config\n\nList the known model names by family, with parameter counts.")
+        return
+    print(config_table())
+
+
+def families() -> dict[str, list[str]]:
+    """The registry's names per family (its YAML file in lit_model/configs), families sorted by name."""
+    return {
+        path.stem: [entry["name"] for entry in yaml.safe_load(path.read_text()) or []]
+        for path in sorted(CONFIG_DIR.glob("*.yaml"))
+    }
+
+
+def config_table() -> str:
+    """Every known model by family, smallest first, with its parameter count and Hugging Face repo id."""
+    from lit_model.memory.analytic import param_counts
+
+    lines = []
+    for family, names in families().items():
+        configs = [Config.from_name(name) for name in names]
+        counts = {config.name: param_counts(config).total for config in configs}
+        lines.append(f"{family}:")
+        width = max(len(config.hf_name) for config in configs)
+        for config in sorted(configs, key=lambda c: (counts[c.name], c.name)):
+            lines.append(f"  {config.hf_name.ljust(width)}  {_human(counts[config.name]):>7}  ({counts[config.name]:,})")
+    return "\n".join(lines)
+
+
+def _human(count: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= size:
+            return f"{count / size:.{2 if count < 10 * size else 1}f}{unit}"
+    return str(count)
+
+
+if __name__ == "__main__":
+    main()
