@@ -5,17 +5,21 @@ A style is a row of template pieces. A conversation renders as
 the model's turn (the generation prompt) and ``end`` closes a finished reply; families without a system role
 put the system text at the start of the first user message. Chat builds each turn from the same pieces
 (``turn``), so a conversation prefilled turn by turn is exactly ``apply_chat`` of it.
+
+A checkpoint whose tokenizer carries a chat template (``ChatTemplate``) renders with it instead, as transformers
+does; the built-in styles serve checkpoints without one.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from lit_model.chat_template import read_chat_template, render, special_tokens
 from lit_model.errors import UsageError, UserError
 
 PROMPT_STYLE_FILE = "prompt_style.yaml"
@@ -100,11 +104,24 @@ class PromptStyle:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: Union[str, Path], config: Any = None) -> "PromptStyle":
-        """The style saved with a fine-tuned checkpoint (``prompt_style.yaml``), else the config's."""
+        """The style saved with a fine-tuned checkpoint (``prompt_style.yaml``), else the checkpoint's chat
+        template, else the config's."""
         path = Path(checkpoint_dir) / PROMPT_STYLE_FILE
         if path.is_file():
-            data = yaml.safe_load(path.read_text()) or {}
-            return cls.from_name(data.get("name", "default"))
+            name = (yaml.safe_load(path.read_text()) or {}).get("name", "default")
+            if name == ChatTemplate.name:
+                template = ChatTemplate.load(checkpoint_dir)
+                if template is None:
+                    raise UserError(
+                        f"{path} says the model was fine-tuned with its chat template, but {checkpoint_dir} has "
+                        "none (chat_template.jinja or tokenizer_config.json's chat_template). Copy the tokenizer "
+                        "files of the base checkpoint into it, or pass --prompt_style."
+                    )
+                return template
+            return cls.from_name(name)
+        template = ChatTemplate.load(checkpoint_dir)
+        if template is not None:
+            return template
         if config is None:
             from lit_model.config import Config
 
@@ -124,6 +141,61 @@ class Alpaca(PromptStyle):
             return super().apply(prompt, system, history)
         system = system if system is not None else ALPACA_INPUT_SYSTEM
         return super().apply(f"{prompt}\n\n### Input:\n{input}", system, history)
+
+
+@dataclass(frozen=True)
+class ChatTemplate(PromptStyle):
+    """A checkpoint's chat template (Jinja, rendered as transformers renders it). ``assistant`` (what opens the
+    assistant's turn) and ``end`` (what closes it) are found by rendering a probe conversation, for what builds
+    training samples piece by piece; every rendering of a conversation is the template's own."""
+
+    name: str = "chat_template"
+    template: str = ""
+    variables: Mapping[str, str] = field(default_factory=dict, compare=False)  # bos_token, eos_token, ...
+
+    @classmethod
+    def load(cls, checkpoint_dir: Union[str, Path]) -> Optional["ChatTemplate"]:
+        """The checkpoint's chat template, or None. ``save`` writes only the name: the template itself is one of
+        the tokenizer files every checkpoint carries."""
+        source = read_chat_template(checkpoint_dir)
+        if source is None:
+            return None
+        style = cls(template=source, variables=special_tokens(checkpoint_dir))
+        user, reply = [{"role": "user", "content": _PROBE[0]}], {"role": "assistant", "content": _PROBE[1]}
+        opened = style.apply_chat(user)
+        closed = style.apply_chat([*user, reply], add_generation_prompt=False)
+        without = style.apply_chat(user, add_generation_prompt=False)
+        if not (opened.startswith(without) and closed.startswith(opened + _PROBE[1])):
+            raise UserError(
+                f"The chat template in {checkpoint_dir} does not write a conversation turn after turn (a reply is "
+                "not its prompt followed by the reply), which chat and fine-tuning rely on. Pass --prompt_style "
+                "with a built-in style."
+            )
+        end = closed[len(opened) + len(_PROBE[1]):]
+        return replace(style, assistant=opened[len(without):], end=end, stop=(end.strip(),) if end.strip() else ())
+
+    def apply_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        return render(self.template, messages, add_generation_prompt, self.variables)
+
+    def turn(self, message: str, system: Optional[str] = None, first: bool = True, generation_prompt: bool = True) -> str:
+        if not first:
+            return self.next_turn(message)[len(self.end):]
+        messages = [*([{"role": "system", "content": system}] if system is not None else []), {"role": "user", "content": message}]
+        return self.apply_chat(messages, add_generation_prompt=generation_prompt)
+
+    def next_turn(self, message: str) -> str:
+        """What follows a reply: the template's text for a probe conversation that ends with the reply, cut from
+        its rendering with ``message`` after it (the template sees the real message: it may trim or escape it)."""
+        probe = [{"role": "user", "content": _PROBE[0]}, {"role": "assistant", "content": _PROBE[1]}]
+        before = self.apply_chat(probe[:1]) + _PROBE[1]
+        after = self.apply_chat([*probe, {"role": "user", "content": message}])
+        if not after.startswith(before):
+            raise UserError("The checkpoint's chat template renders earlier turns differently once a message follows "
+                            "them, so chat cannot keep them in its cache. Pass --prompt_style with a built-in style.")
+        return after[len(before):]
+
+
+_PROBE = ("Hi", "Hello")  # a probe conversation; plain words no template rewrites
 
 
 ALPACA_SYSTEM = (

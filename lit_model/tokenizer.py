@@ -20,7 +20,8 @@ import torch
 from lit_model.errors import UsageError, UserError
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+    "chat_template.jinja",
 )
 
 
