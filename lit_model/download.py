@@ -11,7 +11,9 @@ written to ``checkpoints/ORG/NAME`` unless ``--checkpoint_dir`` says otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import json
 import sys
 import tempfile
@@ -67,13 +69,17 @@ def download(
     if not _has_weights(snapshot, SAFETENSORS_PATTERNS):  # an older repository: PyTorch pickles only
         snapshot = Path(_from_hub(repo_id, token, lambda hub: hub.snapshot_download(
             repo_id, allow_patterns=[*metadata, *BIN_PATTERNS], token=token)))
-    # The cache names a snapshot by its commit; conversion names the model after its directory.
-    with tempfile.TemporaryDirectory() as tmp:
+    # The cache names a snapshot by its commit; conversion names the model after its directory, and its own
+    # report would name this temporary one.
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
         named = Path(tmp) / name
         named.mkdir()
         for path in snapshot.iterdir():
             (named / path.name).symlink_to(path.resolve())
-        return hf_to_lit(str(named), str(out_dir), overwrite=overwrite, dtype=dtype)
+        hf_to_lit(str(named), str(out_dir), overwrite=overwrite, dtype=dtype)
+    print(f"Saved a lit-model checkpoint of {repo_id} to {out_dir} (the downloaded files stay in {snapshot}).\n"
+          f"Next: lit-model chat --checkpoint_dir {out_dir}, or lit-model finetune lora --checkpoint_dir {out_dir}")
+    return out_dir
 
 
 def _split_repo_id(repo_id: str) -> tuple[str, str]:

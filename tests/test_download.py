@@ -180,12 +180,13 @@ def assert_same_logits(checkpoint: Path, idx: torch.Tensor, expected: torch.Tens
 NEEDED = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
-def test_download_from_a_served_hub(tiny_hf, serve, hub_env, tmp_path) -> None:
+def test_download_from_a_served_hub(tiny_hf, serve, hub_env, tmp_path, capsys) -> None:
     repo, idx, logits = tiny_hf
     hub = serve({REPO: repo})
     cache = hub_env(hub.url)
     out = download(REPO, checkpoint_dir=tmp_path / "ckpt")
     assert out == tmp_path / "ckpt"
+    assert capsys.readouterr().out.startswith(f"Saved a lit-model checkpoint of {REPO} to {out} (the downloaded files")
     # only the files conversion reads; config.json first, so an unsupported model fails before the weights
     assert hub.fetched[0] == "config.json" and sorted(hub.fetched) == NEEDED
     snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
