@@ -69,6 +69,12 @@ def download(
     if not _has_weights(snapshot, SAFETENSORS_PATTERNS):  # an older repository: PyTorch pickles only
         snapshot = Path(_from_hub(repo_id, token, lambda hub: hub.snapshot_download(
             repo_id, allow_patterns=[*metadata, *BIN_PATTERNS], token=token)))
+        if not _has_weights(snapshot, BIN_PATTERNS):
+            raise UserError(
+                f"{repo_id} holds no weights in a layout lit-model converts ({', '.join(SAFETENSORS_PATTERNS)}, or "
+                f"{', '.join(BIN_PATTERNS)}); GGUF, ONNX and other exports are not read. Choose the repository of "
+                "the original transformers checkpoint."
+            )
     # The cache names a snapshot by its commit; conversion names the model after its directory, and its own
     # report would name this temporary one.
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):

@@ -88,6 +88,9 @@ def _script_for(argv: list[str], prog: str) -> tuple[str, list[str]]:
         raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter, generate or chat.")
     command, rest = argv[0], argv[1:]
     if command == "finetune":
+        if rest[:1] in (["-h"], ["--help"]):
+            print(f"usage: {prog} finetune lora|full|adapter [flags]   ({prog} finetune lora --help lists the flags)")
+            raise SystemExit(0)
         if not rest or rest[0] not in FINETUNE_METHODS:
             given = f" (got {rest[0]!r})" if rest else ""
             raise UsageError(
@@ -109,15 +112,12 @@ def _run_script(relative: str, args: list[str]) -> None:
             f"lit-model runs the scripts of its source checkout, but {path} is missing. Install lit-model from a "
             "clone of its repository with `pip install -e .`."
         )
-    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
-    sys.argv = [str(path), *args]
-    sys.path.insert(0, str(path.parent))
+    saved = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(path), *args], [str(path.parent)]  # as the interpreter sets them for a script
     try:
         runpy.run_path(str(path), run_name="__main__")
     finally:
-        sys.argv = saved_argv
-        if sys.path and sys.path[0] == str(path.parent) and sys.path[0] != saved_path0:
-            sys.path.pop(0)
+        sys.argv, sys.path[:] = saved
 
 
 def _download(argv: list[str]) -> None:

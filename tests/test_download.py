@@ -247,7 +247,11 @@ def test_hub_errors(tiny_hf, serve, hub_env, tmp_path) -> None:
     unsupported.mkdir()
     (unsupported / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
     (unsupported / "model.safetensors").write_bytes(b"never fetched")
-    hub = serve({REPO: repo, "gated-org/gated-llama": repo, "org/t5": unsupported},
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    shutil.copy(repo / "config.json", gguf / "config.json")
+    (gguf / "tiny-llama.Q4_K_M.gguf").write_bytes(b"a quantized export")
+    hub = serve({REPO: repo, "gated-org/gated-llama": repo, "org/t5": unsupported, "org/gguf": gguf},
                 gated=frozenset({"gated-org/gated-llama"}))
     hub_env(hub.url)
 
@@ -258,9 +262,12 @@ def test_hub_errors(tiny_hf, serve, hub_env, tmp_path) -> None:
     assert "model.safetensors" not in hub.fetched  # refused before the weights
     with pytest.raises(UserError, match=r"no model 'meta-llama/Llama-3.2-1b'.*Did you mean meta-llama/Llama-3\.2-1B\b"):
         download("meta-llama/Llama-3.2-1b", checkpoint_dir=tmp_path / "c")
+    with pytest.raises(UserError, match="org/gguf holds no weights in a layout lit-model converts"):
+        download("org/gguf", checkpoint_dir=tmp_path / "d")
+    assert hub.fetched[-1] == "config.json"
     with pytest.raises(UsageError, match="ORG/NAME.*meta-llama/Llama-3.2-1B"):
         download("Llama-3.2-1B")
-    assert not any((tmp_path / d).exists() for d in "abc")  # nothing was written
+    assert not any((tmp_path / d).exists() for d in "abcd")  # nothing was written
 
 
 def test_no_network(hub_env, tmp_path, monkeypatch) -> None:

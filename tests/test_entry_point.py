@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import re
 import subprocess
 import sys
@@ -115,6 +117,11 @@ def test_module_commands_are_the_modules(tmp_path) -> None:
     same(result, run_module(lambda argv: run_cli(lora_cli, argv), "merge", *merge))
 
 
+def test_finetune_help_names_the_methods() -> None:
+    result = run_entry("finetune", "--help")
+    assert result.returncode == 0 and result.stdout.startswith("usage: lit-model finetune lora|full|adapter [flags]")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -135,3 +142,21 @@ def test_python_dash_m(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "lit_model", "--help"], capture_output=True, text=True, cwd=tmp_path,
                             env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=120)
     assert result.returncode == 0 and result.stdout == run_entry("--help").stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_through_the_command(tiny_setup, tmp_path) -> None:
+    """``python -m lit_model pretrain --devices 2``: Fabric's second process runs the same script, and the run
+    equals the script's own (the same losses at every logged step)."""
+    from tests.test_pretrain import losses, pretrain, tiny_args
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIT_MODEL_CACHE": str(tiny_setup["root"] / "cache")}
+    env.pop("LIT_MODEL_DEBUG", None)
+    command = [sys.executable, "-m", "lit_model", "pretrain", *map(str, tiny_args(tiny_setup, tmp_path / "cmd")),
+               "--devices", "2", "--strategy", "ddp"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert pretrain(tiny_setup, tmp_path / "script", "--devices", "2", "--strategy", "ddp").returncode == 0
+    assert losses(tmp_path / "cmd") == losses(tmp_path / "script")
+    assert json.loads((tmp_path / "cmd" / "summary.json").read_text())["devices"] == 2
