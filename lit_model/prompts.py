@@ -172,7 +172,9 @@ class ChatTemplate(PromptStyle):
                 "with a built-in style."
             )
         end = closed[len(opened) + len(_PROBE[1]):]
-        return replace(style, assistant=opened[len(without):], end=end, stop=(end.strip(),) if end.strip() else ())
+        # What closes a reply ends generation: as a token when it is one (<|im_end|>), else as text
+        stop = (end.strip(),) if end.strip() else ()
+        return replace(style, assistant=opened[len(without):], end=end, stop=stop, stop_strings=stop)
 
     def apply_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         return render(self.template, messages, add_generation_prompt, self.variables)

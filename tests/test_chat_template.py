@@ -147,6 +147,7 @@ def test_stop_tokens(tokenizers) -> None:
     directory, _ = tokenizers["chatml"]
     style = ChatTemplate.load(directory)
     assert (style.assistant, style.end, style.stop) == ("<|im_start|>assistant\n", "<|im_end|>\n", ("<|im_end|>",))
+    assert style.stop_strings == ("<|im_end|>",)  # for an end that is not one token
     tokenizer = Tokenizer(directory)
     assert style.stop_tokens(tokenizer) == [[tokenizer.token_to_id("<|im_end|>")]]
     llama3 = ChatTemplate.load(tokenizers["llama3"][0])
