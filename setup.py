@@ -26,7 +26,7 @@ setup(
         "tqdm",
         "psutil",
         "huggingface_hub>=1.0",  # lit_model.download
-        "jinja2>=3.1",  # checkpoints' chat templates, rendered as transformers does
+        "jinja2>=3.1.6",  # older versions have sandbox escapes; checkpoints' chat templates, rendered as transformers does
     ],
     extras_require={
         "quantize": ["bitsandbytes>=0.45"],
