@@ -12,7 +12,7 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
@@ -24,7 +24,7 @@ from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
 from lit_model.precision import param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
-from lit_model.tokenizer import Tokenizer
+from lit_model.tokenizer import Tokenizer, check_utf8
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup: devices, precision, lengths, loading
@@ -685,6 +685,11 @@ def prepare_generation(args: GenerationArgs, num_samples: int = 1) -> Generation
     the device is the one planned for (a CUDA GPU with ``--device_memory``, else this machine's), and
     ``--model_name`` may stand for the checkpoint: its config comes from the registry."""
     check_sampling(args.temperature, args.top_k, args.top_p, num_samples)
+    for flag in fields(args):  # --prompt, --stop, --system: text the tokenizer will see
+        value = getattr(args, flag.name)
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_utf8(text, f"--{flag.name}")
     checkpoint_dir: Optional[Path] = Path(args.checkpoint_dir)
     if args.plan is None:
         for flag, value in (("--model_name", args.model_name), ("--device_memory", args.device_memory)):
