@@ -562,7 +562,8 @@ def hf_weight_files(hf_dir: Path) -> list[Path]:
     for index_name, single_name in ((SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)):
         index = hf_dir / index_name
         if index.is_file():
-            weight_map = (data := _read_json(index)).get("weight_map") if isinstance(data, dict) else None
+            data = _read_json(index)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise UserError(f"{index} has no weight_map. Re-download it from the model's repository.")
             outside = [name for name in weight_map.values() if not _inside(name)]
