@@ -134,7 +134,9 @@ def test_tokenize_files_caches_and_reuses(tokenizer: Tokenizer, tmp_path: Path, 
     again = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus", errors="replace")
     assert np.array_equal(again, tokens) and isinstance(again, np.memmap)
     assert len(calls) == n_calls and cached.stat().st_mtime_ns == mtime  # read back, not re-tokenized
-    assert sorted(p.name[len(cached.name):] for p in (tmp_path / "tokens").iterdir()) == ["", ".json", ".lock"]
+    assert sorted(p.name[len(cached.name):] for p in (tmp_path / "tokens").glob(f"{cached.name}*")) == [
+        "", ".json", ".lock"]  # the array, its record and its lock
+    assert not list((tmp_path / "tokens").glob(".*"))  # no temporary file left
     assert json.loads((tmp_path / "tokens" / f"{cached.name}.json").read_text())["tokens"] == len(tokens)
 
     # A .json file may hold a list of records
@@ -167,6 +169,8 @@ def _shuffle(path: Path) -> None:  # same bytes, same size, other order: only th
     (_shuffle, "does not match its SHA-256"),
     (lambda path: Path(f"{path}.json").unlink(), "has no record of its size and checksum"),
     (lambda path: Path(f"{path}.json").write_text('{"size": '), "has an unreadable record"),
+    (lambda path: Path(f"{path}.json").write_text(json.dumps({**json.loads(Path(f"{path}.json").read_text()),
+                                                             "tokens": 7})), "has a damaged record"),
 ])
 def test_damaged_token_cache_is_rebuilt_with_a_warning(damage, problem, tokenizer: Tokenizer, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture) -> None:

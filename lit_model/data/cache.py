@@ -68,9 +68,10 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checked_record(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """``(record, None)`` when ``path`` matches its record; ``(None, why)`` when it does not, and
-    ``(None, None)`` when there is no cache file yet."""
+def checked_record(path: Path, valid: Callable[[dict[str, Any]], bool] = lambda record: True,
+                   ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """``(record, None)`` when ``path`` matches its record (and ``valid(record)``); ``(None, why)`` when it
+    does not, and ``(None, None)`` when there is no cache file yet."""
     if not path.is_file():
         return None, None
     try:
@@ -79,7 +80,9 @@ def checked_record(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]
         return None, "has no record of its size and checksum (an older version wrote it, or its writer was stopped)"
     except (OSError, ValueError) as error:
         return None, f"has an unreadable record ({error})"
-    if not isinstance(record, dict) or not isinstance(record.get("size"), int) or "sha256" not in record:
+    if not isinstance(record, dict) or not isinstance(record.get("size"), int) or "sha256" not in record or (
+        not valid(record)
+    ):
         return None, "has a damaged record"
     size = path.stat().st_size
     if size != record["size"]:
@@ -89,17 +92,19 @@ def checked_record(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]
     return record, None
 
 
-def cached(path: Path, build: Callable[[Callable[[bytes], object]], dict[str, Any]]) -> dict[str, Any]:
+def cached(path: Path, build: Callable[[Callable[[bytes], object]], dict[str, Any]],
+           valid: Callable[[dict[str, Any]], bool] = lambda record: True) -> dict[str, Any]:
     """The record of the cache file ``path``, built first if it is missing or fails its check.
 
-    ``build(write)`` writes the content through ``write`` and returns what to add to the record. It must
-    turn its own read errors into ``UserError``: an ``OSError`` here is blamed on the cache directory.
+    ``build(write)`` writes the content through ``write`` and returns what to add to the record; ``valid``
+    checks what it added. ``build`` must turn its own read errors into ``UserError``: an ``OSError`` here is
+    blamed on the cache directory.
     """
-    record, _ = checked_record(path)
+    record, _ = checked_record(path, valid)
     if record is not None:  # no lock: a complete cache also works from a read-only directory
         return record
     with file_lock(path.with_name(path.name + ".lock")):
-        record, problem = checked_record(path)  # another rank may have built it while we waited
+        record, problem = checked_record(path, valid)  # another rank may have built it while we waited
         if record is not None:
             return record
         if problem is not None:

@@ -61,11 +61,15 @@ def segments(record: Any, where: str, style: PromptStyle) -> list[tuple[str, boo
     if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("instruction", "output")) or (
         not isinstance(record.get("input") or "", str)
     ):
-        found = ("keys " + ", ".join(f"{k!r} ({type(v).__name__})" for k, v in record.items()) if isinstance(record, dict)
-                 else f"a JSON {type(record).__name__}, not an object")
+        if isinstance(record, dict):
+            wrong = [f"{k!r} is a JSON {type(record[k]).__name__}" for k in ("instruction", "input", "output")
+                     if record.get(k) is not None and not isinstance(record[k], str)]
+            found = f"keys {sorted(record)}" + (f" ({', '.join(wrong)})" if wrong else "")
+        else:
+            found = f"a JSON {type(record).__name__}, not an object"
         raise UserError(
-            f"{where} has {found or 'no keys'}, but a record needs string fields 'instruction' and 'output' "
-            "(optionally 'input'), or a 'messages' list of {role, content}. Rename the fields or fix the record."
+            f"{where} has {found}, but a record needs string fields 'instruction' and 'output' (optionally "
+            "'input'), or a 'messages' list of {role, content}. Rename the fields or fix the record."
         )
     extra = record.get("input") or ""
     if isinstance(style, Alpaca):
@@ -236,7 +240,8 @@ def stdlib_instructions(val_fraction: float = 0.05) -> tuple[list[tuple[str, dic
     files = [p for p in stdlib_sources() if not {"test", "tests", "idle_test"} & set(p.relative_to(root).parts)]
     key = hashlib.sha256("v1|".join(f"{p}|{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     path = cache_root() / "instruct" / f"stdlib-py{version}-functions-{key}.jsonl"
-    cached(path, lambda write: _write_jsonl(write, _function_records(files, root)))
+    cached(path, lambda write: _write_jsonl(write, _function_records(files, root)),
+           valid=lambda record: isinstance(record.get("records"), int))
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]  # checked by cached
     _, val_files = split_by_file(files, val_fraction, root=root)
     val_names = {p.relative_to(root).as_posix() for p in val_files}

@@ -196,15 +196,14 @@ def tokenize_files(files: Iterable[str | Path], tokenizer: Tokenizer, cache_dir:
     """
     paths = sorted({Path(f).resolve() for f in files})
     dtype = token_dtype(tokenizer.vocab_size)
-    key = hashlib.sha256(f"v1|{dtype.str}|{_tokenizer_fingerprint(tokenizer)}".encode())
+    key = hashlib.sha256(f"v1|{dtype.str}|{errors}|{_tokenizer_fingerprint(tokenizer)}".encode())
     for path in paths:
         stat = path.stat()
         key.update(f"|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     out = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{key.hexdigest()[:16]}.bin"
-    record = cached(out, lambda write: _write_tokens(paths, tokenizer, dtype, out.stem, write, errors))
-    count = record.get("tokens")
-    if not isinstance(count, int) or count * dtype.itemsize != record["size"]:
-        raise UserError(f"The record {out}.json does not match its token array; delete both files and run again.")
+    record = cached(out, lambda write: _write_tokens(paths, tokenizer, dtype, out.stem, write, errors),
+                    valid=lambda r: isinstance(r.get("tokens"), int) and r["tokens"] * dtype.itemsize == r["size"])
+    count = record["tokens"]
     if count == 0:
         return np.empty(0, dtype=dtype)
     return np.memmap(out, dtype=dtype, mode="r", shape=(count,))  # the length the record vouches for
