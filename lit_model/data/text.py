@@ -196,7 +196,9 @@ def tokenize_files(files: Iterable[str | Path], tokenizer: Tokenizer, cache_dir:
     """
     paths = sorted({Path(f).resolve() for f in files})
     dtype = token_dtype(tokenizer.vocab_size)
-    key = hashlib.sha256(f"v1|{dtype.str}|{errors}|{_tokenizer_fingerprint(tokenizer)}".encode())
+    # `errors` is left out of the key: a strict build fails or equals the lenient one, and the stdlib's
+    # lenient cache has a name of its own
+    key = hashlib.sha256(f"v1|{dtype.str}|{_tokenizer_fingerprint(tokenizer)}".encode())
     for path in paths:
         stat = path.stat()
         key.update(f"|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
