@@ -458,7 +458,11 @@ class TextStream:
 
 
 def stdout_writer(text: str) -> None:
-    sys.stdout.write(text)
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:  # a terminal that is not UTF-8: what it cannot show becomes \xe9-style escapes
+        encoding = sys.stdout.encoding or "ascii"
+        sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
     sys.stdout.flush()
 
 

@@ -274,3 +274,12 @@ def test_chat_skips_input_lines_that_are_not_text_and_ends_at_eof(checkpoint: Pa
 def test_chat_binary_input_through_a_real_pipe(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     good = chat(checkpoint, b"hello\nhello\n", monkeypatch)
     assert_bad_line_skipped(chat(checkpoint, BAD_STDIN, monkeypatch, subprocess=True), good)
+
+
+def test_generated_text_reaches_a_terminal_that_is_not_utf8(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_model.generation import stdout_writer
+
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))  # e.g. PYTHONIOENCODING=ascii
+    stdout_writer("caf\u00e9 \ufffd ok")  # was a UnicodeEncodeError traceback mid-generation
+    assert raw.getvalue() == b"caf\\xe9 \\ufffd ok"
