@@ -105,7 +105,7 @@ class Tokenizer:
                 ids = self.processor.encode(text, add_special_tokens=False).ids
             else:
                 ids = self.processor.encode(text)
-        except (TypeError, UnicodeError):  # what the backends raise for lone surrogates, the usual cause
+        except (TypeError, UnicodeError, RuntimeError):  # what the backends raise for lone surrogates, among others
             check_utf8(text, "The text to encode")
             raise
         if self.use_bos if bos is None else bos:
