@@ -183,7 +183,7 @@ def test_damaged_token_cache_is_rebuilt_with_a_warning(damage, problem, tokenize
     rebuilt = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus")
     assert rebuilt.tolist() == fresh.tolist()
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith(f"warning: the cache file {cached} {problem}")
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: the cache {cached} {problem}")
     assert warnings[0].endswith("; rebuilding it.")
     mtime = cached.stat().st_mtime_ns  # and the rebuilt cache is trusted again: read, not rebuilt
     assert tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus").tolist() == fresh.tolist()
@@ -200,7 +200,7 @@ def test_instruction_cache_is_checked_like_the_token_cache(cache: Path, monkeypa
     path.write_bytes(path.read_bytes()[:-50])  # a truncated last line: a JSON error or a lost record before
     capsys.readouterr()
     assert instruct.stdlib_instructions() == (train, val)
-    assert capsys.readouterr().err.startswith(f"warning: the cache file {path} has ")
+    assert capsys.readouterr().err.startswith(f"warning: the cache {path} has ")
 
 
 def test_tokenize_files_concurrent_callers_tokenize_once(tokenizer: Tokenizer, tmp_path: Path, monkeypatch) -> None:
@@ -219,7 +219,8 @@ def test_tokenize_files_concurrent_callers_tokenize_once(tokenizer: Tokenizer, t
     assert all(np.array_equal(r, results[0]) for r in results)
 
 
-def test_default_tokenizer_trains_once_and_loads_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_tokenizer_trains_once_and_loads_cache(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(text, "stdlib_sources", lambda: SMALL_FILES)
     trained: list[list[Path]] = []
 
@@ -240,6 +241,14 @@ def test_default_tokenizer_trains_once_and_loads_cache(cache: Path, monkeypatch:
     out_dir = results[0].checkpoint_dir
     assert out_dir.parent == cache / "tokenizers" and out_dir.name.endswith("-bpe300")
     assert default_tokenizer(vocab_size=300).vocab_size == 300 and len(trained) == 1
+
+    # a damaged file is trained again (the same files: the token caches keyed by them stay valid)
+    files = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+    (out_dir / "tokenizer.json").write_bytes(files["tokenizer.json"][:-100])
+    capsys.readouterr()
+    assert default_tokenizer(vocab_size=300).vocab_size == 300 and len(trained) == 2
+    assert capsys.readouterr().err.startswith(f"warning: the cache {out_dir} has a file tokenizer.json that has ")
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == files
 
 
 def sampler_steps(world_size: int, steps: int, **kwargs) -> list[list[list[int]]]:

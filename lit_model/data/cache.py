@@ -2,8 +2,8 @@
 tokenizer) under ``cache_root()``.
 
 A cache file is written atomically (lit_model/files.py) and then a record beside it, ``<file>.json``, with
-its size and SHA-256 (and what its builder adds, e.g. the token count). Every load checks the file against
-its record, so a truncated, shuffled or half-replaced cache is rebuilt (with a one-line warning) instead of
+its size and SHA-256 (and what its builder adds, e.g. the token count); a cached directory (the tokenizer)
+gets one listing its files. Every load checks the cache against its record, so a truncated, shuffled or half-replaced cache is rebuilt (with a one-line warning) instead of
 mapped with a wrong length or trained on silently. Hashing the standard library's 18 MB train array took
 12-45 ms on a busy 2-core machine (SHA-256 at 0.4-1.4 GB/s), against 0.7 s for the whole cached load, so it
 runs on every load (a 10 GB corpus cache would add seconds). Builds take a file lock, so the ranks of a run
@@ -70,28 +70,74 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checked_record(path: Path, valid: Callable[[dict[str, Any]], bool] = lambda record: True,
-                   ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """``(record, None)`` when ``path`` matches its record (and ``valid(record)``); ``(None, why)`` when it
-    does not, and ``(None, None)`` when there is no cache file yet."""
-    if not path.is_file():
-        return None, None
+def _read_record(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     try:
         record = json.loads(record_path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None, "has no record of its size and checksum (an older version wrote it, or its writer was stopped)"
     except (OSError, ValueError) as error:
         return None, f"has an unreadable record ({error})"
-    if not isinstance(record, dict) or not isinstance(record.get("size"), int) or "sha256" not in record or (
-        not valid(record)
-    ):
-        return None, "has a damaged record"
-    size = path.stat().st_size
-    if size != record["size"]:
-        return None, f"has {size:,} bytes where its record says {record['size']:,} (truncated or overwritten)"
-    if sha256_file(path) != record["sha256"]:
-        return None, "does not match its SHA-256 (its bytes changed)"
-    return record, None
+    return (record, None) if isinstance(record, dict) else (None, "has a damaged record")
+
+
+def _mismatch(path: Path, entry: Any) -> Optional[str]:
+    """Why ``path`` does not match its record's ``{"size", "sha256"}`` entry; None if it does."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or "sha256" not in entry:
+        return "has a damaged record"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "is missing"
+    if size != entry["size"]:
+        return f"has {size:,} bytes where its record says {entry['size']:,} (truncated or overwritten)"
+    if sha256_file(path) != entry["sha256"]:
+        return "does not match its SHA-256 (its bytes changed)"
+    return None
+
+
+def checked_record(path: Path, valid: Callable[[dict[str, Any]], bool] = lambda record: True,
+                   ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """``(record, None)`` when ``path`` matches its record (and ``valid(record)``); ``(None, why)`` when it
+    does not, and ``(None, None)`` when there is no cache file yet."""
+    if not path.is_file():
+        return None, None
+    record, problem = _read_record(path)
+    if record is not None and not valid(record):
+        record, problem = None, "has a damaged record"
+    if record is not None and (problem := _mismatch(path, record)) is not None:
+        record = None
+    return record, problem
+
+
+def checked_directory(directory: Path) -> tuple[bool, Optional[str]]:
+    """Like ``checked_record`` for a directory whose record lists its files: ``(True, None)`` when they all
+    match, ``(False, why)`` when one does not, ``(False, None)`` when there is no directory yet."""
+    if not directory.is_dir():
+        return False, None
+    record, problem = _read_record(directory)
+    if record is None:
+        return False, problem
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return False, "has a damaged record"
+    for name, entry in files.items():
+        if (problem := _mismatch(directory / name, entry)) is not None:
+            return False, f"has a file {name} that {problem}"
+    return True, None
+
+
+def write_directory_record(directory: Path) -> None:
+    """The record ``checked_directory`` checks: the size and SHA-256 of each file in ``directory``."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(directory.iterdir())
+             if p.is_file()}
+    try:
+        atomic_write(record_path(directory), json.dumps({"files": files}) + "\n")
+    except OSError as error:
+        raise cache_error(directory, error) from None
+
+
+def warn_rebuild(path: Path, problem: str) -> None:
+    print(f"warning: the cache {path} {problem}; rebuilding it.", file=sys.stderr, flush=True)
 
 
 def cached(path: Path, build: Callable[[Callable[[bytes], object]], dict[str, Any]],
@@ -110,7 +156,7 @@ def cached(path: Path, build: Callable[[Callable[[bytes], object]], dict[str, An
         if record is not None:
             return record
         if problem is not None:
-            print(f"warning: the cache file {path} {problem}; rebuilding it.", file=sys.stderr, flush=True)
+            warn_rebuild(path, problem)
         digest, size = hashlib.sha256(), 0
 
         def write(data: bytes) -> None:

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lit_model.data.cache import cache_root, cached, file_lock
+from lit_model.data.cache import (
+    cache_root, cached, checked_directory, file_lock, warn_rebuild, write_directory_record,
+)
 from lit_model.errors import UsageError, UserError
 from lit_model.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe
 
@@ -68,12 +70,16 @@ def default_tokenizer(vocab_size: int = 8192) -> Tokenizer:
     """A byte-level BPE trained once on the stdlib train files, then loaded from the cache."""
     version = f"{sys.version_info.major}{sys.version_info.minor}"
     out_dir = cache_root() / "tokenizers" / f"stdlib-py{version}-bpe{vocab_size}"
-    if not (out_dir / "tokenizer.json").is_file():
+    if not checked_directory(out_dir)[0]:
         with file_lock(out_dir.with_name(out_dir.name + ".lock")):
-            if not (out_dir / "tokenizer.json").is_file():  # another rank may have trained it while we waited
+            complete, problem = checked_directory(out_dir)  # another rank may have trained it while we waited
+            if not complete:
+                if problem is not None:
+                    warn_rebuild(out_dir, problem)
                 train, _ = split_by_file(stdlib_sources())
                 # `tokenizers` trains on UTF-8 only; a few stdlib test files are latin-1/koi8-r on purpose
                 train_bpe([f for f in train if _is_utf8(f)], vocab_size, out_dir)
+                write_directory_record(out_dir)
     return Tokenizer(out_dir)
 
 
