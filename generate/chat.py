@@ -53,7 +53,7 @@ def main(args: ChatArgs) -> None:
     with out_of_memory_hint("allocating the KV cache"):
         session = ChatSession(model, setup.tokenizer, setup.style, context, system=args.system, stop=setup.stop,
                               cache_dtype=setup.precision.compute_dtype, **setup.sampling(model))
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin is not None and sys.stdin.isatty()  # None: started with stdin closed, no input
     if interactive:
         name = setup.config.name or setup.checkpoint_dir
         print(f"Chatting with {name} ({setup.style.name} prompt style). /reset starts over, /exit quits.",
@@ -93,7 +93,7 @@ def read_message(interactive: bool, number: int) -> Optional[str]:
     try:
         if interactive:
             line = input(">> You: ")
-        elif not (raw := sys.stdin.buffer.readline()):
+        elif sys.stdin is None or not (raw := sys.stdin.buffer.readline()):
             return None
         else:
             line = raw.decode(sys.stdin.encoding)

@@ -268,6 +268,9 @@ def test_chat_skips_input_lines_that_are_not_text_and_ends_at_eof(checkpoint: Pa
     assert_bad_line_skipped(chat(checkpoint, BAD_STDIN, monkeypatch), good)
     empty = chat(checkpoint, b"", monkeypatch)  # no input at all: a clean end
     assert (empty.returncode, empty.stdout, empty.stderr) == (0, "", "")
+    monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed (`<&-`): Python has no sys.stdin
+    closed = run_script_inprocess("generate/chat.py", "--checkpoint_dir", checkpoint)
+    assert (closed.returncode, closed.stdout, closed.stderr) == (0, "", "")
 
 
 @pytest.mark.slow
