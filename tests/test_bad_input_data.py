@@ -241,13 +241,14 @@ def test_non_utf8_prompt_from_a_real_command_line(checkpoint: Path, tmp_path: Pa
     assert "--prompt is not UTF-8 text (byte 0xff at character 5)" in " ".join(proc.stderr.split())
 
 
-def chat(checkpoint: Path, stdin: bytes, monkeypatch: pytest.MonkeyPatch, subprocess: bool = False):
+def chat(checkpoint: Path, stdin: bytes | None, monkeypatch: pytest.MonkeyPatch, subprocess: bool = False):
     args = ("generate/chat.py", "--checkpoint_dir", checkpoint, "--max_new_tokens", "3", "--temperature", "0")
     if subprocess:  # latin-1 passes the bytes in unchanged; what comes out is UTF-8
         proc = run_script(*args, input=stdin.decode("latin-1"), encoding="latin-1")
         proc.stdout, proc.stderr = (out.encode("latin-1").decode("utf-8") for out in (proc.stdout, proc.stderr))
         return proc
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))  # piped, not a tty
+    piped = None if stdin is None else io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")  # not a tty
+    monkeypatch.setattr(sys, "stdin", piped)
     return run_script_inprocess(*args)
 
 
@@ -268,8 +269,7 @@ def test_chat_skips_input_lines_that_are_not_text_and_ends_at_eof(checkpoint: Pa
     assert_bad_line_skipped(chat(checkpoint, BAD_STDIN, monkeypatch), good)
     empty = chat(checkpoint, b"", monkeypatch)  # no input at all: a clean end
     assert (empty.returncode, empty.stdout, empty.stderr) == (0, "", "")
-    monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed (`<&-`): Python has no sys.stdin
-    closed = run_script_inprocess("generate/chat.py", "--checkpoint_dir", checkpoint)
+    closed = chat(checkpoint, None, monkeypatch)  # started with stdin closed (`<&-`): Python has no sys.stdin
     assert (closed.returncode, closed.stdout, closed.stderr) == (0, "", "")
 
 
