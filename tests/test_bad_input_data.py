@@ -80,8 +80,11 @@ def hf_dir(index: object) -> Callable[[Path], None]:
     return setup
 
 
-PRETRAIN = ("pretrain/main.py", "--model_config", "{config}", "--tokenizer_dir", "{tokenizer}", "--out_dir", "{out}",
-            "--max_steps", "1")
+def pretrain(data: str, tokenizer: str = "{tokenizer}") -> tuple[str, ...]:
+    return ("pretrain/main.py", "--model_config", "{config}", "--tokenizer_dir", tokenizer, "--data_path", data,
+            "--out_dir", "{out}", "--max_steps", "1")
+
+
 FINETUNE = ("finetune/lora.py", "--checkpoint_dir", "{checkpoint}", "--out_dir", "{out}", "--max_steps", "1")
 GENERATE = ("generate/base.py", "--checkpoint_dir", "{checkpoint}", "--max_new_tokens", "2")
 CONVERT = ("lit_model/convert.py", "hf_to_lit", "--hf_dir", "{tmp}/hf", "--out_dir", "{out}")
@@ -90,45 +93,45 @@ RECORD = {"instruction": "Add two numbers.", "output": "def add(a, b):\n    retu
 # (id, setup of the bad file(s) under tmp, command line, exit status, fragment of the message)
 CASES = [
     # ---- pretraining corpora
-    ("pretrain-missing-data-path", None, (*PRETRAIN, "--data_path", "{tmp}/nowhere"), 1,
+    ("pretrain-missing-data-path", None, pretrain("{tmp}/nowhere"), 1,
      "nowhere does not exist"),
-    ("pretrain-empty-corpus-dir", mkdir("corpus"), (*PRETRAIN, "--data_path", "{tmp}/corpus"), 1,
+    ("pretrain-empty-corpus-dir", mkdir("corpus"), pretrain("{tmp}/corpus"), 1,
      "has no usable files"),
-    ("pretrain-corpus-smaller-than-a-window", write("tiny.txt", "x = 1\n"), (*PRETRAIN, "--data_path", "{tmp}/tiny.txt"),
+    ("pretrain-corpus-smaller-than-a-window", write("tiny.txt", "x = 1\n"), pretrain("{tmp}/tiny.txt"),
      1, "fewer than one window of seq_length + 1 = 65 tokens"),
-    ("pretrain-empty-file", write("empty.txt", ""), (*PRETRAIN, "--data_path", "{tmp}/empty.txt"), 1,
+    ("pretrain-empty-file", write("empty.txt", ""), pretrain("{tmp}/empty.txt"), 1,
      "has 0 tokens, fewer than one window"),
-    ("pretrain-binary-garbage-txt", write("garbage.txt", GARBAGE), (*PRETRAIN, "--data_path", "{tmp}/garbage.txt"), 1,
+    ("pretrain-binary-garbage-txt", write("garbage.txt", GARBAGE), pretrain("{tmp}/garbage.txt"), 1,
      "garbage.txt is not UTF-8 text"),
     ("pretrain-latin1-file-in-corpus-dir",
      both(write("corpus/a.txt", "def f():\n    pass\n" * 200), write("corpus/b.txt", "caf\xe9\n".encode("latin-1") * 99)),
-     (*PRETRAIN, "--data_path", "{tmp}/corpus"), 1, "b.txt is not UTF-8 text (byte 0xe9"),
-    ("pretrain-nul-bytes", write("zeros.txt", bytes(4096)), (*PRETRAIN, "--data_path", "{tmp}/zeros.txt"), 1,
+     pretrain("{tmp}/corpus"), 1, "b.txt is not UTF-8 text (byte 0xe9"),
+    ("pretrain-nul-bytes", write("zeros.txt", bytes(4096)), pretrain("{tmp}/zeros.txt"), 1,
      "zeros.txt holds NUL bytes"),
-    ("pretrain-deep-json", write("deep.json", DEEP), (*PRETRAIN, "--data_path", "{tmp}/deep.json"), 1,
+    ("pretrain-deep-json", write("deep.json", DEEP), pretrain("{tmp}/deep.json"), 1,
      "deep.json nests JSON deeper than Python's parser allows"),
     ("pretrain-jsonl-without-text", write("c.jsonl", '{"text": "ok"}\n{"body": "x"}\n'),
-     (*PRETRAIN, "--data_path", "{tmp}/c.jsonl"), 1, 'line 2 of {tmp}/c.jsonl has no "text" string field'),
+     pretrain("{tmp}/c.jsonl"), 1, 'line 2 of {tmp}/c.jsonl has no "text" string field'),
     ("pretrain-jsonl-bad-line", write("c.jsonl", '{"text": "ok"}\n{"text": "ok"}\n{"text": \n'),
-     (*PRETRAIN, "--data_path", "{tmp}/c.jsonl"), 1, "Line 3 of {tmp}/c.jsonl is not valid JSON"),
-    ("pretrain-unreadable-corpus-file", unreadable("locked.txt"), (*PRETRAIN, "--data_path", "{tmp}/locked.txt"), 1,
+     pretrain("{tmp}/c.jsonl"), 1, "Line 3 of {tmp}/c.jsonl is not valid JSON"),
+    ("pretrain-unreadable-corpus-file", unreadable("locked.txt"), pretrain("{tmp}/locked.txt"), 1,
      "Cannot read {tmp}/locked.txt: Permission denied"),
     ("pretrain-tokenizer-dir-without-tokenizer", write("tok/readme.md", "no tokenizer here"),
-     (*PRETRAIN, "--data_path", "{data}", "--tokenizer_dir", "{tmp}/tok"), 1,
+     pretrain("{data}", "{tmp}/tok"), 1,
      "No tokenizer in {tmp}/tok: expected tokenizer.json or tokenizer.model, found readme.md"),
     ("pretrain-tokenizer-dir-is-a-file", write("tok.json", "{}"),
-     (*PRETRAIN, "--data_path", "{data}", "--tokenizer_dir", "{tmp}/tok.json"), 1, "is a file, not a directory"),
+     pretrain("{data}", "{tmp}/tok.json"), 1, "is a file, not a directory"),
     ("pretrain-tokenizer-json-is-a-directory", write("tok/tokenizer.json/x", "x"),
-     (*PRETRAIN, "--data_path", "{data}", "--tokenizer_dir", "{tmp}/tok"), 1, "expected tokenizer.json or"),
+     pretrain("{data}", "{tmp}/tok"), 1, "expected tokenizer.json or"),
     ("pretrain-garbage-tokenizer-json", write("tok/tokenizer.json", GARBAGE),
-     (*PRETRAIN, "--data_path", "{data}", "--tokenizer_dir", "{tmp}/tok"), 1,
+     pretrain("{data}", "{tmp}/tok"), 1,
      "Could not read the tokenizer file {tmp}/tok/tokenizer.json"),
     ("pretrain-damaged-tokenizer-config", both(write("tok/tokenizer.json", "{}"), write("tok/tokenizer_config.json", DEEP)),
-     (*PRETRAIN, "--data_path", "{data}", "--tokenizer_dir", "{tmp}/tok"), 1, "Could not read {tmp}/tok/tokenizer_config"),
+     pretrain("{data}", "{tmp}/tok"), 1, "Could not read {tmp}/tok/tokenizer_config"),
     ("pretrain-cache-is-a-file", write("cache-file", "x"),
-     ("--cache", "{tmp}/cache-file", *PRETRAIN, "--data_path", "{data}"), 1, "set LIT_MODEL_CACHE to a writable"),
-    ("pretrain-read-only-cache", read_only_dir("ro-cache"), ("--cache", "{tmp}/ro-cache", *PRETRAIN, "--data_path",
-                                                              "{data}"), 1, "set LIT_MODEL_CACHE to a writable"),
+     ("LIT_MODEL_CACHE={tmp}/cache-file", *pretrain("{data}")), 1, "set LIT_MODEL_CACHE to a writable"),
+    ("pretrain-read-only-cache", read_only_dir("ro-cache"), ("LIT_MODEL_CACHE={tmp}/ro-cache", *pretrain("{data}")), 1,
+     "set LIT_MODEL_CACHE to a writable"),
     # ---- instruction data
     ("finetune-missing-data-path", None, (*FINETUNE, "--data_path", "{tmp}/nowhere.json"), 1,
      "nowhere.json does not exist"),
@@ -196,8 +199,8 @@ def test_bad_data_is_one_paragraph_without_traceback(name: str, setup, argv: tup
     places = {"tmp": tmp_path, "out": tmp_path / "out", "checkpoint": checkpoint, **tiny_setup}
     argv = tuple(arg.format(**places) for arg in argv)
     cache = tmp_path / "cache"
-    if argv[0] == "--cache":  # not a flag: the case's LIT_MODEL_CACHE
-        cache, argv = Path(argv[1]), argv[2:]
+    if argv[0].startswith("LIT_MODEL_CACHE="):  # as on a shell's command line
+        cache, argv = Path(argv[0].split("=", 1)[1]), argv[1:]
     if not argv[0].startswith("lit_model/"):  # training scripts may create out_dir; the user's files stay as they were
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "notes.txt").write_text("the user's own file\n")
@@ -208,7 +211,7 @@ def test_bad_data_is_one_paragraph_without_traceback(name: str, setup, argv: tup
     assert fragment.format(**places) in message, proc.stderr
     assert "Traceback" not in proc.stderr and "error: " in proc.stderr
     assert snapshot(tmp_path / "out") == before  # nothing written
-    assert not [p for p in cache.rglob("*.tmp")] if cache.is_dir() else True  # no half-written cache file
+    assert not list(cache.rglob("*.tmp"))  # no half-written cache file
 
 
 def test_read_only_cache_still_serves_a_complete_cache(tiny_setup: dict[str, Path], tmp_path: Path,
