@@ -689,11 +689,6 @@ def prepare_generation(args: GenerationArgs, num_samples: int = 1) -> Generation
     the device is the one planned for (a CUDA GPU with ``--device_memory``, else this machine's), and
     ``--model_name`` may stand for the checkpoint: its config comes from the registry."""
     check_sampling(args.temperature, args.top_k, args.top_p, num_samples)
-    for flag in fields(args):  # --prompt, --stop, --system: text the tokenizer will see
-        value = getattr(args, flag.name)
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                check_utf8(text, f"--{flag.name}")
     checkpoint_dir: Optional[Path] = Path(args.checkpoint_dir)
     if args.plan is None:
         for flag, value in (("--model_name", args.model_name), ("--device_memory", args.device_memory)):
@@ -726,5 +721,10 @@ def prepare_generation(args: GenerationArgs, num_samples: int = 1) -> Generation
         style = PromptStyle.from_checkpoint(checkpoint_dir, config)
     else:
         style = PromptStyle.from_config(config)
+    for flag in fields(args):  # --prompt, --stop, --system: text the tokenizer will see
+        value = getattr(args, flag.name)
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_utf8(text, f"--{flag.name}")
     stop = [args.stop] if isinstance(args.stop, str) else list(args.stop or [])
     return GenerationSetup(args, checkpoint_dir, config, tokenizer, style, device_type, devices, precision, stop)
