@@ -155,7 +155,7 @@ def json_records(path: Path, example: str, errors: str = "strict") -> list[tuple
     except RecursionError:
         raise _too_deep(str(path), example) from None
     except ValueError as error:
-        if text.lstrip().startswith("["):  # a list that does not parse: its error, not line 1's
+        if path.suffix != ".jsonl" and text.lstrip().startswith("["):  # a broken list: its error, not line 1's
             raise UserError(f"{path} is not valid JSON ({error}). Fix the file: a .json file holds a record like "
                             f"{example} or a list of them.") from None
     records = []  # JSON lines: one record per line
