@@ -8,6 +8,7 @@ Type /reset to start a new conversation and /exit (or end the input) to quit.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -15,6 +16,7 @@ from typing import Optional
 from lit_model.cli import parse
 from lit_model.errors import UsageError, UserError, run_cli
 from lit_model.generation import ChatSession, GenerationArgs, out_of_memory_hint, prepare_generation, stdout_writer
+from lit_model.tokenizer import check_utf8
 
 
 @dataclass
@@ -51,17 +53,18 @@ def main(args: ChatArgs) -> None:
     with out_of_memory_hint("allocating the KV cache"):
         session = ChatSession(model, setup.tokenizer, setup.style, context, system=args.system, stop=setup.stop,
                               cache_dtype=setup.precision.compute_dtype, **setup.sampling(model))
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin is not None and sys.stdin.isatty()  # None: started with stdin closed, no input
     if interactive:
         name = setup.config.name or setup.checkpoint_dir
         print(f"Chatting with {name} ({setup.style.name} prompt style). /reset starts over, /exit quits.",
               file=sys.stderr)
-    while True:
+    for number in itertools.count(1):
         try:
-            message = input(">> You: ") if interactive else sys.stdin.readline()
-        except (EOFError, KeyboardInterrupt):
-            break
-        if not interactive and message == "":
+            message = read_message(interactive, number)
+        except UserError as error:  # not text: say so and read on, like a message too long for the context
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            continue
+        if message is None:
             break  # end of input
         message = message.strip()
         if not message:
@@ -81,6 +84,28 @@ def main(args: ChatArgs) -> None:
             print(f"error: {error}", file=sys.stderr, flush=True)
             continue
         stdout_writer("\n")
+
+
+def read_message(interactive: bool, number: int) -> Optional[str]:
+    """The next line of input (None at its end or on Ctrl-C/Ctrl-D at the prompt); a ``UserError`` for a
+    line that is not text in the input's encoding. Piped input is decoded line by line, so one bad line
+    costs only itself."""
+    try:
+        if interactive:
+            line = input(">> You: ")
+        elif sys.stdin is None or not (raw := sys.stdin.buffer.readline()):
+            return None
+        else:
+            line = raw.decode(sys.stdin.encoding)
+    except (EOFError, KeyboardInterrupt):
+        return None
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"Input line {number} is not {sys.stdin.encoding} text (byte 0x{error.object[error.start]:02x}), so it "
+            "was skipped. Type or pipe UTF-8 text (convert a file with `iconv -t utf-8`)."
+        ) from None
+    check_utf8(line, f"Input line {number}")  # UTF-8 mode keeps bad bytes as surrogates instead of failing
+    return line
 
 
 def _notify(text: str) -> None:

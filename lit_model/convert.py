@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 from dataclasses import fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -544,8 +544,17 @@ def _meta_model(config: Config) -> torch.nn.Module:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise UserError(f"Could not read {path}: {error}. Re-download or fix the file.") from None
+
+
+def _inside(name: Any) -> bool:
+    """Whether an index entry names a file inside the checkpoint's directory: judged on the text, not on the
+    resolved path, because Hugging Face's cache links a snapshot's files to blobs elsewhere."""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts
 
 
 def hf_weight_files(hf_dir: Path) -> list[Path]:
@@ -553,9 +562,16 @@ def hf_weight_files(hf_dir: Path) -> list[Path]:
     for index_name, single_name in ((SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)):
         index = hf_dir / index_name
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            data = _read_json(index)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise UserError(f"{index} has no weight_map. Re-download it from the model's repository.")
+            outside = [name for name in weight_map.values() if not _inside(name)]
+            if outside:
+                raise UserError(
+                    f"{index} points at weight files outside {hf_dir} (e.g. {outside[0]!r}); a weight_map names files "
+                    "in the checkpoint's own directory. The index is damaged or was tampered with: download it again."
+                )
             files = [hf_dir / name for name in sorted(set(weight_map.values()))]
             missing = [f.name for f in files if not f.is_file()]
             if missing:
@@ -652,7 +668,8 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     target_dtype = _parse_dtype(dtype)
     if not hf_dir.is_dir():
-        raise UserError(f"--hf_dir {hf_dir} does not exist. Pass the directory a Hugging Face model was saved to.")
+        state = "is a file, not a directory" if hf_dir.exists() else "does not exist"
+        raise UserError(f"--hf_dir {hf_dir} {state}. Pass the directory a Hugging Face model was saved to.")
     if not (hf_dir / "config.json").is_file():
         raise UserError(
             f"--hf_dir {hf_dir} has no config.json, so it is not a Hugging Face model directory. Pass the directory "

@@ -12,7 +12,7 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
@@ -24,7 +24,7 @@ from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
 from lit_model.precision import param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
-from lit_model.tokenizer import Tokenizer
+from lit_model.tokenizer import Tokenizer, check_utf8
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup: devices, precision, lengths, loading
@@ -458,7 +458,11 @@ class TextStream:
 
 
 def stdout_writer(text: str) -> None:
-    sys.stdout.write(text)
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:  # a terminal that is not UTF-8: what it cannot show becomes \xe9-style escapes
+        encoding = sys.stdout.encoding or "ascii"
+        sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
     sys.stdout.flush()
 
 
@@ -717,5 +721,10 @@ def prepare_generation(args: GenerationArgs, num_samples: int = 1) -> Generation
         style = PromptStyle.from_checkpoint(checkpoint_dir, config)
     else:
         style = PromptStyle.from_config(config)
+    for flag in fields(args):  # --prompt, --stop, --system: text the tokenizer will see
+        value = getattr(args, flag.name)
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_utf8(text, f"--{flag.name}")
     stop = [args.stop] if isinstance(args.stop, str) else list(args.stop or [])
     return GenerationSetup(args, checkpoint_dir, config, tokenizer, style, device_type, devices, precision, stop)

@@ -29,9 +29,10 @@ class Tokenizer:
     def __init__(self, checkpoint_dir: str | Path) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
         if not self.checkpoint_dir.is_dir():
+            state = "is a file, not a directory" if self.checkpoint_dir.exists() else "does not exist"
             raise UserError(
-                f"Tokenizer directory {self.checkpoint_dir} does not exist. Pass the checkpoint directory that "
-                "holds tokenizer.json or tokenizer.model."
+                f"Tokenizer directory {self.checkpoint_dir} {state}. Pass the directory that holds tokenizer.json "
+                "or tokenizer.model (a checkpoint directory)."
             )
         config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
         generation = _read_json(self.checkpoint_dir / "generation_config.json")
@@ -99,11 +100,15 @@ class Tokenizer:
         return id_
 
     def encode(self, text: str, bos: bool | None = None, eos: bool = False, max_length: int = -1) -> torch.Tensor:
-        if self.backend == "huggingface":
-            # bos/eos are added below from the checkpoint's configuration, the same way for both backends
-            ids = self.processor.encode(text, add_special_tokens=False).ids
-        else:
-            ids = self.processor.encode(text)
+        try:
+            if self.backend == "huggingface":
+                # bos/eos are added below from the checkpoint's configuration, the same way for both backends
+                ids = self.processor.encode(text, add_special_tokens=False).ids
+            else:
+                ids = self.processor.encode(text)
+        except (TypeError, UnicodeError, RuntimeError):  # what the backends raise for lone surrogates, among others
+            check_utf8(text, "The text to encode")
+            raise
         if self.use_bos if bos is None else bos:
             if self.bos_id is None:
                 raise UsageError(f"The tokenizer in {self.checkpoint_dir} has no bos token; encode with bos=False.")
@@ -130,6 +135,20 @@ class Tokenizer:
         for name in TOKENIZER_FILES:
             if (src := self.checkpoint_dir / name).is_file():
                 shutil.copy2(src, out_dir / name)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Refuse text that holds lone surrogates: Python's stand-ins for bytes that were not UTF-8 in the command
+    line (and, in UTF-8 mode, standard input). No tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise UsageError(
+            f"{what} is not UTF-8 text ({byte} at character {error.start}). Pass UTF-8: use a UTF-8 terminal "
+            "locale (e.g. LANG=C.UTF-8), or convert the text first (e.g. with `iconv -t utf-8`)."
+        ) from None
 
 
 def train_bpe(
@@ -211,7 +230,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise UserError(f"Could not read {path}: {error}. Fix the JSON or download the file again.") from error
     if not isinstance(data, dict):
         raise UserError(f"{path} should hold a JSON object, not {type(data).__name__}. Download the file again.")

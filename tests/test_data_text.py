@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import sysconfig
 import threading
 import time
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import lit_model.data.instruct as instruct
 import lit_model.data.text as text
 from lit_model.data.text import (
     GlobalBatchSampler,
@@ -58,11 +60,11 @@ def count_encode_calls(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) ->
     return calls
 
 
-def write_corpus(directory: Path) -> list[Path]:
+def write_corpus(directory: Path, encoding: str = "latin-1") -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 40)
     (directory / "b.md").write_text("# Title\n\nSome prose about lists and dicts.\n" * 40)
-    (directory / "c.txt").write_bytes("caf\xe9 in latin-1\n".encode("latin-1") * 30)  # not UTF-8
+    (directory / "c.txt").write_bytes(f"caf\xe9 in {encoding}\n".encode(encoding) * 30)  # latin-1: not UTF-8
     (directory / "d.jsonl").write_text("\n".join(json.dumps({"text": f"record {i}: x = {i}"}) for i in range(30)))
     return sorted(directory.iterdir())
 
@@ -108,12 +110,15 @@ def test_packed_dataset_windows_and_shifted_targets() -> None:
 
 def test_tokenize_files_caches_and_reuses(tokenizer: Tokenizer, tmp_path: Path, monkeypatch) -> None:
     files = write_corpus(tmp_path / "corpus")
+    with pytest.raises(UserError, match=r"c\.txt is not UTF-8 text \(byte 0xe9.*iconv"):
+        tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus")  # user data: UTF-8 or a message
+    assert [p.suffix for p in (tmp_path / "tokens").iterdir()] == [".lock"]  # no array, no temporary file left
     calls = count_encode_calls(tokenizer, monkeypatch)
-    tokens = tokenize_files(reversed(files), tokenizer, tmp_path / "tokens", "corpus")
+    tokens = tokenize_files(reversed(files), tokenizer, tmp_path / "tokens", "corpus", errors="replace")
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and not tokens.flags.writeable
     assert len(calls) == 3 + 30  # three text files and 30 JSON records, each encoded once
 
-    # Sorted files, eos after every document; the latin-1 file decoded with replacement characters
+    # Sorted files, eos after every document; the latin-1 file decoded with replacement characters (the stdlib's mode)
     expected = []
     for path in files:
         docs = [json.loads(l)["text"] for l in path.read_text().splitlines()] if path.suffix == ".jsonl" else [
@@ -126,10 +131,13 @@ def test_tokenize_files_caches_and_reuses(tokenizer: Tokenizer, tmp_path: Path, 
 
     (cached,) = (tmp_path / "tokens").glob("corpus-*.bin")
     mtime, n_calls = cached.stat().st_mtime_ns, len(calls)
-    again = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus")
+    again = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus", errors="replace")
     assert np.array_equal(again, tokens) and isinstance(again, np.memmap)
     assert len(calls) == n_calls and cached.stat().st_mtime_ns == mtime  # read back, not re-tokenized
-    assert sorted(p.suffix for p in (tmp_path / "tokens").iterdir()) == [".bin", ".lock"]  # no temp file left
+    assert sorted(p.name[len(cached.name):] for p in (tmp_path / "tokens").glob(f"{cached.name}*")) == [
+        "", ".json", ".lock"]  # the array, its record and its lock
+    assert not list((tmp_path / "tokens").glob(".*"))  # no temporary file left
+    assert json.loads((tmp_path / "tokens" / f"{cached.name}.json").read_text())["tokens"] == len(tokens)
 
     # A .json file may hold a list of records
     (tmp_path / "list.json").write_text(json.dumps([{"text": "first"}, {"text": "second"}]))
@@ -138,8 +146,61 @@ def test_tokenize_files_caches_and_reuses(tokenizer: Tokenizer, tmp_path: Path, 
 
     # A changed file gets a new cache entry
     files[0].write_text("changed\n")
-    changed = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus")
+    changed = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus", errors="replace")
     assert len(changed) < len(tokens) and len(list((tmp_path / "tokens").glob("corpus-*.bin"))) == 2
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _shuffle(path: Path) -> None:  # same bytes, same size, other order: only the checksum notices
+    tokens = np.fromfile(path, dtype=np.uint16)
+    np.random.default_rng(0).permutation(tokens).tofile(path)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda path: os.truncate(path, 14), "has 14 bytes where its record says"),  # 7 tokens left
+    (lambda path: os.truncate(path, 15), "has 15 bytes where its record says"),  # not even whole tokens
+    (lambda path: path.write_bytes(b""), "has 0 bytes where its record says"),
+    (_flip, "does not match its SHA-256"),
+    (_shuffle, "does not match its SHA-256"),
+    (lambda path: Path(f"{path}.json").unlink(), "has no record of its size and checksum"),
+    (lambda path: Path(f"{path}.json").write_text('{"size": '), "has an unreadable record"),
+    (lambda path: Path(f"{path}.json").write_text(json.dumps({**json.loads(Path(f"{path}.json").read_text()),
+                                                             "tokens": 7})), "has a damaged record"),
+])
+def test_damaged_token_cache_is_rebuilt_with_a_warning(damage, problem, tokenizer: Tokenizer, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    files = write_corpus(tmp_path / "corpus", encoding="utf-8")
+    fresh = np.array(tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus"))
+    (cached,) = (tmp_path / "tokens").glob("corpus-*.bin")
+    assert len(fresh) > 100 and len(np.unique(fresh)) > 10  # a shuffle changes the order
+    capsys.readouterr()
+    damage(cached)
+    rebuilt = tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus")
+    assert rebuilt.tolist() == fresh.tolist()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: the cache {cached} {problem}")
+    assert warnings[0].endswith("; rebuilding it.")
+    mtime = cached.stat().st_mtime_ns  # and the rebuilt cache is trusted again: read, not rebuilt
+    assert tokenize_files(files, tokenizer, tmp_path / "tokens", "corpus").tolist() == fresh.tolist()
+    assert cached.stat().st_mtime_ns == mtime and "warning" not in capsys.readouterr().err
+
+
+def test_instruction_cache_is_checked_like_the_token_cache(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    # the default instruction records from a few stdlib files (the whole stdlib takes seconds)
+    monkeypatch.setattr(instruct, "stdlib_sources", lambda: SMALL_FILES)
+    train, val = instruct.stdlib_instructions()
+    (path,) = (cache / "instruct").glob("*.jsonl")
+    assert len(train) + len(val) == json.loads(Path(f"{path}.json").read_text())["records"] > 3
+    path.write_bytes(path.read_bytes()[:-50])  # a truncated last line: a JSON error or a lost record before
+    capsys.readouterr()
+    assert instruct.stdlib_instructions() == (train, val)
+    assert capsys.readouterr().err.startswith(f"warning: the cache {path} has ")
 
 
 def test_tokenize_files_concurrent_callers_tokenize_once(tokenizer: Tokenizer, tmp_path: Path, monkeypatch) -> None:
@@ -147,7 +208,7 @@ def test_tokenize_files_concurrent_callers_tokenize_once(tokenizer: Tokenizer, t
     calls = count_encode_calls(tokenizer, monkeypatch)
     results: list[np.ndarray] = []
     threads = [
-        threading.Thread(target=lambda: results.append(tokenize_files(files, tokenizer, tmp_path / "t", "c")))
+        threading.Thread(target=lambda: results.append(tokenize_files(files, tokenizer, tmp_path / "t", "c", errors="replace")))
         for _ in range(4)
     ]
     for thread in threads:
@@ -158,7 +219,8 @@ def test_tokenize_files_concurrent_callers_tokenize_once(tokenizer: Tokenizer, t
     assert all(np.array_equal(r, results[0]) for r in results)
 
 
-def test_default_tokenizer_trains_once_and_loads_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_tokenizer_trains_once_and_loads_cache(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(text, "stdlib_sources", lambda: SMALL_FILES)
     trained: list[list[Path]] = []
 
@@ -179,6 +241,14 @@ def test_default_tokenizer_trains_once_and_loads_cache(cache: Path, monkeypatch:
     out_dir = results[0].checkpoint_dir
     assert out_dir.parent == cache / "tokenizers" and out_dir.name.endswith("-bpe300")
     assert default_tokenizer(vocab_size=300).vocab_size == 300 and len(trained) == 1
+
+    # a damaged file is trained again (the same files: the token caches keyed by them stay valid)
+    files = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+    (out_dir / "tokenizer.json").write_bytes(files["tokenizer.json"][:-100])
+    capsys.readouterr()
+    assert default_tokenizer(vocab_size=300).vocab_size == 300 and len(trained) == 2
+    assert capsys.readouterr().err.startswith(f"warning: the cache {out_dir} has a file tokenizer.json that has ")
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == files
 
 
 def sampler_steps(world_size: int, steps: int, **kwargs) -> list[list[list[int]]]:
@@ -245,7 +315,7 @@ def test_sampler_rejects_invalid_sizes() -> None:
 
 
 def test_load_pretrain_data_file_and_directory(tokenizer: Tokenizer, tmp_path: Path) -> None:
-    files = write_corpus(tmp_path / "corpus")
+    files = write_corpus(tmp_path / "corpus", encoding="utf-8")
     (tmp_path / "corpus" / "ignored.csv").write_text("a,b\n" * 1000)
     (tmp_path / "corpus" / ".hidden").mkdir()
     (tmp_path / "corpus" / ".hidden" / "x.txt").write_text("hidden " * 1000)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model.errors import UserError
+from lit_model.errors import UsageError, UserError
 from lit_model.tokenizer import Tokenizer, train_bpe
 
 # Text that trips up tokenizers that normalize: tabs, newlines, runs of spaces, leading space, non-ASCII
@@ -187,3 +187,19 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="UTF-8"):
         train_bpe([tmp_path / "latin1.txt"], vocab_size=300, out_dir=tmp_path / "bpe")
     assert not (tmp_path / "bpe").exists()
+
+
+def test_text_that_is_not_utf8_is_named_not_a_backend_traceback(bpe_dir: Path, sentencepiece_model: Path,
+                                                                 tmp_path: Path) -> None:
+    shutil.copy(sentencepiece_model, tmp_path / "tokenizer.model")
+    for tokenizer in (Tokenizer(bpe_dir), Tokenizer(tmp_path)):
+        # "\udcff" is how Python keeps the byte 0xff of a command line (or UTF-8 mode's stdin) that is not UTF-8
+        with pytest.raises(UsageError, match=r"The text to encode is not UTF-8 text \(byte 0xff at character 3\)"):
+            tokenizer.encode("abc\udcff")
+        assert tokenizer.decode(tokenizer.encode("abc\u00ff")) == "abc\u00ff"  # a real ÿ is fine
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="Tokenizer directory .*file is a file, not a directory"):
+        Tokenizer(tmp_path / "file")
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match=r"Could not read .*tokenizer_config\.json: maximum recursion depth"):
+        Tokenizer(tmp_path)

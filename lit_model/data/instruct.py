@@ -13,20 +13,19 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import sys
 import sysconfig
-import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lit_model.data.text import GlobalBatchSampler, _file_lock, cache_root, split_by_file, stdlib_sources
+from lit_model.data.cache import cache_root, cached
+from lit_model.data.text import GlobalBatchSampler, json_records, split_by_file, stdlib_sources
 from lit_model.errors import UsageError, UserError
 from lit_model.prompts import Alpaca, PromptStyle
 
@@ -51,35 +50,25 @@ def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file()) if path.is_dir() else [path]
     if not files:
         raise UserError(f"The directory {path} holds no .json or .jsonl files. Point --data_path at your data.")
-    records: list[tuple[str, dict[str, Any]]] = []
-    for file in files:
-        text = file.read_text(encoding="utf-8", errors="replace")
-        try:
-            data = json.loads(text)
-            items = data if isinstance(data, list) else [data]
-            records += [(f"record {i} of {file}", r) for i, r in enumerate(items)]
-        except ValueError:  # JSON lines
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append((f"line {n} of {file}", json.loads(line)))
-                except ValueError as error:
-                    raise UserError(
-                        f"Line {n} of {file} is not valid JSON ({error}). A .jsonl file holds one JSON object per "
-                        'line, like {"instruction": "...", "output": "..."}; fix or remove that line.'
-                    ) from None
-    return records
+    example = '{"instruction": "...", "output": "..."}'
+    return [item for file in files for item in json_records(file, example)]
 
 
 def segments(record: Any, where: str, style: PromptStyle) -> list[tuple[str, bool]]:
     """The record's text as ``(piece, is_target)`` pieces in the prompt style."""
     if isinstance(record, dict) and "messages" in record:
         return _chat_segments(record["messages"], where, style)
-    if not isinstance(record, dict) or not isinstance(record.get("instruction"), str) or not isinstance(record.get("output"), str):
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("instruction", "output")) or (
+        not isinstance(record.get("input") or "", str)
+    ):
+        if isinstance(record, dict):
+            wrong = [f"{k!r} is a JSON {type(record[k]).__name__}" for k in ("instruction", "input", "output")
+                     if record.get(k) is not None and not isinstance(record[k], str)]
+            found = f"keys {sorted(record)}" + (f" ({', '.join(wrong)})" if wrong else "")
+        else:
+            found = f"a JSON {type(record).__name__}, not an object"
         raise UserError(
-            f"{where} has keys {keys}, but a record needs string fields 'instruction' and 'output' (optionally "
+            f"{where} has {found}, but a record needs string fields 'instruction' and 'output' (optionally "
             "'input'), or a 'messages' list of {role, content}. Rename the fields or fix the record."
         )
     extra = record.get("input") or ""
@@ -95,6 +84,9 @@ def _chat_segments(messages: Any, where: str, style: PromptStyle) -> list[tuple[
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
         raise UserError(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} objects with string values.")
+    if unknown := sorted({m["role"] for m in messages} - {"system", "user", "assistant"}):
+        raise UserError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))} in 'messages'; a role is 'system', "
+                        "'user' or 'assistant'. Rename them or drop the record.")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no 'assistant' message to learn from. Add one or drop the record.")
     pieces, done = [], ""
@@ -248,11 +240,9 @@ def stdlib_instructions(val_fraction: float = 0.05) -> tuple[list[tuple[str, dic
     files = [p for p in stdlib_sources() if not {"test", "tests", "idle_test"} & set(p.relative_to(root).parts)]
     key = hashlib.sha256("v1|".join(f"{p}|{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     path = cache_root() / "instruct" / f"stdlib-py{version}-functions-{key}.jsonl"
-    if not path.is_file():
-        with _file_lock(path.with_suffix(".lock")):
-            if not path.is_file():  # another rank may have written it while we waited
-                _write_jsonl(path, list(_function_records(files, root)))
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    cached(path, lambda write: _write_jsonl(write, _function_records(files, root)),
+           valid=lambda record: isinstance(record.get("records"), int))
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]  # checked by cached
     _, val_files = split_by_file(files, val_fraction, root=root)
     val_names = {p.relative_to(root).as_posix() for p in val_files}
     train = [(f"{r['file']} ({r['name']})", r) for r in records if r["file"] not in val_names]
@@ -295,10 +285,9 @@ def _documented_functions(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
                     yield sub, node.name
 
 
-def _write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(r) + "\n" for r in records)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)  # readers see all records or none
+def _write_jsonl(write: Callable[[bytes], object], records: Iterable[dict[str, str]]) -> dict[str, int]:
+    count = 0
+    for record in records:
+        write((json.dumps(record) + "\n").encode("utf-8"))
+        count += 1
+    return {"records": count}

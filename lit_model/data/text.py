@@ -3,12 +3,12 @@ gives every optimizer step the same global batch whatever the number of processe
 
 With no data of its own, pretraining uses the running Python's standard library (~30 MB of real code)
 and a byte-level BPE tokenizer trained on it, so a run works offline. Everything expensive is cached
-under ``cache_root()`` and built by one process at a time (a file lock), so DDP ranks build it once.
+under ``cache_root()``, built by one process at a time and checked on every load (lit_model/data/cache.py).
+User data must be UTF-8 text: a file that is not gets a message naming it, never U+FFFD or a traceback.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -16,9 +16,7 @@ import os
 import re
 import sys
 import sysconfig
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +24,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lit_model.data.cache import (
+    cache_root, cached, checked_directory, file_lock, warn_rebuild, write_directory_record,
+)
 from lit_model.errors import UsageError, UserError
 from lit_model.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 JSON_SUFFIXES = (".json", ".jsonl")
 _CHUNK_CHARS = 1 << 22  # big files are encoded in ~4 MB pieces (cut at line ends) to bound memory
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LIT_MODEL_CACHE") or Path.home() / ".cache" / "lit-model")
 
 
 def stdlib_sources() -> list[Path]:
@@ -69,28 +66,20 @@ def split_by_file(
     return [p for p in paths if p not in held_out], val
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock across processes; the lock file stays (removing it would race with waiters)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def default_tokenizer(vocab_size: int = 8192) -> Tokenizer:
     """A byte-level BPE trained once on the stdlib train files, then loaded from the cache."""
     version = f"{sys.version_info.major}{sys.version_info.minor}"
     out_dir = cache_root() / "tokenizers" / f"stdlib-py{version}-bpe{vocab_size}"
-    if not (out_dir / "tokenizer.json").is_file():
-        with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
-            if not (out_dir / "tokenizer.json").is_file():  # another rank may have trained it while we waited
+    if not checked_directory(out_dir)[0]:
+        with file_lock(out_dir.with_name(out_dir.name + ".lock")):
+            complete, problem = checked_directory(out_dir)  # another rank may have trained it while we waited
+            if not complete:
+                if problem is not None:
+                    warn_rebuild(out_dir, problem)
                 train, _ = split_by_file(stdlib_sources())
                 # `tokenizers` trains on UTF-8 only; a few stdlib test files are latin-1/koi8-r on purpose
                 train_bpe([f for f in train if _is_utf8(f)], vocab_size, out_dir)
+                write_directory_record(out_dir)
     return Tokenizer(out_dir)
 
 
@@ -102,39 +91,90 @@ def _is_utf8(path: Path) -> bool:
         return False
 
 
-def _documents(path: Path) -> Iterator[Iterator[str]]:
+def _documents(path: Path, errors: str) -> Iterator[Iterator[str]]:
     """Each document of a file as an iterator of text pieces (a JSON record, or a whole text file)."""
     if path.suffix in JSON_SUFFIXES:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            data = json.loads(text)
-            records: Iterable[tuple[str, Any]] = ((f"a record of {path}", r) for r in
-                                                  (data if isinstance(data, list) else [data]))
-        except ValueError:  # JSON lines: one record per line
-            records = ((f"line {n} of {path}", _json_line(line, n, path))
-                       for n, line in enumerate(text.splitlines(), 1) if line.strip())
-        for where, record in records:
+        for where, record in json_records(path, '{"text": "..."}', errors):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise UserError(f'{where} has no "text" string field. Each JSON record must look like '
                                 '{"text": "..."}; rename the field or convert the file to plain text.')
             yield iter([record["text"]])
         return
-    with open(path, encoding="utf-8", errors="replace") as handle:  # odd encodings become U+FFFD, not a crash
+    try:
+        handle = open(path, encoding="utf-8", errors=errors)
+    except OSError as error:
+        raise _unreadable(path, error) from None
+    with handle:
 
         def pieces() -> Iterator[str]:
-            while chunk := handle.read(_CHUNK_CHARS):
+            while chunk := _read(path, handle, _CHUNK_CHARS):
                 # end pieces at a line end: a cut changes at most the one whitespace token around it
-                yield chunk + handle.readline()
+                yield chunk + _read(path, handle, -1, line=True)
 
         yield pieces()
 
 
-def _json_line(line: str, n: int, path: Path) -> Any:
+def read_text(path: Path, errors: str = "strict") -> str:
+    """The whole of a UTF-8 file (``errors="replace"``: other bytes become U+FFFD); a message if it is not text."""
     try:
-        return json.loads(line)
+        with open(path, encoding="utf-8", errors=errors) as handle:
+            return _read(path, handle, -1)
+    except OSError as error:
+        raise _unreadable(path, error) from None
+
+
+def _read(path: Path, handle: Any, size: int, line: bool = False) -> str:
+    try:
+        text = handle.readline() if line else handle.read(size)
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"{path} is not UTF-8 text (byte 0x{error.object[error.start]:02x}: {error.reason}). lit-model reads "
+            "UTF-8 text: convert a file in another encoding (e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8`), "
+            "or remove the file if it is not text."
+        ) from None
+    except OSError as error:
+        raise _unreadable(path, error) from None
+    if "\x00" in text and handle.errors == "strict":
+        raise UserError(f"{path} holds NUL bytes, so it is a binary file, not text. Remove it from the data, or "
+                        "convert it to UTF-8 text (a UTF-16 file: `iconv -f utf-16 -t utf-8 FILE > FILE.utf8`).")
+    return text
+
+
+def _unreadable(path: Path, error: OSError) -> UserError:
+    return UserError(f"Cannot read {path}: {error.strerror or error}. Make it a readable file (e.g. `chmod u+r`), "
+                     "or leave it out of the data.")
+
+
+def json_records(path: Path, example: str, errors: str = "strict") -> list[tuple[str, Any]]:
+    """``(where, record)`` pairs of a JSON file (a record or a list of them) or a JSON-lines file (one per
+    line); ``example`` shows a record in the messages."""
+    text = read_text(path, errors)
+    try:
+        data = json.loads(text)
+        return [(f"record {i} of {path}", r) for i, r in enumerate(data if isinstance(data, list) else [data])]
+    except RecursionError:
+        raise _too_deep(str(path), example) from None
     except ValueError as error:
-        raise UserError(f"Line {n} of {path} is not valid JSON ({error}). A .json/.jsonl file must hold JSON "
-                        'records like {"text": "..."}, one per line or as a list; fix the line.') from error
+        if path.suffix != ".jsonl" and text.lstrip().startswith("["):  # a broken list: its error, not line 1's
+            raise UserError(f"{path} is not valid JSON ({error}). Fix the file: a .json file holds a record like "
+                            f"{example} or a list of them.") from None
+    records = []  # JSON lines: one record per line
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((f"line {n} of {path}", json.loads(line)))
+        except RecursionError:
+            raise _too_deep(f"Line {n} of {path}", example) from None
+        except ValueError as error:
+            raise UserError(f"Line {n} of {path} is not valid JSON ({error}). A .json/.jsonl file holds JSON "
+                            f"records like {example}, one per line or as a list; fix or remove that line.") from None
+    return records
+
+
+def _too_deep(where: str, example: str) -> UserError:
+    return UserError(f"{where} nests JSON deeper than Python's parser allows (about {sys.getrecursionlimit()} "
+                     f"levels), so it is not a record like {example}. Fix or replace the file.")
 
 
 def _tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -151,57 +191,54 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
 
 
-def tokenize_files(files: Iterable[str | Path], tokenizer: Tokenizer, cache_dir: str | Path, name: str) -> np.ndarray:
+def tokenize_files(files: Iterable[str | Path], tokenizer: Tokenizer, cache_dir: str | Path, name: str,
+                   errors: str = "strict") -> np.ndarray:
     """Encode the files (sorted; eos, if the tokenizer has one, after each document) into one flat array at
     ``<cache_dir>/<name>-<key>.bin``; the key changes with the files (path, size, mtime) or the tokenizer.
+    The array is checked against its record (token count, size, SHA-256) on every call, and rebuilt if it
+    does not match. Files must be UTF-8 text (``errors="replace"``: other bytes become U+FFFD).
 
     Returns a read-only ``np.memmap`` (an empty array when there are no tokens: empty files can't be mapped).
     """
     paths = sorted({Path(f).resolve() for f in files})
     dtype = token_dtype(tokenizer.vocab_size)
+    # `errors` is left out of the key: a strict build fails or equals the lenient one, and the stdlib's
+    # lenient cache has a name of its own
     key = hashlib.sha256(f"v1|{dtype.str}|{_tokenizer_fingerprint(tokenizer)}".encode())
     for path in paths:
         stat = path.stat()
         key.update(f"|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    cache_dir = Path(cache_dir)
-    out = cache_dir / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{key.hexdigest()[:16]}.bin"
-    if not out.is_file():
-        with _file_lock(out.with_suffix(".lock")):
-            if not out.is_file():  # another rank may have written it while we waited
-                _write_tokens(paths, tokenizer, dtype, out)
-    if out.stat().st_size == 0:
+    out = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{key.hexdigest()[:16]}.bin"
+    record = cached(out, lambda write: _write_tokens(paths, tokenizer, dtype, out.stem, write, errors),
+                    valid=lambda r: isinstance(r.get("tokens"), int) and r["tokens"] * dtype.itemsize == r["size"])
+    count = record["tokens"]
+    if count == 0:
         return np.empty(0, dtype=dtype)
-    return np.memmap(out, dtype=dtype, mode="r")
+    return np.memmap(out, dtype=dtype, mode="r", shape=(count,))  # the length the record vouches for
 
 
-def _write_tokens(paths: list[Path], tokenizer: Tokenizer, dtype: np.dtype, out: Path) -> None:
+def _write_tokens(paths: list[Path], tokenizer: Tokenizer, dtype: np.dtype, what: str,
+                  write: Callable[[bytes], object], errors: str) -> dict[str, int]:
     from tqdm import tqdm
 
-    limit, eos = np.iinfo(dtype).max, tokenizer.eos_id is not None
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle, tqdm(
-            total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, file=sys.stderr,
-            desc=f"Tokenizing {out.stem}", dynamic_ncols=True,
-        ) as bar:
-            for n, path in enumerate(paths, 1):
-                for document in _documents(path):
-                    piece, first = next(document, ""), True
-                    while piece:  # look one piece ahead: only the document's last piece gets eos
-                        following = next(document, "")
-                        ids = tokenizer.encode(piece, bos=None if first else False, eos=eos and not following)
-                        if len(ids) and int(ids.max()) > limit:
-                            raise UserError(f"Token id {int(ids.max())} does not fit {dtype}; the tokenizer's "
-                                            f"vocab_size={tokenizer.vocab_size} is wrong. Fix its tokenizer.json.")
-                        handle.write(ids.numpy().astype(dtype).tobytes())
-                        piece, first = following, False
-                bar.update(path.stat().st_size)
-                bar.set_postfix_str(f"{n}/{len(paths)} files", refresh=False)
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
-        os.replace(tmp, out)  # atomic: readers see the whole array or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    limit, eos, count = np.iinfo(dtype).max, tokenizer.eos_id is not None, 0
+    with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, file=sys.stderr,
+              desc=f"Tokenizing {what}", dynamic_ncols=True) as bar:
+        for n, path in enumerate(paths, 1):
+            for document in _documents(path, errors):
+                piece, first = next(document, ""), True
+                while piece:  # look one piece ahead: only the document's last piece gets eos
+                    following = next(document, "")
+                    ids = tokenizer.encode(piece, bos=None if first else False, eos=eos and not following)
+                    if len(ids) and int(ids.max()) > limit:
+                        raise UserError(f"Token id {int(ids.max())} does not fit {dtype}; the tokenizer's "
+                                        f"vocab_size={tokenizer.vocab_size} is wrong. Fix its tokenizer.json.")
+                    write(ids.numpy().astype(dtype).tobytes())
+                    count += len(ids)
+                    piece, first = following, False
+            bar.update(path.stat().st_size)
+            bar.set_postfix_str(f"{n}/{len(paths)} files", refresh=False)
+    return {"tokens": count}
 
 
 class PackedDataset(Dataset):
@@ -309,12 +346,13 @@ def load_pretrain_data(data_path: Path | None, tokenizer: Tokenizer, seq_length:
         train_files, val_files = split_by_file(stdlib_sources(), val_fraction, root=root)
         what = f"the Python {sys.version_info.major}.{sys.version_info.minor} standard library ({root})"
         name = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+        errors = "replace"  # a few stdlib test files are latin-1/koi8-r on purpose
     else:
         data_path = Path(data_path).expanduser()
         if not data_path.exists():
             raise UserError(f"The data path {data_path} does not exist. Pass an existing text file or directory "
                             "with --data_path, or leave it out to pretrain on the Python standard library.")
-        name, what = data_path.stem or "data", str(data_path)
+        name, what, errors = data_path.stem or "data", str(data_path), "strict"
         if data_path.is_dir():
             files = _data_files(data_path)
             if not files:
@@ -325,9 +363,9 @@ def load_pretrain_data(data_path: Path | None, tokenizer: Tokenizer, seq_length:
             train_files, val_files = split_by_file(files, val_fraction, root=data_path)
         else:
             train_files, val_files = [data_path], []
-    train = tokenize_files(train_files, tokenizer, cache_dir, f"{name}-train")
+    train = tokenize_files(train_files, tokenizer, cache_dir, f"{name}-train", errors)
     if val_files:
-        val = tokenize_files(val_files, tokenizer, cache_dir, f"{name}-val")
+        val = tokenize_files(val_files, tokenizer, cache_dir, f"{name}-val", errors)
     else:  # a single file: hold out the tail of its token stream
         cut = len(train) - int(len(train) * val_fraction)
         train, val = train[:cut], train[cut:]
