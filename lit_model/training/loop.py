@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -224,6 +225,8 @@ def save_resumable(fabric: Fabric, args: TrainArgs, state: dict[str, Any], confi
 def check_resumable_state(path: Path) -> None:
     """A resumable checkpoint is there and matches its manifest. A sharded (FSDP) state's DCP metadata is a
     pickle: without a manifest to prove it is the one written with it, it is not loaded."""
+    if not path.is_dir():
+        raise UserError(f"{path} is missing.")
     if not (path / STATE_NAME).exists():
         raise UserError(f"{path} holds no {STATE_NAME}: it is not a resumable checkpoint (final/ is not; "
                         f"resume from {path.parent / CHECKPOINTS} or with --resume auto).")
@@ -250,7 +253,7 @@ def choose_resume(out_dir: Path, resume: Optional[Union[str, Path]]) -> Optional
             check_resumable_state(path)
             return path
         except UserError as error:
-            print(f"Warning: skipping checkpoint {path}, the newest of this run not yet tried: {error}", file=sys.stderr, flush=True)
+            print(f"Warning: --resume auto skips {path.name}: {error}", file=sys.stderr, flush=True)
     if candidates:
         raise UserError(f"--resume auto: none of the checkpoints in {out_dir / CHECKPOINTS} is usable (see the warnings "
                         "above). Start over with --overwrite, or resume a copy you trust with --resume PATH.")
@@ -312,8 +315,7 @@ def start_lineage(args: TrainArgs, config: Config, check: Optional[Callable[[Pat
     kept = [p for p in kept if p.is_dir()]
     aside = [p for p in checkpoint_dirs(out_dir) if p not in kept]
     if aside:
-        target = directory / time.strftime("abandoned-%Y%m%d-%H%M%S")
-        target.mkdir()
+        target = Path(tempfile.mkdtemp(prefix=time.strftime("abandoned-%Y%m%d-%H%M%S-"), dir=directory))
         for old in aside:
             os.replace(old, target / old.name)
         print(f"Resuming {path}: moved the checkpoints that do not lead to it ({', '.join(p.name for p in aside)}) to {target}.",
