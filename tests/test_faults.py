@@ -245,16 +245,17 @@ def test_a_planted_pickle_in_a_sharded_checkpoint_never_runs(tiny_setup, tmp_pat
     cache = tiny_setup["root"] / "cache"
     first = run_script("pretrain/main.py", *args, "--max_steps", "2", cache=cache)
     assert first.returncode == 0, first.stderr
-    state = out / CHECKPOINTS / step(2) / STATE_NAME
-    assert state.is_dir() and (state / ".metadata").is_file()
-    assert MANIFEST_NAME in json.dumps(sorted(p.name for p in state.parent.iterdir()))
-    (state / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
-    proc = run_script("pretrain/main.py", *args, "--max_steps", "4", "--resume", "auto", cache=cache)
-    message = " ".join(proc.stderr.split())
+    resumed = run_script("pretrain/main.py", *args, "--max_steps", "4", "--resume", "auto", cache=cache)
+    assert resumed.returncode == 0 and f"Resumed from {out / CHECKPOINTS / step(2)} at step 2" in resumed.stdout, resumed.stderr
+    state = out / CHECKPOINTS / step(4) / STATE_NAME
+    assert state.is_dir() and (state / ".metadata").is_file() and (state.parent / MANIFEST_NAME).is_file()
+    planted = pickle.dumps(Planted(marker))  # padded to the original size: only the hash can tell
+    (state / ".metadata").write_bytes(planted + b"\0" * ((state / ".metadata").stat().st_size - len(planted)))
+    proc = run_script("pretrain/main.py", *args, "--max_steps", "6", "--resume", state.parent, cache=cache)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"{state / '.metadata'} is damaged: its SHA-256 differs" in message
+    assert f"{state / '.metadata'} is damaged: its SHA-256 differs" in " ".join(proc.stderr.split())
     (state.parent / MANIFEST_NAME).unlink()  # no manifest: a sharded state is refused rather than unpickled
-    proc = run_script("pretrain/main.py", *args, "--max_steps", "4", "--resume", state.parent, cache=cache)
+    proc = run_script("pretrain/main.py", *args, "--max_steps", "6", "--resume", state.parent, cache=cache)
     assert proc.returncode == 1 and "sharded checkpoint without manifest.json" in " ".join(proc.stderr.split()), proc.stderr
     assert not marker.exists()
 

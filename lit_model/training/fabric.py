@@ -116,7 +116,7 @@ def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fab
         num_nodes=settings.num_nodes,
         strategy=fabric_strategy,
         precision=precision,
-        plugins=[StateIO()],
+        plugins=[] if strategy == "fsdp" else [StateIO()],  # FSDP writes and reads its shards with DCP
     )
     fabric.precision_name = precision
     fabric.strategy_name = strategy
