@@ -292,8 +292,8 @@ def start_lineage(args: TrainArgs, config: Config, check: Optional[Callable[[Pat
     not lead to the one it resumes (a branch abandoned by an explicit --resume, damaged ones) into
     checkpoints/abandoned-<time>/. Each says which."""
     out_dir, directory = args.out_dir, args.out_dir / CHECKPOINTS
-    for stale in directory.glob(".*.tmp"):  # a save killed midway; never a checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in directory.glob(".*.tmp"):  # what a save killed midway left; never a checkpoint
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     path = choose_resume(out_dir, args.resume)
     if path is None:
         if args.resume is not None:
@@ -304,6 +304,7 @@ def start_lineage(args: TrainArgs, config: Config, check: Optional[Callable[[Pat
             if old:
                 print(f"--overwrite: removed the previous run's checkpoints in {directory} ({', '.join(p.name for p in old)}).",
                       flush=True)
+        (directory / LINEAGE_NAME).unlink(missing_ok=True)  # a previous run's, whose checkpoints are gone
         return None
     check_resume_matches(path, config, args)
     if check is not None:
