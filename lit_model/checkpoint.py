@@ -121,7 +121,7 @@ def verify_checkpoint_dir(directory: str | Path) -> bool:
     stats = []
     for name, size, _ in entries:
         path = directory / name
-        if ".." in Path(name).parts or not path.is_file():
+        if Path(name).is_absolute() or ".." in Path(name).parts or not path.is_file():
             raise UserError(f"{path} is missing (listed in {manifest_path}): the checkpoint {directory} is "
                             "incomplete. Use another checkpoint or re-create this one.")
         stat = path.stat()

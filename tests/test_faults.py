@@ -164,6 +164,18 @@ def test_resume_loads_with_weights_only_and_refuses_another_data_order(run, tmp_
     torch.testing.assert_close(optimizer.state_dict()["state"][0]["exp_avg"], run["optimizer"].state_dict()["state"][0]["exp_avg"])
 
 
+def test_a_damaged_checkpoint_without_manifest_is_a_message_not_a_traceback(run, capsys):
+    out, args = run["args"].out_dir, run["args"]
+    path = run["save"](2)
+    (path / MANIFEST_NAME).unlink()  # as an older version wrote it
+    (path / STATE_NAME).write_bytes((path / STATE_NAME).read_bytes()[:1000])
+    model = GPT(CONFIG)
+    with pytest.raises(UserError, match=rf"{path / STATE_NAME} could not be loaded \(.+\): it is damaged"):
+        session.resume_if_asked(run["fabric"], with_args(args, resume="auto"), model, torch.optim.AdamW(model.parameters()),
+                                RunState(), CONFIG)
+    assert f"Note: {path} has no {MANIFEST_NAME}" in capsys.readouterr().err
+
+
 KILL_IN_METRICS_REWRITE = """
 import csv, os, signal, sys
 from pathlib import Path

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -131,7 +132,15 @@ def resume_if_asked(
     state = {"model": model, "optimizer": optimizer, "run": run}
     # Every file was verified against its manifest, the sharded state's DCP metadata included, so nothing read here
     # is a pickle someone planted; the rest loads with weights_only=True
-    fabric.load(path / STATE_NAME, state, strict=strict, weights_only=True)
+    try:
+        fabric.load(path / STATE_NAME, state, strict=strict, weights_only=True)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, KeyError, EOFError, OSError, pickle.UnpicklingError) as error:
+        # A checkpoint without a manifest (an older version's) can be damaged too: a message, not a traceback
+        raise UserError(f"{path / STATE_NAME} could not be loaded ({str(error).splitlines()[0] if str(error) else repr(error)}): "
+                        "it is damaged, or its run differs from this one. Resume another checkpoint with --resume PATH, "
+                        "or start over with --overwrite or another --out_dir.") from None
     if state["run"] is not run:  # a sharded (FSDP) checkpoint hands the progress back instead of restoring it
         run.load_state_dict(state["run"])
     fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
