@@ -69,7 +69,8 @@ class StateIO(TorchCheckpointIO):
             file.flush()
             os.fsync(file.fileno())
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # on the CPU first, as Lightning's default does: every DDP rank would otherwise load onto the saving GPU
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
