@@ -5,8 +5,6 @@ replaced without --overwrite."""
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import pickle
 import signal
@@ -189,6 +187,7 @@ MetricsWriter(Path(sys.argv[1]), True, resume_step=2)
 """
 
 
+@pytest.mark.slow
 def test_a_metrics_rewrite_killed_midway_keeps_the_history(tmp_path):
     path = tmp_path / "metrics.csv"
     writer = MetricsWriter(path, True, resume_step=0)
@@ -282,10 +281,12 @@ def test_generate_refuses_a_damaged_final_checkpoint(tiny_setup, tmp_path, monke
     assert f"{final / WEIGHTS_NAME} is damaged: its SHA-256 differs" in " ".join(proc.stderr.split())
 
 
-def test_lora_merge_replaces_a_non_empty_out_dir_only_with_overwrite(tmp_path):
+def test_lora_merge_replaces_a_non_empty_out_dir_only_with_overwrite(tmp_path, capsys):
     from safetensors.torch import save_file
 
+    from lit_model.errors import run_cli
     from lit_model.lora import LORA_WEIGHTS, LoRAConfig, apply_lora
+    from lit_model.lora import _cli as lora_cli
     from lit_model.training.finetune import gather_trainable
 
     model = GPT(CONFIG)
@@ -298,12 +299,12 @@ def test_lora_merge_replaces_a_non_empty_out_dir_only_with_overwrite(tmp_path):
     users = tmp_path / "users"
     users.mkdir()
     (users / "thesis.tex").write_text("years of work")
-    command = [sys.executable, "-m", "lit_model.lora", "merge", "--checkpoint_dir", str(tmp_path / "ckpt"), "--out_dir", str(users)]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 1 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    command = ["merge", "--checkpoint_dir", str(tmp_path / "ckpt"), "--out_dir", str(users)]
+    with pytest.raises(SystemExit) as exit:
+        run_cli(lora_cli, command)
+    assert exit.value.code == 1 and "--overwrite" in capsys.readouterr().err
     assert [p.name for p in users.iterdir()] == ["thesis.tex"] and (users / "thesis.tex").read_text() == "years of work"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "users"]
-    proc = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    run_cli(lora_cli, [*command, "--overwrite"])
     assert not (users / "thesis.tex").exists() and LoRAConfig.from_dir(users).merged
     GPT.from_checkpoint(users)
