@@ -74,7 +74,8 @@ def train(fabric: Fabric, args: AdapterArgs) -> None:
         setup.style.save(directory)
 
     if fabric.global_rank == 0:  # the untouched base weights, copied, with the adapter beside them
-        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES)
+        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES,
+                              overwrite=True)  # this run's own final/ (check_out_dir)
     fabric.barrier()
     finetune.finish(fabric, args, setup, run, final_dir, "adapter")
 

@@ -50,9 +50,7 @@ def train(fabric: Fabric, args: FullArgs) -> None:
     run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=False)
 
     final_dir = args.out_dir / "final"
-    save_final(fabric, model, setup.config, final_dir, setup.checkpoint_dir)
-    if fabric.global_rank == 0:
-        setup.style.save(final_dir)
+    save_final(fabric, model, setup.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
     finetune.finish(fabric, args, setup, run, final_dir, "full")
 
 

@@ -71,7 +71,8 @@ def train(fabric: Fabric, args: LoRAArgs, lora: LoRAConfig) -> None:
     final_dir = args.out_dir / "final"
     adapter_weights = finetune.gather_trainable(model)
     if fabric.global_rank == 0:  # merged from the full-precision base weights, never from a quantized copy
-        save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, finetune.DERIVED_FILES)
+        save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, finetune.DERIVED_FILES,
+                               overwrite=True)  # this run's own final/ (check_out_dir)
     fabric.barrier()
     finetune.finish(fabric, args, setup, run, final_dir, "lora" if args.quantize is None else f"qlora ({args.quantize})")
 

@@ -1,16 +1,20 @@
-"""Checkpoint directories: ``model.safetensors`` + ``model_config.yaml`` + tokenizer files.
+"""Checkpoint directories: ``model.safetensors`` + ``model_config.yaml`` + tokenizer files + ``manifest.json``.
 
 Everything is written into a temporary sibling directory and renamed into place, so an interrupted save
-never leaves a half-written checkpoint where a good one (or nothing) was.
+never leaves a half-written checkpoint where a good one (or nothing) was. The manifest (every file's size and
+SHA-256, written last) is verified before a checkpoint is used, so flipped bytes, a truncated file or a
+planted one stop with a message naming the file instead of training on garbage or running a pickle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -20,34 +24,122 @@ from safetensors.torch import save_file
 
 from lit_model.config import Config
 from lit_model.errors import UserError
+from lit_model.files import atomic_write, fsync_directory
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.yaml"
+MANIFEST_NAME = "manifest.json"
+
+
+def refuse_to_replace(final_dir: Path) -> None:
+    """Nothing replaces a user's directory (or file) unless they passed --overwrite; an empty one holds nothing."""
+    if final_dir.exists() and (not final_dir.is_dir() or any(final_dir.iterdir())):
+        raise UserError(f"{final_dir} already exists and is not empty; nothing was written. Pass --overwrite to "
+                        "replace it, or choose another output directory.")
 
 
 @contextlib.contextmanager
-def atomic_directory(final_dir: str | Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``final_dir`` only once the block finished."""
+def atomic_directory(final_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``final_dir`` once the block finished, with its manifest
+    written last. A non-empty ``final_dir`` is refused (before anything is written) unless ``overwrite``:
+    pass the user's --overwrite, or True only for a directory of a run the user already allowed."""
     final_dir = Path(final_dir)
+    if not overwrite:
+        refuse_to_replace(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = final_dir.with_name(f".{final_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir()
     try:
         yield tmp_dir
+        write_manifest(tmp_dir)
+        if not overwrite:  # it may have appeared meanwhile
+            refuse_to_replace(final_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     if final_dir.exists():
-        if not overwrite:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise UserError(f"{final_dir} already exists. Pass --overwrite to replace it.")
         old_dir = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
         os.replace(final_dir, old_dir)
         os.replace(tmp_dir, final_dir)
         shutil.rmtree(old_dir, ignore_errors=True)
     else:
         os.replace(tmp_dir, final_dir)
+    fsync_directory(final_dir.parent)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):  # small reads: hashing adds nothing to a load's peak memory
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+
+
+def write_manifest(directory: str | Path) -> Path:
+    """``directory/manifest.json``: the size and SHA-256 of every file below ``directory`` (subdirectories too:
+    a sharded state), each file fsynced first so the manifest never describes data still in the page cache."""
+    directory = Path(directory)
+    files = {}
+    for path in _files(directory):
+        with open(path, "rb") as file:
+            os.fsync(file.fileno())
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    for sub in {p.parent for p in _files(directory)} | {directory}:
+        fsync_directory(sub)
+    return atomic_write(directory / MANIFEST_NAME, json.dumps({"format": 1, "files": files}, indent=1) + "\n")
+
+
+# Directories verified by this process, with the file stats they had then (None: no manifest, noted), so the
+# several steps of one load (config, tokenizer, weights) hash the files once
+_verified: dict[Path, Optional[tuple]] = {}
+
+
+def verify_checkpoint_dir(directory: str | Path) -> bool:
+    """Check every file the manifest lists against its size and SHA-256; raise a UserError naming the first bad
+    one. Returns False for a directory without a manifest (an older version's, or one made by hand): it is used
+    as it is, with a one-line note. Files added beside the listed ones (e.g. lora.safetensors) are allowed."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.is_file():
+        if _verified.get(directory.resolve(), ()) is None:  # noted once
+            return False
+        _verified[directory.resolve()] = None
+        print(f"Note: {directory} has no {MANIFEST_NAME} (written by an older version or by hand); "
+              "its files are used unverified.", file=sys.stderr)
+        return False
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        entries = [(name, int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UserError(f"{manifest_path} is damaged ({error!r}), so {directory} cannot be verified. Use another "
+                        "checkpoint, or delete the manifest if you trust the files.") from None
+    stats = []
+    for name, size, _ in entries:
+        path = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not path.is_file():
+            raise UserError(f"{path} is missing (listed in {manifest_path}): the checkpoint {directory} is "
+                            "incomplete. Use another checkpoint or re-create this one.")
+        stat = path.stat()
+        stats.append((name, stat.st_size, stat.st_mtime_ns))
+    key = tuple(stats)
+    if _verified.get(directory.resolve()) == key:
+        return True
+    for name, size, sha256 in entries:
+        path = directory / name
+        actual = path.stat().st_size
+        if actual != size:
+            raise UserError(f"{path} is damaged: {actual} bytes where {size} were written (truncated or overwritten). "
+                            f"The checkpoint {directory} cannot be used; use another one or re-create it.")
+        if _sha256(path) != sha256:
+            raise UserError(f"{path} is damaged: its SHA-256 differs from the one written with it (flipped bytes, or a "
+                            f"replaced file). The checkpoint {directory} cannot be used; use another one or re-create it.")
+    _verified[directory.resolve()] = key
+    return True
 
 
 def lit_state_dict(model: nn.Module, config: Config) -> dict[str, torch.Tensor]:
@@ -67,20 +159,25 @@ def save_checkpoint_dir(
     config: Config,
     out_dir: str | Path,
     tokenizer_dir: Optional[str | Path] = None,
+    overwrite: bool = False,
+    write_extra: Optional[Callable[[Path], None]] = None,
 ) -> Path:
-    """Write weights, config and the tokenizer files atomically to ``out_dir``."""
+    """Write weights, config, the tokenizer files and what ``write_extra(tmp_dir)`` adds atomically to ``out_dir``
+    (``overwrite``: see ``atomic_directory``)."""
     from lit_model.tokenizer import TOKENIZER_FILES
 
     out_dir = Path(out_dir)
     if config.tie_embeddings:
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-    with atomic_directory(out_dir) as tmp_dir:
+    with atomic_directory(out_dir, overwrite) as tmp_dir:
         save_weights(state_dict, tmp_dir)
         config.save(tmp_dir)
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, tmp_dir / name)
+        if write_extra is not None:
+            write_extra(tmp_dir)
     return out_dir
 
 
@@ -90,15 +187,17 @@ def derive_checkpoint_dir(
     state_dict: Optional[dict[str, torch.Tensor]] = None,
     write_extra: Optional[Callable[[Path], None]] = None,
     skip: tuple[str, ...] = (),
+    overwrite: bool = False,
 ) -> Path:
     """Write ``out_dir`` atomically from checkpoint ``base_dir``: its files (config, tokenizer, ...) except those
     named in ``skip``, ``state_dict`` as the weights (default: a copy of the base weights), then what
-    ``write_extra(tmp_dir)`` adds. ``out_dir`` may be ``base_dir`` itself."""
+    ``write_extra(tmp_dir)`` adds. ``out_dir`` may be ``base_dir`` itself (with ``overwrite``, see
+    ``atomic_directory``)."""
     base_dir = check_checkpoint_dir(base_dir)
-    with atomic_directory(out_dir) as tmp_dir:
+    with atomic_directory(out_dir, overwrite) as tmp_dir:
         for path in sorted(base_dir.iterdir()):
             replaced = state_dict is not None and path.name == WEIGHTS_NAME
-            if path.is_file() and path.name not in skip and not replaced:
+            if path.is_file() and path.name not in (*skip, MANIFEST_NAME) and not replaced:
                 shutil.copy2(path, tmp_dir / path.name)
         if state_dict is not None:
             save_weights(state_dict, tmp_dir)
@@ -108,6 +207,7 @@ def derive_checkpoint_dir(
 
 
 def check_checkpoint_dir(checkpoint_dir: str | Path, need_tokenizer: bool = False) -> Path:
+    """The gate every load of a checkpoint directory passes: its files are there and match its manifest."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise UserError(
@@ -129,6 +229,7 @@ def check_checkpoint_dir(checkpoint_dir: str | Path, need_tokenizer: bool = Fals
             f"{checkpoint_dir} is not a complete lit-model checkpoint: missing {', '.join(missing)} "
             f"(found: {', '.join(present) or 'nothing'}).{hint}"
         )
+    verify_checkpoint_dir(checkpoint_dir)
     return checkpoint_dir
 
 

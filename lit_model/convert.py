@@ -729,7 +729,7 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
             f"{', '.join(hf_missing[:3])}. Download all weight files of the model."
         )
     check_state_dict(model, state_dict, source=str(hf_dir))
-    save_checkpoint_dir(state_dict, config, out_dir, tokenizer_dir=hf_dir)
+    save_checkpoint_dir(state_dict, config, out_dir, tokenizer_dir=hf_dir, overwrite=overwrite)
     print(f"Saved a lit-model checkpoint of {hf_dir} ({config.hf_type}) to {out_dir}")
     return out_dir
 
@@ -779,7 +779,7 @@ def lit_to_hf(
     check_state_dict(model, shapes, source=str(weights_path))
     order = [n for n in model.state_dict() if n in shapes]
     weight_map = WeightMap(config)
-    with handle as f, atomic_directory(out_dir) as tmp_dir:
+    with handle as f, atomic_directory(out_dir, overwrite) as tmp_dir:
         shards = _write_shards(weight_map.to_hf(order, f.get_tensor), tmp_dir, limit)
         hf_config["dtype"] = _hf_dtype(dtypes)
         (tmp_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -176,10 +176,11 @@ def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor
 
 def save_merged_checkpoint(
     base_dir: Path, lora: dict[str, torch.Tensor], config: LoRAConfig, out_dir: Path,
-    write_extra: Optional[Callable[[Path], None]] = None, skip: tuple[str, ...] = (),
+    write_extra: Optional[Callable[[Path], None]] = None, skip: tuple[str, ...] = (), overwrite: bool = False,
 ) -> Path:
     """Write ``out_dir`` (atomically): ``base_dir``'s files with its weights merged with ``lora`` in full
-    precision, and the adapter weights + hyperparameters (``merged: true``) beside them."""
+    precision, and the adapter weights + hyperparameters (``merged: true``) beside them. A non-empty ``out_dir``
+    is replaced only with ``overwrite``."""
     from safetensors.torch import save_file
 
     from lit_model.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
@@ -193,11 +194,13 @@ def save_merged_checkpoint(
         if write_extra is not None:
             write_extra(directory)
 
-    return derive_checkpoint_dir(base_dir, out_dir, merged, write_adapter, skip=(LORA_WEIGHTS, LORA_CONFIG, *skip))
+    return derive_checkpoint_dir(base_dir, out_dir, merged, write_adapter, skip=(LORA_WEIGHTS, LORA_CONFIG, *skip),
+                                 overwrite=overwrite)
 
 
-def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
-    """Merge ``checkpoint_dir/lora.safetensors`` into its base weights, in place or into ``out_dir``."""
+def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> Path:
+    """Merge ``checkpoint_dir/lora.safetensors`` into its base weights, in place (what the command is asked to do
+    with the directory it names) or into ``out_dir``, which must be new or empty unless ``overwrite``."""
     from safetensors.torch import load_file
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -210,7 +213,9 @@ def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
         )
     if not (checkpoint_dir / LORA_WEIGHTS).is_file():
         raise UserError(f"{checkpoint_dir} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
-    return save_merged_checkpoint(checkpoint_dir, load_file(str(checkpoint_dir / LORA_WEIGHTS)), config, out_dir or checkpoint_dir)
+    in_place = out_dir is None or Path(out_dir).resolve() == checkpoint_dir.resolve()
+    return save_merged_checkpoint(checkpoint_dir, load_file(str(checkpoint_dir / LORA_WEIGHTS)), config,
+                                  out_dir or checkpoint_dir, overwrite=overwrite or in_place)
 
 
 def _cli(argv: list[str]) -> None:
@@ -221,8 +226,9 @@ def _cli(argv: list[str]) -> None:
     merge_parser = commands.add_parser("merge", help="merge lora.safetensors into the base weights of a checkpoint dir")
     merge_parser.add_argument("--checkpoint_dir", type=Path, required=True, help="base weights + lora.safetensors + lora.yaml")
     merge_parser.add_argument("--out_dir", type=Path, default=None, help="write the merged checkpoint here (default: in place)")
+    merge_parser.add_argument("--overwrite", action="store_true", help="replace --out_dir if it exists and is not empty")
     args = parser.parse_args(argv)
-    out = merge(args.checkpoint_dir, args.out_dir)
+    out = merge(args.checkpoint_dir, args.out_dir, args.overwrite)
     print(f"Merged the LoRA weights into {out} (generate: python generate/base.py --checkpoint_dir {out})")
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from lit_model import GPT, Config
-from lit_model.checkpoint import atomic_directory, lit_state_dict, save_checkpoint_dir
+from lit_model.checkpoint import (
+    MANIFEST_NAME, WEIGHTS_NAME, atomic_directory, check_checkpoint_dir, lit_state_dict, save_checkpoint_dir,
+)
 from lit_model.errors import UserError
 
 BIG = Config(name="load-test", block_size=256, vocab_size=8192, n_layer=6, n_embd=768, n_head=12, intermediate_size=2048)
@@ -73,6 +75,7 @@ def test_missing_files_and_shape_mismatch_are_clear(tmp_path):
     config.head_size = 16
     config.intermediate_size = 128
     config.save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / MANIFEST_NAME).unlink()  # edited by hand: the manifest no longer describes it
     with pytest.raises(UserError, match=r"has shape \(.*\) but the model config expects"):
         GPT.from_checkpoint(tmp_path / "ckpt")
 
@@ -82,8 +85,64 @@ def test_atomic_directory_keeps_the_old_one_when_writing_fails(tmp_path):
     with atomic_directory(target) as tmp:
         (tmp / "good").write_text("1")
     with pytest.raises(RuntimeError):
-        with atomic_directory(target) as tmp:
+        with atomic_directory(target, overwrite=True) as tmp:
             (tmp / "half").write_text("written")
             raise RuntimeError("crash mid-save")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
-    assert [p.name for p in target.iterdir()] == ["good"]
+    assert sorted(p.name for p in target.iterdir()) == ["good", MANIFEST_NAME]
+
+
+def test_a_non_empty_directory_is_replaced_only_with_overwrite(tmp_path):
+    config = Config(name="a", block_size=32, vocab_size=64, n_layer=1, n_embd=16, n_head=2)
+    state = lit_state_dict(GPT(config), config)
+    (tmp_path / "empty").mkdir()
+    save_checkpoint_dir(state, config, tmp_path / "empty")  # an empty directory holds nothing to lose
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="--overwrite"):
+        save_checkpoint_dir(state, config, users)
+    with pytest.raises(UserError, match="--overwrite"):
+        with atomic_directory(users) as tmp:
+            (tmp / "x").write_text("never")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "users"]  # no temporary directory left
+    assert [p.name for p in users.iterdir()] == ["notes.txt"] and (users / "notes.txt").read_text() == "mine"
+    save_checkpoint_dir(state, config, users, overwrite=True)
+    assert not (users / "notes.txt").exists() and (users / WEIGHTS_NAME).is_file()
+
+
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "empty":
+        data = bytearray()
+    else:  # garble
+        data = bytearray(b"n_layer: [unclosed\n\x00\xff")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name,how", [(WEIGHTS_NAME, "flip"), (WEIGHTS_NAME, "truncate"), (WEIGHTS_NAME, "empty"),
+                                      ("model_config.yaml", "garble"), ("model_config.yaml", "flip")])
+def test_damaged_checkpoints_are_refused_with_the_file_named(tmp_path, name, how):
+    config = Config(name="a", block_size=32, vocab_size=64, n_layer=1, n_embd=16, n_head=2)
+    save_checkpoint_dir(lit_state_dict(GPT(config), config), config, tmp_path / "ckpt")
+    GPT.from_checkpoint(tmp_path / "ckpt")
+    _damage(tmp_path / "ckpt" / name, how)
+    with pytest.raises(UserError, match=rf"{tmp_path / 'ckpt' / name} is damaged"):
+        GPT.from_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_checkpoint_without_manifest_loads_with_a_note(tmp_path, capsys):
+    config = Config(name="a", block_size=32, vocab_size=64, n_layer=1, n_embd=16, n_head=2)
+    model = GPT(config)
+    model.init_weights()
+    save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / MANIFEST_NAME).unlink()  # as an older version or a hand-made conversion leaves it
+    capsys.readouterr()
+    loaded = GPT.from_checkpoint(tmp_path / "ckpt")
+    check_checkpoint_dir(tmp_path / "ckpt")
+    torch.testing.assert_close(loaded.embed.weight, model.embed.weight)
+    assert capsys.readouterr().err.count(f"Note: {tmp_path / 'ckpt'} has no {MANIFEST_NAME}") == 1

@@ -242,6 +242,7 @@ def test_lit_shape_mismatch(tmp_path: Path) -> None:
     weights = load_file(tmp_path / "lit" / "model.safetensors")
     weights["blocks.0.mlp.fc_1.weight"] = torch.zeros(3, 32)
     save_file(weights, tmp_path / "lit" / "model.safetensors")
+    (tmp_path / "lit" / "manifest.json").unlink()  # edited by hand: its manifest would refuse it as damaged
     with pytest.raises(UserError, match=r"blocks\.0\.mlp\.fc_1\.weight.*\(3, 32\).*\(64, 32\)"):
         lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()

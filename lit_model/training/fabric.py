@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lit_model.errors import UsageError
@@ -54,6 +55,23 @@ def resolve_devices(devices: Union[int, str]) -> int:
             "Use --num_nodes to spread over machines, or lower --devices."
         )
     return devices
+
+
+class StateIO(TorchCheckpointIO):
+    """Fabric's writer and reader of the resumable state on one process or DDP (FSDP writes its shards with
+    PyTorch DCP). Lightning's default serializes the whole state into memory and stages it in $TMPDIR; this
+    writes straight into the checkpoint's temporary directory, and loads with weights_only=True, never
+    unpickling code."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        with open(path, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # on the CPU first, as Lightning's default does: every DDP rank would otherwise load onto the saving GPU
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fabric:
@@ -99,6 +117,7 @@ def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fab
         num_nodes=settings.num_nodes,
         strategy=fabric_strategy,
         precision=precision,
+        plugins=[] if strategy == "fsdp" else [StateIO()],  # FSDP writes and reads its shards with DCP
     )
     fabric.precision_name = precision
     fabric.strategy_name = strategy

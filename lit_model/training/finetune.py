@@ -26,7 +26,7 @@ from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
-from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, find_resume_path, fit, unwrap, write_summary
+from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, fit, unwrap, write_summary
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")
 # What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from
@@ -184,12 +184,12 @@ def train(fabric: Fabric, args: FinetuneArgs, setup: Setup, model: nn.Module, op
     parameters and their optimizer state (the frozen base comes from ``--checkpoint_dir``). FSDP saves its
     sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
     data, run = setup.data, RunState()
-    save_filter = None
+    save_filter, check = None, None
     if trainable_only and fabric.strategy_name != "fsdp":
         names = trainable_names(model)
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
-        check_resumable(args, model, names)
-    session.resume_if_asked(fabric, args, model, optimizer, run, setup.config, strict=save_filter is None)
+        check = partial(check_resumable, model=model, names=names)
+    session.resume_if_asked(fabric, args, model, optimizer, run, setup.config, strict=save_filter is None, check=check)
     pad = partial(collate, max_length=setup.seq_length)
     train_batches, sampler = session.train_batches(fabric, data.train, args, run.step, pad, data.train.lengths)
     val_batches = session.val_batches(fabric, data.val, args, pad)
@@ -209,11 +209,8 @@ def train(fabric: Fabric, args: FinetuneArgs, setup: Setup, model: nn.Module, op
                run, setup.config, save_filter=save_filter, rehearsal_batch=rehearsal_batch, trainable=setup.method)
 
 
-def check_resumable(args: FinetuneArgs, model: nn.Module, names: set[str]) -> None:
-    """A trainable-only checkpoint loads non-strictly: check first that it holds exactly these parameters."""
-    path = find_resume_path(args.out_dir, args.resume)
-    if path is None:
-        return
+def check_resumable(path: Path, model: nn.Module, names: set[str]) -> None:
+    """A trainable-only checkpoint (verified) loads non-strictly: check first that it holds exactly these parameters."""
     saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
     shapes = {n: tuple(p.shape) for n, p in unwrap(model).named_parameters() if n in names}
     found = {_strip_wrappers(n): tuple(t.shape) for n, t in saved.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -20,7 +21,7 @@ from lit_model.model import GPT
 from lit_model.precision import param_dtype
 from lit_model.training.args import TrainArgs
 from lit_model.training.fabric import configure_model, setup_fabric
-from lit_model.training.loop import RunState, find_resume_path, freeze_layers, STATE_NAME
+from lit_model.training.loop import RunState, freeze_layers, start_lineage, STATE_NAME
 from lit_model.training.optimizers import build_optimizer
 
 
@@ -110,21 +111,36 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, args: TrainArgs) -> tu
 
 
 def resume_if_asked(
-    fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, run: RunState, config: Config, strict: bool = True
+    fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, run: RunState, config: Config, strict: bool = True,
+    check: Optional[Callable[[Path], None]] = None,
 ) -> None:
-    """``strict=False``: the checkpoint may hold only some of the model's parameters (the trainable ones)."""
-    path = find_resume_path(args.out_dir, args.resume)
-    if path is None:
-        if args.resume is not None:
-            fabric.print(f"--resume {args.resume}: no checkpoint in {args.out_dir} yet, starting fresh.")
+    """Resume the checkpoint ``--resume`` names (verified, and checked against this run's config, data order and
+    ``check``), or start a fresh lineage; rank 0 decides and every rank follows. ``strict=False``: the checkpoint
+    may hold only some of the model's parameters (the trainable ones)."""
+    outcome: Any = None
+    if fabric.global_rank == 0:
+        try:
+            outcome = start_lineage(args, config, check)
+        except UserError as error:
+            outcome = error
+    outcome = fabric.broadcast(outcome)
+    if isinstance(outcome, UserError):
+        raise outcome
+    if outcome is None:
         return
-    if Config.from_checkpoint(path) != config:
-        raise UsageError(
-            f"Checkpoint {path} was written for another model config; resuming it into this one would mix two "
-            "runs. Use the same --model_name/--model_config, or start over with --overwrite or a new --out_dir."
-        )
+    path = Path(outcome)
     state = {"model": model, "optimizer": optimizer, "run": run}
-    fabric.load(path / STATE_NAME, state, strict=strict)
+    # Every file was verified against its manifest, the sharded state's DCP metadata included, so nothing read here
+    # is a pickle someone planted; the rest loads with weights_only=True
+    try:
+        fabric.load(path / STATE_NAME, state, strict=strict, weights_only=True)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, KeyError, EOFError, OSError, pickle.UnpicklingError) as error:
+        # A checkpoint without a manifest (an older version's) can be damaged too: a message, not a traceback
+        raise UserError(f"{path / STATE_NAME} could not be loaded ({str(error).splitlines()[0] if str(error) else repr(error)}): "
+                        "it is damaged, or its run differs from this one. Resume another checkpoint with --resume PATH, "
+                        "or start over with --overwrite or another --out_dir.") from None
     if state["run"] is not run:  # a sharded (FSDP) checkpoint hands the progress back instead of restoring it
         run.load_state_dict(state["run"])
     fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
