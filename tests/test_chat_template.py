@@ -221,7 +221,7 @@ def test_chat_script_renders_with_the_template(tokenizers, tmp_path, monkeypatch
     model = GPT(config)
     checkpoint = save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path / "ckpt", tokenizer_dir=guarded)
     assert (checkpoint / "chat_template.jinja").read_text() == refuse + CHATML  # the checkpoint carries it
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nforbidden\nhi again\n/exit\n"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\nforbidden\nhi again\n/exit\n"), encoding="utf-8"))
     result = run_script_inprocess("generate/chat.py", "--checkpoint_dir", str(checkpoint), "--max_new_tokens", "3",
                                   "--temperature", "0", "--max_seq_length", "64")
     assert result.returncode == 0, result.stderr
