@@ -62,6 +62,15 @@ class Config:
     final_logit_softcapping: Optional[float] = None
     sliding_window_size: Optional[int] = None  # local attention window
     sliding_window_layer_stride: int = 1  # 1: every layer is local; 2: every other layer (Gemma 2)
+    # k > 0: with a window, layers k-1, 2k-1, ... attend globally and the others locally (Gemma 3: 6, i.e. 5:1);
+    # replaces sliding_window_layer_stride
+    full_attention_every: int = 0
+    rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    nope_every: int = 0  # k > 0: layers k-1, 2k-1, ... use no positional encoding at all (SmolLM3: 4)
+    # RMSNorm of queries and keys before RoPE: "head" normalises each head (Qwen3, Gemma 3), "projection" the
+    # whole query/key projection (OLMo 2)
+    qk_norm: Optional[Literal["head", "projection"]] = None
+    pre_norm: bool = True  # norms before attention and MLP; False: only the post norms (OLMo 2)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific HF fields kept for export
 
     def __post_init__(self) -> None:
@@ -86,7 +95,14 @@ class Config:
         return f"{self.hf_org}/{self.name}" if self.hf_org else self.name
 
     def layer_uses_sliding_window(self, layer_idx: int) -> bool:
-        return self.sliding_window_size is not None and layer_idx % self.sliding_window_layer_stride == 0
+        if self.sliding_window_size is None:
+            return False
+        if self.full_attention_every:
+            return (layer_idx + 1) % self.full_attention_every != 0
+        return layer_idx % self.sliding_window_layer_stride == 0
+
+    def layer_uses_rope(self, layer_idx: int) -> bool:
+        return not (self.nope_every and (layer_idx + 1) % self.nope_every == 0)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

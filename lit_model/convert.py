@@ -3,8 +3,9 @@
     python -m lit_model.convert hf_to_lit --hf_dir DIR --out_dir DIR [--overwrite]
     python -m lit_model.convert lit_to_hf --checkpoint_dir DIR --out_dir DIR [--overwrite]
 
-Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2, TinyLlama, SmolLM2), mistral, gpt_neox (Pythia), phi
-(phi-1.5, phi-2), phi3, gemma, gemma2 and qwen2. ``transformers`` itself is not needed: config.json is read
+Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2/3.3, TinyLlama, SmolLM2), mistral (7B, Small 3, Nemo),
+gpt_neox (Pythia), phi (phi-1.5, phi-2), phi3 (Phi-3, Phi-4), gemma, gemma2, gemma3_text, qwen2, qwen3, olmo2 and
+smollm3. ``transformers`` itself is not needed: config.json is read
 as written by transformers 5 (``rope_parameters``) or by older versions (``rope_theta``/``rope_scaling``,
 ``rotary_pct``/``rotary_emb_base``), and the weights are read shard by shard so that at most one copy of the
 model is in memory.
@@ -43,6 +44,10 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 SUPPORTED_TYPES = tuple(ARCHITECTURES)
 
@@ -60,7 +65,7 @@ _DROPPED_KEYS = {
 # Tensors some checkpoints hold that are recomputed, not learned.
 _IGNORED_HF_TENSORS = re.compile(r"(rotary_emb\.inv_freq|attention\.masked_bias|attention\.bias)$")
 
-_DEFAULT_TIE = {"gemma": True, "gemma2": True}
+_DEFAULT_TIE = {"gemma": True, "gemma2": True, "gemma3_text": True, "smollm3": True}
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
@@ -98,12 +103,15 @@ def _unsupported(model_type: str, what: str) -> UserError:
     )
 
 
-def _read_rope(get: _Reader) -> tuple[float, float, Optional[dict[str, Any]]]:
-    """(rope_theta, partial_rotary_factor, scaling) from either config.json layout."""
+def _read_rope(get: _Reader, layer_type: Optional[str] = None) -> tuple[float, float, Optional[dict[str, Any]]]:
+    """(rope_theta, partial_rotary_factor, scaling) from either config.json layout; ``layer_type`` picks one
+    layer type's settings where they are nested per layer type (Gemma 3's global layers)."""
     params = dict(get("rope_parameters", None) or {})
     legacy = dict(get("rope_scaling", None) or {})
     if params and all(isinstance(v, dict) for v in params.values()):  # nested per layer type
         values = list(params.values())
+        if layer_type is not None:
+            values = [params.get(layer_type) or {}]
         if any(v != values[0] for v in values):
             raise _unsupported(get.model_type, "different RoPE settings per layer type")
         params = dict(values[0])
@@ -145,15 +153,33 @@ def _read_rope(get: _Reader) -> tuple[float, float, Optional[dict[str, Any]]]:
     raise _unsupported(get.model_type, f"RoPE scaling of type {rope_type!r} (supported: default, linear, llama3)")
 
 
-def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int]:
-    """(sliding_window_size, sliding_window_layer_stride) from ``sliding_window`` and ``layer_types``."""
+def _read_local_rope(get: _Reader, theta: float, scaling: Optional[dict[str, Any]]) -> Optional[float]:
+    """Gemma 3: the unscaled RoPE base of the sliding-window layers; None where they use the global tables."""
+    params = get("rope_parameters", None) or {}
+    if isinstance(params.get("sliding_attention"), dict):
+        local = dict(params["sliding_attention"])
+        local_type, local_theta = local.get("rope_type", "default"), local.get("rope_theta", 10000.0)
+        if local_type == "default" and local.get("partial_rotary_factor", 1.0) != 1.0:
+            local_type = "partial rotary"
+    else:  # transformers 4 layout
+        local_type, local_theta = "default", get("rope_local_base_freq", 10000.0)
+    if local_type != "default":
+        raise _unsupported(get.model_type, f"RoPE of type {local_type!r} on the sliding-window layers")
+    if float(local_theta) == theta and scaling is None:
+        return None
+    return float(local_theta)
+
+
+def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int, int]:
+    """(sliding_window_size, sliding_window_layer_stride, full_attention_every) from ``sliding_window`` and
+    ``layer_types``."""
     t = get.model_type
     window = get("sliding_window", None)
-    if t == "qwen2":
+    if t in ("qwen2", "qwen3"):
         if not get("use_sliding_window", False):
             get("max_window_layers", None)
             get("layer_types", None)
-            return None, 1
+            return None, 1, 0
         layer_types = get("layer_types", None)
         if layer_types is None:
             first = get("max_window_layers", 0)
@@ -164,22 +190,51 @@ def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int]:
         layer_types = get("layer_types", None)
         if layer_types is None:
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+    elif t == "gemma3_text":
+        layer_types = get("layer_types", None)
+        pattern = get("sliding_window_pattern", 6)
+        if layer_types is None:
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)]
     elif t in ("mistral", "phi3"):
         layer_types = get("layer_types", None) or ["sliding_attention"] * n_layer
     else:
-        return None, 1
+        return None, 1, 0
     if window is None:
-        return None, 1
+        return None, 1, 0
     if len(layer_types) != n_layer:
         raise UserError(f"config.json lists {len(layer_types)} layer_types for {n_layer} layers. Fix config.json.")
     sliding = [kind == "sliding_attention" for kind in layer_types]
     if not any(sliding):
-        return None, 1
+        return None, 1, 0
     if all(sliding):
-        return int(window), 1
+        return int(window), 1, 0
     if sliding == [i % 2 == 0 for i in range(n_layer)]:
-        return int(window), 2
-    raise _unsupported(t, "sliding-window attention on a layer pattern other than all layers or every other layer")
+        return int(window), 2, 0
+    for every in range(2, n_layer + 1):
+        if sliding == [(i + 1) % every != 0 for i in range(n_layer)]:
+            return int(window), 1, every
+    raise _unsupported(
+        t, "sliding-window attention on a layer pattern other than all layers, every other layer or all but every "
+        "k-th layer"
+    )
+
+
+def _read_nope(get: _Reader, n_layer: int) -> int:
+    """SmolLM3: k where layers k-1, 2k-1, ... have no RoPE (``no_rope_layers``: 1 = RoPE, 0 = none)."""
+    if get("use_sliding_window", False):
+        get("sliding_window", None)
+        raise _unsupported(get.model_type, "sliding-window attention (use_sliding_window=true)")
+    get("layer_types", None)
+    interval = int(get("no_rope_layer_interval", 4))
+    uses_rope = get("no_rope_layers", None)
+    if uses_rope is None:
+        uses_rope = [int((i + 1) % interval != 0) for i in range(n_layer)]
+    if all(uses_rope):
+        return 0
+    for every in range(1, n_layer + 1):
+        if [bool(u) for u in uses_rope] == [(i + 1) % every != 0 for i in range(n_layer)]:
+            return every
+    raise _unsupported(get.model_type, "layers without RoPE on a pattern other than every k-th layer")
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> Config:
@@ -208,10 +263,16 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
         kw["n_query_groups"] = n_head
     else:
         kw["n_query_groups"] = get("num_key_value_heads", n_head)
-    if t in ("llama", "mistral", "gemma", "gemma2", "qwen2", "phi", "phi3"):
+    if t != "gpt_neox":
         kw["head_size"] = get("head_dim", None) or n_embd // n_head
-    kw["rope_base"], kw["rotary_percentage"], kw["rope_scaling"] = _read_rope(get)
-    kw["sliding_window_size"], kw["sliding_window_layer_stride"] = _read_sliding(get, n_layer)
+    kw["rope_base"], kw["rotary_percentage"], kw["rope_scaling"] = _read_rope(
+        get, "full_attention" if t == "gemma3_text" else None
+    )
+    if t == "gemma3_text":
+        kw["rope_local_base"] = _read_local_rope(get, kw["rope_base"], kw["rope_scaling"])
+    kw["sliding_window_size"], kw["sliding_window_layer_stride"], kw["full_attention_every"] = _read_sliding(
+        get, n_layer
+    )
 
     if t in ("gpt_neox", "phi"):
         kw.update(norm_class_name="LayerNorm", norm_eps=get("layer_norm_eps", 1e-5), mlp_class_name="GptNeoxMLP")
@@ -230,7 +291,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
             kw.update(parallel_residual=True, shared_attention_norm=True, lm_head_bias=True)
     else:
         kw["norm_eps"] = get("rms_norm_eps", 1e-6)
-        if t in ("gemma", "gemma2"):
+        if t in ("gemma", "gemma2", "gemma3_text"):
             act = get("hidden_activation", None) or get("hidden_act", "gelu_pytorch_tanh")
             if t == "gemma" and act == "gelu":  # legacy value of the official Gemma releases; HF does the same
                 act = "gelu_pytorch_tanh"
@@ -246,14 +307,20 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
                 raise _unsupported(t, f"the activation {act!r} (supported: silu)")
         if t == "qwen2":
             kw["attn_bias"] = True
-        elif t in ("llama", "gemma", "gemma2"):
+        elif t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "olmo2", "smollm3"):
             attention_bias, mlp_bias = bool(get("attention_bias", False)), bool(get("mlp_bias", False))
             if t != "llama" and attention_bias:
                 raise _unsupported(t, "attention bias (attention_bias=true)")
             if attention_bias != mlp_bias:
                 raise _unsupported(t, "bias on the attention but not the MLP layers or vice versa")
             kw["bias"] = attention_bias
-        if t == "gemma2":
+        if t in ("qwen3", "gemma3_text"):
+            kw["qk_norm"] = "head"
+        elif t == "olmo2":
+            kw.update(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True)
+        elif t == "smollm3":
+            kw["nope_every"] = _read_nope(get, n_layer)
+        if t in ("gemma2", "gemma3_text"):
             kw.update(
                 post_attention_norm=True,
                 post_mlp_norm=True,
@@ -294,7 +361,10 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     )
     if t != "gpt_neox":
         derived["num_key_value_heads"] = config.n_query_groups
-    if t in ("llama", "mistral", "gemma", "gemma2", "qwen2") or config.head_size != config.n_embd // config.n_head:
+    if (
+        t in ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3")
+        or config.head_size != config.n_embd // config.n_head
+    ):
         derived["head_dim"] = config.head_size
     rope: dict[str, Any] = {"rope_theta": config.rope_base, "rope_type": "default"}
     if config.rope_scaling:
@@ -303,6 +373,10 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     if config.rotary_percentage != 1.0 or t in ("gpt_neox", "phi", "phi3"):
         rope["partial_rotary_factor"] = config.rotary_percentage
     derived["rope_parameters"] = rope
+    if t == "gemma3_text":  # RoPE per layer type: the local layers' own base, unscaled
+        local_base = config.rope_local_base
+        local = dict(rope) if local_base is None else {"rope_theta": local_base, "rope_type": "default"}
+        derived["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
 
     if t in ("gpt_neox", "phi"):
         derived["layer_norm_eps"] = config.norm_eps
@@ -316,13 +390,13 @@ def config_to_hf(config: Config) -> dict[str, Any]:
         derived["rms_norm_eps"] = config.norm_eps
         if t == "gemma":
             derived["hidden_act"] = "gelu_pytorch_tanh" if config.gelu_approximate == "tanh" else "gelu"
-        elif t == "gemma2":
+        elif t in ("gemma2", "gemma3_text"):
             derived["hidden_activation"] = "gelu_pytorch_tanh" if config.gelu_approximate == "tanh" else "gelu"
         else:
             derived["hidden_act"] = "silu"
-        if t in ("llama", "gemma", "gemma2"):
+        if t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "olmo2", "smollm3"):
             derived["attention_bias"] = config.bias
-        if t == "llama":
+        if t in ("llama", "smollm3"):
             derived["mlp_bias"] = config.bias
     window = config.sliding_window_size
     layer_types = [
@@ -330,7 +404,7 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     ]
     if t in ("mistral", "phi3"):
         derived["sliding_window"] = window
-    elif t == "gemma2":
+    elif t in ("gemma2", "gemma3_text"):
         if window is None:  # every layer global: a window as long as the context is the same thing
             window = config.block_size
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.n_layer)]
@@ -341,13 +415,20 @@ def config_to_hf(config: Config) -> dict[str, Any]:
             attn_logit_softcapping=config.attention_logit_softcapping,
             final_logit_softcapping=config.final_logit_softcapping,
         )
-    elif t == "qwen2":
+    elif t in ("qwen2", "qwen3"):
         derived.update(
             use_sliding_window=window is not None,
             sliding_window=window,
             max_window_layers=0 if window is not None else config.n_layer,
             layer_types=layer_types,
         )
+    if t == "smollm3":
+        # the list decides; the interval is only HF's default for building that list
+        derived.update(
+            use_sliding_window=False, no_rope_layers=[int(config.layer_uses_rope(i)) for i in range(config.n_layer)]
+        )
+        if config.nope_every:
+            derived["no_rope_layer_interval"] = config.nope_every
     hf.update({k: v for k, v in config.extra.items() if k not in derived and k not in _DROPPED_KEYS})
     hf.update(derived)
 
@@ -378,10 +459,12 @@ def _canonical(config: Config, name: str) -> Any:
         return None
     if name == "sliding_window_size" and value is not None and value >= config.block_size:
         return None
-    if name == "sliding_window_layer_stride" and (
+    if name in ("sliding_window_layer_stride", "full_attention_every") and (
         config.sliding_window_size is None or config.sliding_window_size >= config.block_size
     ):
-        return 1
+        return 1 if name == "sliding_window_layer_stride" else 0
+    if name == "rope_local_base" and value == config.rope_base and not config.rope_scaling:
+        return None
     return value
 
 
@@ -410,6 +493,15 @@ _LAYER_MODULES: dict[str, dict[str, str]] = {
         "norm_2": "pre_feedforward_layernorm",
         "post_mlp_norm": "post_feedforward_layernorm",
     },
+    "smollm3": _LLAMA_LAYER,
+    "qwen3": {**_LLAMA_LAYER, "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"},
+    "olmo2": {
+        **{lit: hf for lit, hf in _LLAMA_LAYER.items() if not lit.startswith("norm_")},
+        "attn.q_norm": "self_attn.q_norm",
+        "attn.k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+    },
     "phi3": {"norm_1": "input_layernorm", "attn.proj": "self_attn.o_proj", "norm_2": "post_attention_layernorm",
              "mlp.proj": "mlp.down_proj"},
     "phi": {
@@ -428,6 +520,9 @@ _LAYER_MODULES: dict[str, dict[str, str]] = {
         "mlp.fc": "mlp.dense_h_to_4h",
         "mlp.proj": "mlp.dense_4h_to_h",
     },
+}
+_LAYER_MODULES["gemma3_text"] = {
+    **_LAYER_MODULES["gemma2"], "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"
 }
 # Fused HF modules: hf module -> the lit modules it holds, in order.
 _FUSED: dict[str, dict[str, tuple[str, ...]]] = {

@@ -6,7 +6,7 @@ below), both models are built on the meta device, and their parameter counts mus
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -20,7 +20,8 @@ from lit_model.model import GPT, rope_cache
 transformers = pytest.importorskip("transformers")
 
 PUBLISHED = [name for name in known_names() if Config.from_name(name).hf_org]
-HF_TYPES = ("llama", "mistral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "qwen2")
+HF_TYPES = ("llama", "mistral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "olmo2",
+            "smollm3")
 
 # Parameter counts of the released checkpoints (model cards / safetensors metadata), each also reproduced by
 # ``transformers`` in test_matches_transformers.
@@ -62,6 +63,14 @@ PUBLISHED_PARAMETERS = {
     "Qwen2.5-14B": 14_770_033_664,
     "Qwen2.5-32B": 32_763_876_352,
     "Qwen2.5-72B": 72_706_203_648,
+    # Qwen3 model cards give total / non-embedding counts rounded: 0.6B / 0.44B, 1.7B / 1.4B, 4.0B / 3.6B,
+    # 8.2B / 6.95B, 14.8B / 13.2B, 32.8B / 31.2B; these are the exact counts of the config.json architectures.
+    "Qwen3-0.6B": 596_049_920,
+    "Qwen3-1.7B": 1_720_574_976,
+    "Qwen3-4B": 4_022_468_096,
+    "Qwen3-8B": 8_190_735_360,
+    "Qwen3-14B": 14_768_307_200,
+    "Qwen3-32B": 32_762_123_264,
 }
 
 def n_parameters(model: torch.nn.Module) -> int:
@@ -81,7 +90,8 @@ _LLAMA_LIKE = dict(
     norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", parallel_residual=False, shared_attention_norm=False,
     post_attention_norm=False, post_mlp_norm=False, lm_head_bias=False, norm_unit_offset=False,
     scale_embeddings=False, rotary_percentage=1.0, attention_scores_scalar=None, attention_logit_softcapping=None,
-    final_logit_softcapping=None,
+    final_logit_softcapping=None, qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None,
+    full_attention_every=0,
 )
 _GEMMA = dict(
     _LLAMA_LIKE, mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_unit_offset=True, scale_embeddings=True,
@@ -94,10 +104,20 @@ FIXED: dict[str, dict[str, Any]] = {
     "mistral": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_layer_stride=1),
     "phi3": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_layer_stride=1),
     "qwen2": dict(_LLAMA_LIKE, bias=False, attn_bias=True, sliding_window_size=None),
+    "qwen3": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="head"),
+    "olmo2": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="projection",
+                  pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
+    "smollm3": {**{k: v for k, v in _LLAMA_LIKE.items() if k != "nope_every"}, "bias": False, "attn_bias": False,
+                "sliding_window_size": None},
     "gemma": dict(_GEMMA, sliding_window_size=None),
     "gemma2": {
         **{k: v for k, v in _GEMMA.items() if "softcapping" not in k and k != "attention_scores_scalar"},
         **dict(post_attention_norm=True, post_mlp_norm=True, sliding_window_layer_stride=2),
+    },
+    "gemma3_text": {
+        **{k: v for k, v in _GEMMA.items() if k not in ("attention_scores_scalar", "rope_local_base",
+                                                          "full_attention_every")},
+        **dict(post_attention_norm=True, post_mlp_norm=True, qk_norm="head", sliding_window_layer_stride=1),
     },
     "gpt_neox": dict(
         norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", shared_attention_norm=False, bias=True,
@@ -111,7 +131,8 @@ FIXED: dict[str, dict[str, Any]] = {
     ),
 }
 for _t in ("gpt_neox", "phi"):
-    FIXED[_t].update(norm_unit_offset=False, attention_logit_softcapping=None, final_logit_softcapping=None)
+    FIXED[_t].update(norm_unit_offset=False, attention_logit_softcapping=None, final_logit_softcapping=None,
+                     qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None, full_attention_every=0)
 _GELU_NAME = {"none": "gelu", "tanh": "gelu_new"}
 
 
@@ -156,6 +177,24 @@ def hf_config(config: Config) -> tuple[str, dict[str, Any]]:
         kw.update(sliding_window=config.sliding_window_size, hidden_act="silu")
     elif t == "qwen2":
         kw.update(use_sliding_window=False, hidden_act="silu")
+    elif t == "qwen3":
+        kw.update(use_sliding_window=False, hidden_act="silu", attention_bias=False)
+    elif t == "olmo2":
+        kw.update(hidden_act="silu", attention_bias=False)
+    elif t == "smollm3":
+        kw.update(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False,
+                  no_rope_layers=[int(config.layer_uses_rope(i)) for i in range(config.n_layer)])
+    elif t == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": config.rope_local_base or config.rope_base}
+        kw.update(
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            query_pre_attn_scalar=config.attention_scores_scalar or config.head_size,
+            sliding_window=config.sliding_window_size,
+            layer_types=["sliding_attention" if config.layer_uses_sliding_window(i) else "full_attention"
+                         for i in range(config.n_layer)],
+            rope_parameters={"full_attention": rope, "sliding_attention": local},
+        )
     elif t == "gemma":
         kw.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
     elif t == "gemma2":
@@ -305,7 +344,7 @@ def test_published_entry(name):
     assert config.rope_n_elem % 2 == 0 and 0 < config.rope_n_elem <= config.head_size
     if config.sliding_window_size is not None:
         assert 0 < config.sliding_window_size < config.block_size
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and config.rope_scaling.get("rope_type", "llama3") == "llama3":
         assert config.rope_scaling["original_max_position_embeddings"] < config.block_size
     # extra only carries what an exporter writes back and the model does not use
     assert set(config.extra) <= {"bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"}, config.extra
@@ -357,8 +396,15 @@ def test_matches_transformers(name):
     rotary = next(m for m in hf_model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     with torch.device("cpu"):
         hf_rotary = type(rotary)(config=hf_cfg)
-    assert hf_rotary.attention_scaling == 1.0
-    cos, sin = rope_cache(config, 2, torch.device("cpu"))
-    ours = torch.atan2(sin[1], cos[1])[: config.rope_n_elem // 2]
-    assert ours.shape == hf_rotary.inv_freq.shape
-    torch.testing.assert_close(ours, hf_rotary.inv_freq.float(), rtol=1e-5, atol=1e-7)
+    # Gemma 3 keeps one table per layer type: the global one, and the local one with its own base
+    tables = [(config, "")]
+    if config.hf_type == "gemma3_text":
+        local = replace(config, rope_base=config.rope_local_base or config.rope_base, rope_scaling=None)
+        tables = [(config, "full_attention_"), (local, "sliding_attention_")]
+    for table_config, prefix in tables:
+        assert getattr(hf_rotary, f"{prefix}attention_scaling") == 1.0
+        cos, sin = rope_cache(table_config, 2, torch.device("cpu"))
+        ours = torch.atan2(sin[1], cos[1])[: config.rope_n_elem // 2]
+        hf_inv_freq = getattr(hf_rotary, f"{prefix}inv_freq")
+        assert ours.shape == hf_inv_freq.shape
+        torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-5, atol=1e-7)

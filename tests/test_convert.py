@@ -61,6 +61,30 @@ FAMILIES = {
     ),
     "qwen2": ("qwen2", {"tie_word_embeddings": False}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+    # q/k RMSNorm per head; head_dim 16 != hidden_size / heads
+    "qwen3": ("qwen3", {"head_dim": 16, "tie_word_embeddings": False}),
+    "qwen3_tied": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
+    # 6 layers, every 3rd global (Gemma 3's pattern, shorter): local RoPE base 10, global 1e4 with linear scaling
+    "gemma3": (
+        "gemma3_text",
+        {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 5, "query_pre_attn_scalar": 12,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}},
+    ),
+    "olmo2": ("olmo2", {}),  # norms after attention and MLP only; q/k RMSNorm over the whole projection
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),  # layers 1 and 3 without RoPE
+    "mistral_nemo": ("mistral", {"head_dim": 16, "sliding_window": 5}),  # head_dim != hidden_size / heads
+}
+
+# What config_from_hf must read from the new families' config.json (the parity test then shows it is right).
+FEATURES = {
+    "qwen3": dict(qk_norm="head", head_size=16, bias=False, attn_bias=False),
+    "gemma3": dict(qk_norm="head", full_attention_every=3, sliding_window_size=5, rope_base=10000.0,
+                   rope_local_base=10.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, post_mlp_norm=True),
+    "olmo2": dict(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
+    "smollm3": dict(nope_every=2, tie_embeddings=True),
+    "mistral_nemo": dict(head_size=16),
 }
 
 
@@ -104,6 +128,8 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
 
     hf_to_lit(tmp_path / "hf", tmp_path / "lit")
     model = GPT.from_checkpoint(tmp_path / "lit")
+    for field, value in FEATURES.get(family, {}).items():
+        assert getattr(model.config, field) == value, field
     with torch.no_grad():
         assert_same(model(idx), expected)
         if model.config.sliding_window_size is not None:  # the window must matter for the test to mean anything
@@ -116,8 +142,12 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
             assert (uncapped(idx) - expected).abs().max() > 1e-3
         if family == "llama3_tied":
             assert model.config.rope_scaling["rope_type"] == "llama3"
-            unscaled = GPT.from_checkpoint(tmp_path / "lit", rope_scaling=None)
-            assert (unscaled(idx) - expected).abs().max() > 1e-3
+        # each feature the config.json asked for must matter, for the test to mean anything
+        for field, off in (("rope_scaling", None), ("rope_local_base", None), ("nope_every", 0),
+                           ("full_attention_every", 0)):
+            if getattr(model.config, field) != off:
+                without = GPT.from_checkpoint(tmp_path / "lit", **{field: off})
+                assert (without(idx) - expected).abs().max() > 1e-3, field
 
     lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()

@@ -39,8 +39,12 @@ class ParamCounts:
     head: int  # 0 when tied to the embedding
     norm_f: int
     block_linear: dict[str, tuple[int, int, bool]]  # name -> (in, out, bias) per block
-    block_norms: int  # norm weights (+ biases) per block
+    block_norm_sizes: list[int]  # element counts of the norm weights (+ biases) of one block
     n_layer: int
+
+    @property
+    def block_norms(self) -> int:
+        return sum(self.block_norm_sizes)
 
     @property
     def block_linear_weights(self) -> int:
@@ -73,11 +77,19 @@ def param_counts(config: Config) -> ParamCounts:
         linear.update({"mlp.fc": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
     else:
         linear.update({"mlp.fc_1": (C, I, config.bias), "mlp.fc_2": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
-    norm = C * (2 if config.norm_class_name == "LayerNorm" else 1)
-    norms = norm * (1 + (0 if config.shared_attention_norm else 1) + int(config.post_attention_norm) + int(config.post_mlp_norm))
+    def norm(size: int) -> list[int]:  # weight (and bias)
+        return [size, size] if config.norm_class_name == "LayerNorm" else [size]
+
+    pre_norms = (1 + (0 if config.shared_attention_norm else 1)) if config.pre_norm else 0
+    norms = norm(C) * (pre_norms + int(config.post_attention_norm) + int(config.post_mlp_norm))
+    if config.qk_norm == "head":
+        norms += norm(hs) * 2
+    elif config.qk_norm == "projection":
+        norms += norm(config.n_head * hs) + norm(config.n_query_groups * hs)
     V = config.padded_vocab_size
     head = 0 if config.tie_embeddings else V * C + (V if config.lm_head_bias else 0)
-    return ParamCounts(embed=V * C, head=head, norm_f=norm, block_linear=linear, block_norms=norms, n_layer=config.n_layer)
+    return ParamCounts(embed=V * C, head=head, norm_f=sum(norm(C)), block_linear=linear, block_norm_sizes=norms,
+                       n_layer=config.n_layer)
 
 
 def _frozen_blocks(spec: RunSpec) -> tuple[bool, int]:
@@ -105,7 +117,8 @@ def model_bytes(spec: RunSpec) -> ModelBytes:
     config, d = spec.config, spec.param_bytes
     pc = param_counts(config)
     C, L = config.n_embd, config.n_layer
-    buffers = 2 * spec.seq_len * config.rope_n_elem * 4  # cos/sin in fp32 for max_seq_length = seq_len
+    # cos/sin in fp32 for max_seq_length = seq_len (with a local base: the global and local tables)
+    buffers = 2 * spec.seq_len * config.rope_n_elem * 4 * (1 if config.rope_local_base is None else 2)
     quant = spec.quantize
     trainable_tensors: list[int] = []
     frozen_embed, frozen_blocks = _frozen_blocks(spec)
@@ -144,7 +157,7 @@ def model_bytes(spec: RunSpec) -> ModelBytes:
                 trainable_tensors.append(i * o)
                 if bias:
                     trainable_tensors.append(o)
-            trainable_tensors += [C] * (pc.block_norms // C)
+            trainable_tensors += pc.block_norm_sizes
         trainable_tensors += [C] * (pc.norm_f // C)
         if pc.head:
             trainable_tensors.append(config.padded_vocab_size * C)
@@ -201,20 +214,22 @@ class BlockActs:
     transient_per_token: float  # extra bytes in flight during this block's backward
 
 
-def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False) -> tuple[float, bool]:
-    """Kept bytes per token of a norm over C channels and whether its output requires grad.
+def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False,
+          rows: int = 1) -> tuple[float, bool]:
+    """Kept bytes per token of a norm over C channels (in ``rows`` groups normalised on their own: the heads of
+    a per-head q/k norm) and whether its output requires grad.
     ``shared_input``: the input is already kept by another consumer (LayerNorm keeps its input)."""
     config = spec.config
     out_rg = x_rg or w_train
     if not out_rg:
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
-        return (0 if shared_input else d * C) + 8, True  # input + mean + rstd (fp32)
+        return (0 if shared_input else d * C) + 8 * rows, True  # input + mean + rstd (fp32)
     if d == 4 and not config.norm_unit_offset and norms_by_hand(spec.device_type, spec.micro_batch_size * spec.seq_len * C):
         return 4 * C, True  # fp32 in and fp32 weight: ops.rms_norm's own path keeps only its input
     kept = 0.0
     if x_rg:
-        kept += 4 * C + 4  # the fp32 input (x itself in fp32) and rsqrt
+        kept += 4 * C + 4 * rows  # the fp32 input (x itself in fp32) and rsqrt
     if w_train:
         kept += 4 * C if config.norm_unit_offset else d * C  # normalised activations for the weight gradient
     return kept, True
@@ -269,13 +284,18 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     t2 = 0.0
     per_layer = 0.0
     # norm_1 and the q, k, v linears
-    kept, xn_rg = _norm(spec, d, x_rg, norm_w, C)
+    kept, xn_rg = _norm(spec, d, x_rg, norm_w, C) if config.pre_norm else (0.0, x_rg)
     per_token += kept
     out_rg = {}
     for name in ("attn.query", "attn.key", "attn.value"):
         lk, l_rg = lora_kept(name, C, xn_rg, d)
         per_token += lk
         out_rg[name] = xn_rg or W[name] or l_rg
+    if config.qk_norm is not None:  # RMSNorm of the query and key projections (per head, or as a whole)
+        for name, heads in (("attn.query", config.n_head), ("attn.key", config.n_query_groups)):
+            rows = heads if config.qk_norm == "head" else 1
+            kept, out_rg[name] = _norm(spec, dm, out_rg[name], norm_w, heads * hs, rows=rows)
+            per_token += kept
     attn_rg = any(out_rg.values())
     xn_kept = kept_linear_inputs(("attn.query", "attn.key", "attn.value"), C, d)
     # attention: rope makes new q/k tensors (nothing kept); attention keeps q, k, v and its output
@@ -302,7 +322,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
             per_token += Hq * dm
         per_token += Hq * dm + config.n_head * 4
         attn_rg = True
-    if dm != 4 and config.rope_n_elem:
+    if dm != 4 and config.rope_n_elem and config.layer_uses_rope(layer):
         # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
         per_layer += 2 * T * config.rope_n_elem * dm * (int(out_rg["attn.query"]) + int(out_rg["attn.key"]))
     y_rg = attn_rg
@@ -329,7 +349,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
         res_rg = x_rg or a_rg
     else:
         x2_rg = x_rg or a_rg
-        kept, m_in_rg = _norm(spec, d, x2_rg, norm_w, C)
+        kept, m_in_rg = _norm(spec, d, x2_rg, norm_w, C) if config.pre_norm else (0.0, x2_rg)
         per_token += kept
         shared_with_attention = False
         res_rg = x2_rg
@@ -414,7 +434,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     for layer in range(L):
         block_trainable = spec.trainable == "full" and layer >= frozen_blocks
         adapter = spec.trainable == "adapter" and layer >= spec.adapter_start_layer
-        key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer))
+        key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer), config.layer_uses_rope(layer))
         if key not in cache:
             cache[key] = block_activations(spec, layer, x_rg, block_trainable, adapter)
         acts = cache[key]
