@@ -71,6 +71,22 @@ PUBLISHED_PARAMETERS = {
     "Qwen3-8B": 8_190_735_360,
     "Qwen3-14B": 14_768_307_200,
     "Qwen3-32B": 32_762_123_264,
+    # Gemma 3: 1b is text only (999,885,952 on its model page). 4b/12b/27b are the language models of multimodal
+    # checkpoints whose published totals (4,300,079,472 / 12,187,325,040 / 27,432,406,640) are these plus the
+    # same SigLIP tower (416,866,032) and a projector of 1152 * n_embd + 1152.
+    "gemma-3-1b-pt": 999_885_952,
+    "gemma-3-4b-pt": 3_880_263_168,
+    "gemma-3-12b-pt": 11_766_034_176,
+    "gemma-3-27b-pt": 27_009_346_304,
+    # Model pages (safetensors totals): OLMo 2 7B 7.30B / 13B 13.7B, SmolLM3 3.08B, Llama 3.3 70.6B (Llama 3.1 70B's
+    # architecture), Mistral Nemo 12.2B, Mistral Small 3 23.6B, Phi-4 14.7B.
+    "OLMo-2-1124-7B": 7_298_617_344,
+    "OLMo-2-1124-13B": 13_716_198_400,
+    "SmolLM3-3B": 3_075_098_624,
+    "Llama-3.3-70B-Instruct": 70_553_706_496,
+    "Mistral-Nemo-Base-2407": 12_247_782_400,
+    "Mistral-Small-24B-Base-2501": 23_572_403_200,
+    "phi-4": 14_659_507_200,
 }
 
 def n_parameters(model: torch.nn.Module) -> int:
@@ -262,6 +278,13 @@ def test_variants_share_the_base_architecture():
         ("gemma-2-27b-it", "gemma-2-27b"),
         ("pythia-1b-deduped", "pythia-1b"),
         ("Qwen2.5-3B-Instruct", "Qwen2.5-3B"),
+        ("Qwen3-4B", "Qwen3-4B-Base"),
+        ("gemma-3-12b-it", "gemma-3-12b-pt"),
+        ("OLMo-2-1124-13B-Instruct", "OLMo-2-1124-13B"),
+        ("SmolLM3-3B", "SmolLM3-3B-Base"),
+        ("Llama-3.3-70B-Instruct", "Llama-3.1-70B"),
+        ("Mistral-Nemo-Instruct-2407", "Mistral-Nemo-Base-2407"),
+        ("Mistral-Small-24B-Instruct-2501", "Mistral-Small-24B-Base-2501"),
     ]
     ignored = {"name", "extra", "block_size", "norm_eps"}  # Qwen2.5-Instruct: 32K context, rms_norm_eps 1e-6
     for variant, base in pairs:
@@ -295,6 +318,21 @@ def test_registry_highlights():
     ]
     assert Config.from_name("Qwen2.5-7B").padded_vocab_size == 152064
     assert Config.from_name("Qwen2.5-0.5B").padded_vocab_size == 151936
+    assert [Config.from_name(f"Qwen3-{s}").tie_embeddings for s in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")] == [
+        True, True, True, False, False, False,
+    ]
+    assert {Config.from_name(f"Qwen3-{s}").head_size for s in ("0.6B", "4B", "32B")} == {128}  # not n_embd / n_head
+    gemma3 = Config.from_name("gemma-3-27b-it")
+    assert [gemma3.layer_uses_sliding_window(i) for i in range(12)] == ([True] * 5 + [False]) * 2
+    assert (gemma3.rope_base, gemma3.rope_local_base, gemma3.rope_scaling) == (
+        1e6, 1e4, {"rope_type": "linear", "factor": 8.0}
+    )
+    assert Config.from_name("gemma-3-1b-it").rope_scaling is None
+    smollm3 = Config.from_name("SmolLM3-3B")
+    assert [i for i in range(smollm3.n_layer) if not smollm3.layer_uses_rope(i)] == list(range(3, 36, 4))
+    olmo2 = Config.from_name("OLMo-2-1124-7B")
+    assert not olmo2.pre_norm and olmo2.qk_norm == "projection" and olmo2.post_mlp_norm
+    assert Config.from_name("Mistral-Nemo-Base-2407").head_size == 128 != 5120 // 32
 
 
 
