@@ -52,8 +52,13 @@ class Config:
     norm_eps: float = 1e-5
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
     # MLP
-    mlp_class_name: Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"] = "LLaMAMLP"
-    intermediate_size: Optional[int] = None  # None: 4 * n_embd
+    mlp_class_name: Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP", "LLaMAMoE"] = "LLaMAMLP"
+    intermediate_size: Optional[int] = None  # None: 4 * n_embd (LLaMAMoE: each expert's)
+    # Mixture of experts (LLaMAMoE: Mixtral, Qwen3-MoE): n_expert SwiGLU experts, n_expert_per_token chosen per
+    # token by a router; their softmax probabilities renormalised to sum to 1 (Mixtral) or not (moe_norm_topk=False)
+    n_expert: int = 0
+    n_expert_per_token: int = 0
+    moe_norm_topk: bool = True
     gelu_approximate: str = "none"  # "tanh" for gelu_new / gelu_pytorch_tanh
     # Attention and output variants
     scale_embeddings: bool = False  # multiply embeddings by sqrt(n_embd) (Gemma)

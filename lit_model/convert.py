@@ -4,8 +4,8 @@
     python -m lit_model.convert lit_to_hf --checkpoint_dir DIR --out_dir DIR [--overwrite]
 
 Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2/3.3, TinyLlama, SmolLM2), mistral (7B, Small 3, Nemo),
-gpt_neox (Pythia), phi (phi-1.5, phi-2), phi3 (Phi-3, Phi-4), gemma, gemma2, gemma3_text, qwen2, qwen3, olmo2 and
-smollm3. ``transformers`` itself is not needed: config.json is read
+mixtral, gpt_neox (Pythia), phi (phi-1.5, phi-2), phi3 (Phi-3, Phi-4), gemma, gemma2, gemma3_text, qwen2, qwen3,
+qwen3_moe, olmo2 and smollm3. ``transformers`` itself is not needed: config.json is read
 as written by transformers 5 (``rope_parameters``) or by older versions (``rope_theta``/``rope_scaling``,
 ``rotary_pct``/``rotary_emb_base``), and the weights are read shard by shard so that at most one copy of the
 model is in memory.
@@ -48,6 +48,8 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SUPPORTED_TYPES = tuple(ARCHITECTURES)
 
@@ -175,7 +177,7 @@ def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int, int]:
     ``layer_types``."""
     t = get.model_type
     window = get("sliding_window", None)
-    if t in ("qwen2", "qwen3"):
+    if t in ("qwen2", "qwen3", "qwen3_moe"):
         if not get("use_sliding_window", False):
             get("max_window_layers", None)
             get("layer_types", None)
@@ -195,7 +197,7 @@ def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int, int]:
         pattern = get("sliding_window_pattern", 6)
         if layer_types is None:
             layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)]
-    elif t in ("mistral", "phi3"):
+    elif t in ("mistral", "mixtral", "phi3"):
         layer_types = get("layer_types", None) or ["sliding_attention"] * n_layer
     else:
         return None, 1, 0
@@ -307,19 +309,29 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
                 raise _unsupported(t, f"the activation {act!r} (supported: silu)")
         if t == "qwen2":
             kw["attn_bias"] = True
-        elif t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "olmo2", "smollm3"):
+        elif t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "smollm3"):
             attention_bias, mlp_bias = bool(get("attention_bias", False)), bool(get("mlp_bias", False))
             if t != "llama" and attention_bias:
                 raise _unsupported(t, "attention bias (attention_bias=true)")
             if attention_bias != mlp_bias:
                 raise _unsupported(t, "bias on the attention but not the MLP layers or vice versa")
             kw["bias"] = attention_bias
-        if t in ("qwen3", "gemma3_text"):
+        if t in ("qwen3", "qwen3_moe", "gemma3_text"):
             kw["qk_norm"] = "head"
         elif t == "olmo2":
             kw.update(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True)
         elif t == "smollm3":
             kw["nope_every"] = _read_nope(get, n_layer)
+        if t == "mixtral":
+            kw.update(mlp_class_name="LLaMAMoE", n_expert=get("num_local_experts"),
+                      n_expert_per_token=get("num_experts_per_tok"), moe_norm_topk=True)
+        elif t == "qwen3_moe":
+            if get("decoder_sparse_step", 1) != 1 or get("mlp_only_layers", None):
+                raise _unsupported(t, "dense MLP layers between the expert layers (decoder_sparse_step, mlp_only_layers)")
+            n_expert = get("num_experts", None) or get("num_local_experts")  # the name transformers 5 writes
+            kw.update(mlp_class_name="LLaMAMoE", n_expert=n_expert, n_expert_per_token=get("num_experts_per_tok"),
+                      moe_norm_topk=bool(get("norm_topk_prob", False)), intermediate_size=get("moe_intermediate_size"))
+            get.used.discard("intermediate_size")  # the (unused) dense MLP size: kept in extra for the export
         if t in ("gemma2", "gemma3_text"):
             kw.update(
                 post_attention_norm=True,
@@ -362,7 +374,7 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     if t != "gpt_neox":
         derived["num_key_value_heads"] = config.n_query_groups
     if (
-        t in ("llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3")
+        t in ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "qwen3_moe", "smollm3")
         or config.head_size != config.n_embd // config.n_head
     ):
         derived["head_dim"] = config.head_size
@@ -394,7 +406,7 @@ def config_to_hf(config: Config) -> dict[str, Any]:
             derived["hidden_activation"] = "gelu_pytorch_tanh" if config.gelu_approximate == "tanh" else "gelu"
         else:
             derived["hidden_act"] = "silu"
-        if t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "olmo2", "smollm3"):
+        if t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "smollm3"):
             derived["attention_bias"] = config.bias
         if t in ("llama", "smollm3"):
             derived["mlp_bias"] = config.bias
@@ -402,7 +414,7 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     layer_types = [
         "sliding_attention" if config.layer_uses_sliding_window(i) else "full_attention" for i in range(config.n_layer)
     ]
-    if t in ("mistral", "phi3"):
+    if t in ("mistral", "mixtral", "phi3"):
         derived["sliding_window"] = window
     elif t in ("gemma2", "gemma3_text"):
         if window is None:  # every layer global: a window as long as the context is the same thing
@@ -415,12 +427,24 @@ def config_to_hf(config: Config) -> dict[str, Any]:
             attn_logit_softcapping=config.attention_logit_softcapping,
             final_logit_softcapping=config.final_logit_softcapping,
         )
-    elif t in ("qwen2", "qwen3"):
+    elif t in ("qwen2", "qwen3", "qwen3_moe"):
         derived.update(
             use_sliding_window=window is not None,
             sliding_window=window,
             max_window_layers=0 if window is not None else config.n_layer,
             layer_types=layer_types,
+        )
+    if t == "mixtral":
+        derived.update(num_local_experts=config.n_expert, num_experts_per_tok=config.n_expert_per_token)
+    elif t == "qwen3_moe":
+        derived.update(
+            num_experts=config.n_expert,
+            num_experts_per_tok=config.n_expert_per_token,
+            norm_topk_prob=config.moe_norm_topk,
+            moe_intermediate_size=config.intermediate_size,
+            intermediate_size=config.extra.get("intermediate_size", config.intermediate_size),  # dense size, unused
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
     if t == "smollm3":
         # the list decides; the interval is only HF's default for building that list
@@ -521,6 +545,20 @@ _LAYER_MODULES: dict[str, dict[str, str]] = {
         "mlp.proj": "mlp.dense_4h_to_h",
     },
 }
+_MLP_NAMES = ("mlp.fc_1", "mlp.fc_2", "mlp.proj")
+_LAYER_MODULES["mixtral"] = {
+    **{lit: hf for lit, hf in _LLAMA_LAYER.items() if lit not in _MLP_NAMES}, "mlp.gate": "block_sparse_moe.gate"
+}
+_LAYER_MODULES["qwen3_moe"] = {
+    **{lit: hf for lit, hf in _LAYER_MODULES["qwen3"].items() if lit not in _MLP_NAMES}, "mlp.gate": "mlp.gate"
+}
+# Each expert's SwiGLU layers (lit: mlp.experts.<e>.<name>), the HF name formatted with the expert's number.
+_EXPERT_MODULES = {
+    "mixtral": {"fc_1": "block_sparse_moe.experts.{}.w1", "fc_2": "block_sparse_moe.experts.{}.w3",
+                "proj": "block_sparse_moe.experts.{}.w2"},
+    "qwen3_moe": {"fc_1": "mlp.experts.{}.gate_proj", "fc_2": "mlp.experts.{}.up_proj",
+                  "proj": "mlp.experts.{}.down_proj"},
+}
 _LAYER_MODULES["gemma3_text"] = {
     **_LAYER_MODULES["gemma2"], "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"
 }
@@ -553,7 +591,9 @@ class WeightMap:
         self.top_back = {hf: lit for lit, hf in self.top.items()}
         if self.t == "gpt_neox":
             self.top_back["lm_head"] = "lm_head"  # transformers 5 may write the head as lm_head
-        self.layer = _LAYER_MODULES[self.t]
+        self.layer = dict(_LAYER_MODULES[self.t])
+        for e in range(config.n_expert):
+            self.layer.update({f"mlp.experts.{e}.{lit}": hf.format(e) for lit, hf in _EXPERT_MODULES[self.t].items()})
         self.layer_back = {hf: lit for lit, hf in self.layer.items()}
         self.fused = _FUSED.get(self.t, {})
         self.fused_of = {lit: hf for hf, parts in self.fused.items() for lit in parts}

@@ -1,5 +1,5 @@
-"""A GPT decoder that covers Llama, Mistral, GPT-NeoX/Pythia, Phi, Gemma (1, 2 and 3), Qwen2/Qwen3, OLMo 2 and
-SmolLM3.
+"""A GPT decoder that covers Llama, Mistral, Mixtral, GPT-NeoX/Pythia, Phi, Gemma (1, 2 and 3), Qwen2/Qwen3
+(dense and MoE), OLMo 2 and SmolLM3.
 
 Every architectural difference is a field of ``Config``; this file reads top to bottom: the model, a block,
 attention, the MLPs, normalisation, rotary embeddings and the KV cache.
@@ -378,7 +378,33 @@ class GemmaMLP(LLaMAMLP):
         return F.gelu(x, approximate=self.approximate)
 
 
-MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}
+class LLaMAMoE(nn.Module):
+    """Mixture of SwiGLU experts (Mixtral, Qwen3-MoE): a router scores every expert per token, the
+    ``n_expert_per_token`` best run on that token and their outputs are summed, weighted by the router's softmax
+    probabilities (renormalised over the chosen experts with ``moe_norm_topk``)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(LLaMAMLP(config) for _ in range(config.n_expert))
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.config.n_expert_per_token, dim=-1)  # (tokens, k)
+        if self.config.moe_norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)  # the tokens that chose expert e, and in which of their k slots
+            y = y.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return y.view(B, T, C)
+
+
+MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}
 
 
 class RMSNorm(nn.Module):

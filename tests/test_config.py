@@ -20,8 +20,8 @@ from lit_model.model import GPT, rope_cache
 transformers = pytest.importorskip("transformers")
 
 PUBLISHED = [name for name in known_names() if Config.from_name(name).hf_org]
-HF_TYPES = ("llama", "mistral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "olmo2",
-            "smollm3")
+HF_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3",
+            "qwen3_moe", "olmo2", "smollm3")
 
 # Parameter counts of the released checkpoints (model cards / safetensors metadata), each also reproduced by
 # ``transformers`` in test_matches_transformers.
@@ -87,6 +87,13 @@ PUBLISHED_PARAMETERS = {
     "Mistral-Nemo-Base-2407": 12_247_782_400,
     "Mistral-Small-24B-Base-2501": 23_572_403_200,
     "phi-4": 14_659_507_200,
+    # Mixtures of experts (total; active per token): Mixtral 8x7B 46.7B (12.9B), 8x22B 141B (39B; the Instruct
+    # model's larger vocabulary adds 2 x 768 x 6144), Qwen3-30B-A3B 30.5B (3.3B), Qwen3-235B-A22B 235B (22B).
+    "Mixtral-8x7B-v0.1": 46_702_792_704,
+    "Mixtral-8x22B-v0.1": 140_620_634_112,
+    "Mixtral-8x22B-Instruct-v0.1": 140_630_071_296,
+    "Qwen3-30B-A3B": 30_532_122_624,
+    "Qwen3-235B-A22B": 235_093_634_560,
 }
 
 def n_parameters(model: torch.nn.Module) -> int:
@@ -107,8 +114,10 @@ _LLAMA_LIKE = dict(
     post_attention_norm=False, post_mlp_norm=False, lm_head_bias=False, norm_unit_offset=False,
     scale_embeddings=False, rotary_percentage=1.0, attention_scores_scalar=None, attention_logit_softcapping=None,
     final_logit_softcapping=None, qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None,
-    full_attention_every=0,
+    full_attention_every=0, n_expert=0, n_expert_per_token=0,
 )
+_MOE = dict(mlp_class_name="LLaMAMoE", **{k: v for k, v in _LLAMA_LIKE.items() if k not in ("mlp_class_name", "n_expert",
+                                                                                             "n_expert_per_token")})
 _GEMMA = dict(
     _LLAMA_LIKE, mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_unit_offset=True, scale_embeddings=True,
     bias=False, attn_bias=False,
@@ -121,6 +130,8 @@ FIXED: dict[str, dict[str, Any]] = {
     "phi3": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_layer_stride=1),
     "qwen2": dict(_LLAMA_LIKE, bias=False, attn_bias=True, sliding_window_size=None),
     "qwen3": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="head"),
+    "qwen3_moe": dict(_MOE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="head"),
+    "mixtral": dict(_MOE, bias=False, attn_bias=False, sliding_window_layer_stride=1, moe_norm_topk=True),
     "olmo2": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="projection",
                   pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
     "smollm3": {**{k: v for k, v in _LLAMA_LIKE.items() if k != "nope_every"}, "bias": False, "attn_bias": False,
@@ -148,7 +159,8 @@ FIXED: dict[str, dict[str, Any]] = {
 }
 for _t in ("gpt_neox", "phi"):
     FIXED[_t].update(norm_unit_offset=False, attention_logit_softcapping=None, final_logit_softcapping=None,
-                     qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None, full_attention_every=0)
+                     qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None, full_attention_every=0,
+                     n_expert=0)
 _GELU_NAME = {"none": "gelu", "tanh": "gelu_new"}
 
 
@@ -195,6 +207,13 @@ def hf_config(config: Config) -> tuple[str, dict[str, Any]]:
         kw.update(use_sliding_window=False, hidden_act="silu")
     elif t == "qwen3":
         kw.update(use_sliding_window=False, hidden_act="silu", attention_bias=False)
+    elif t == "qwen3_moe":
+        kw.update(use_sliding_window=False, hidden_act="silu", attention_bias=False, num_experts=config.n_expert,
+                  num_experts_per_tok=config.n_expert_per_token, norm_topk_prob=config.moe_norm_topk,
+                  moe_intermediate_size=config.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
+    elif t == "mixtral":
+        kw.update(sliding_window=config.sliding_window_size, hidden_act="silu", num_local_experts=config.n_expert,
+                  num_experts_per_tok=config.n_expert_per_token)
     elif t == "olmo2":
         kw.update(hidden_act="silu", attention_bias=False)
     elif t == "smollm3":
@@ -285,6 +304,8 @@ def test_variants_share_the_base_architecture():
         ("Llama-3.3-70B-Instruct", "Llama-3.1-70B"),
         ("Mistral-Nemo-Instruct-2407", "Mistral-Nemo-Base-2407"),
         ("Mistral-Small-24B-Instruct-2501", "Mistral-Small-24B-Base-2501"),
+        ("Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B-v0.1"),
+        ("Qwen3-30B-A3B-Base", "Qwen3-30B-A3B"),
     ]
     ignored = {"name", "extra", "block_size", "norm_eps"}  # Qwen2.5-Instruct: 32K context, rms_norm_eps 1e-6
     for variant, base in pairs:

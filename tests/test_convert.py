@@ -75,6 +75,12 @@ FAMILIES = {
     "olmo2": ("olmo2", {}),  # norms after attention and MLP only; q/k RMSNorm over the whole projection
     "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),  # layers 1 and 3 without RoPE
     "mistral_nemo": ("mistral", {"head_dim": 16, "sliding_window": 5}),  # head_dim != hidden_size / heads
+    # mixtures of experts: 4 experts, 2 per token
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                "head_dim": 16, "norm_topk_prob": False}),
+    "qwen3_moe_normalised": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                           "head_dim": 16, "norm_topk_prob": True}),
 }
 
 # What config_from_hf must read from the new families' config.json (the parity test then shows it is right).
@@ -85,6 +91,9 @@ FEATURES = {
     "olmo2": dict(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
     "smollm3": dict(nope_every=2, tie_embeddings=True),
     "mistral_nemo": dict(head_size=16),
+    "mixtral": dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_norm_topk=True),
+    "qwen3_moe": dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_norm_topk=False,
+                      intermediate_size=48, qk_norm="head"),
 }
 
 
@@ -143,8 +152,10 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
         if family == "llama3_tied":
             assert model.config.rope_scaling["rope_type"] == "llama3"
         # each feature the config.json asked for must matter, for the test to mean anything
-        for field, off in (("rope_scaling", None), ("rope_local_base", None), ("nope_every", 0),
-                           ("full_attention_every", 0)):
+        switches = [("rope_scaling", None), ("rope_local_base", None), ("nope_every", 0), ("full_attention_every", 0)]
+        if model.config.n_expert:
+            switches.append(("moe_norm_topk", False))
+        for field, off in switches:
             if getattr(model.config, field) != off:
                 without = GPT.from_checkpoint(tmp_path / "lit", **{field: off})
                 assert (without(idx) - expected).abs().max() > 1e-3, field

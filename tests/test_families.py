@@ -1,5 +1,5 @@
-"""The architecture switches of the newer families (Qwen3, Gemma 3, OLMo 2, SmolLM3) beyond HF parity
-(tests/test_convert.py): KV-cache decoding equals the full forward, the analytic planner agrees with the trace,
+"""The architecture switches of the newer families (Qwen3, Gemma 3, OLMo 2, SmolLM3, mixtures of experts) beyond
+HF parity (tests/test_convert.py): KV-cache decoding equals the full forward, the analytic planner agrees with the trace,
 and its parameter count with the model's for every published entry."""
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ FEATURES = {
     ),
     "olmo2": dict(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
     "smollm3": dict(nope_every=4),
+    "qwen3_moe": dict(qk_norm="head", mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_norm_topk=False),
 }
+# the trace cannot follow a router's data-dependent choice: the planner estimates experts analytically
+TRACED = [family for family, fields in FEATURES.items() if not fields.get("n_expert")]
 
 
 def tiny_model(**fields) -> GPT:
@@ -58,7 +61,7 @@ def test_kv_cache_decoding_equals_the_full_forward(family: str) -> None:
             torch.testing.assert_close(forward_last(model, ids[:, a:b], torch.arange(a, b), b), full[:, b - 1])
 
 
-@pytest.mark.parametrize("family", list(FEATURES))
+@pytest.mark.parametrize("family", TRACED)
 @pytest.mark.parametrize("precision, trainable", [("32-true", "full"), ("bf16-true", "lora"), ("bf16-mixed", "full")])
 def test_analytic_planner_agrees_with_the_trace(family: str, precision: str, trainable: str) -> None:
     fields = {k: v for k, v in FEATURES[family].items() if k != "head_size"}
@@ -74,7 +77,7 @@ def test_analytic_planner_agrees_with_the_trace(family: str, precision: str, tra
     assert closed["train_step"]["parameters"] == traced["train_step"]["parameters"]
 
 
-NEW_TYPES = ("qwen3", "gemma3_text", "olmo2", "smollm3")
+NEW_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma3_text", "olmo2", "smollm3")
 
 
 @pytest.mark.parametrize("name", [n for n in known_names() if Config.from_name(n).hf_type in NEW_TYPES])

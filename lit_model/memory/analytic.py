@@ -75,6 +75,11 @@ def param_counts(config: Config) -> ParamCounts:
     I = config.intermediate_size
     if config.mlp_class_name == "GptNeoxMLP":
         linear.update({"mlp.fc": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
+    elif config.mlp_class_name == "LLaMAMoE":  # the router and every expert
+        linear["mlp.gate"] = (C, config.n_expert, False)
+        for e in range(config.n_expert):
+            linear.update({f"mlp.experts.{e}.fc_1": (C, I, config.bias), f"mlp.experts.{e}.fc_2": (C, I, config.bias),
+                           f"mlp.experts.{e}.proj": (I, C, config.bias)})
     else:
         linear.update({"mlp.fc_1": (C, I, config.bias), "mlp.fc_2": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
     def norm(size: int) -> list[int]:  # weight (and bias)
@@ -354,6 +359,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
         shared_with_attention = False
         res_rg = x2_rg
     # MLP
+    before_mlp = per_token
     if config.mlp_class_name == "GptNeoxMLP":
         fc_names: tuple[str, ...] = ("mlp.fc",)
         lk, l_rg = lora_kept("mlp.fc", C, m_in_rg, d)
@@ -398,6 +404,12 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
             per_token += kept_linear_inputs(fc_names, C, d)
     else:
         per_token += kept_linear_inputs(fc_names, C, d)
+    if config.mlp_class_name == "LLaMAMoE":
+        # Estimate (the trace cannot follow the router's data-dependent choice): each token runs the SwiGLU above
+        # in k experts, on its own copy of the input, and each expert's output is kept by the product with the
+        # router weight; the router keeps its fp32 softmax and its logits.
+        k = config.n_expert_per_token
+        per_token = before_mlp + k * (per_token - before_mlp + C * d + C * dm) + config.n_expert * (4 + dm)
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
     if config.post_mlp_norm:
         kept, m_rg = _norm(spec, dm, m_rg, norm_w, C)
@@ -509,8 +521,8 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     # no-grad forward: the largest set of tensors alive at once inside a block (MLP: 3 intermediates)
     if config.mlp_class_name == "GptNeoxMLP":
         eval_fw = N * (2 * I + 3 * C) * d
-    else:
-        eval_fw = N * (3 * I + 3 * C) * d
+    else:  # a mixture of experts runs each token through n_expert_per_token experts
+        eval_fw = N * (3 * I * max(config.n_expert_per_token, 1) + 3 * C) * d
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
     eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path
