@@ -86,3 +86,28 @@ def test_analytic_parameter_count(name: str) -> None:
     with torch.device("meta"):
         model = GPT(config)
     assert param_counts(config).total == sum({id(p): p.numel() for p in model.parameters()}.values())
+
+
+def test_lora_adapts_every_expert_and_merges_exactly() -> None:
+    from lit_model.lora import LoRAConfig, apply_lora, merge_state_dict
+
+    model = tiny_model(**FEATURES["qwen3_moe"])
+    base = {name: t.clone() for name, t in model.state_dict().items()}
+    config = LoRAConfig(r=4, query=False, value=False, mlp=True, dropout=0.0)
+    names = apply_lora(model, config)
+    assert sorted(names) == sorted(f"blocks.{i}.mlp.experts.{e}.{n}" for i in range(6) for e in range(4)
+                                   for n in ("fc_1", "fc_2", "proj"))
+    with torch.no_grad():  # a non-zero update, so that merging has something to add
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.1)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    model(ids, targets=ids).backward()
+    # every expert chose some of the 32 tokens: each one's adapter gets a gradient
+    grads = [p.grad for n, p in model.named_parameters() if n.endswith("lora_A")]
+    assert len(grads) == 6 * 4 * 3 and all(g is not None and g.abs().sum() > 0 for g in grads)
+    lora = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    merged = GPT(model.config)
+    merged.load_state_dict(merge_state_dict(base, lora, config))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(ids), model.eval()(ids), rtol=1e-5, atol=1e-5)

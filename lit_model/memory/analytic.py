@@ -16,6 +16,7 @@ ops keep it), then adds the transients at the moments a training step peaks:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -254,6 +255,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
     T = spec.seq_len
     lora = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
+    lora |= {re.sub(r"experts\.\d+\.", "", name) for name in lora}  # an expert's path is an MLP's (times k)
     W = {name: block_trainable for name in ("attn.query", "attn.key", "attn.value", "attn.proj", "mlp.fc", "mlp.fc_1", "mlp.fc_2", "mlp.proj")}
     norm_w = block_trainable
     cuda = spec.device_type == "cuda"
