@@ -5,7 +5,7 @@
 
 Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2/3.3, TinyLlama, SmolLM2), mistral (7B, Small 3, Nemo),
 mixtral, gpt_neox (Pythia), phi (phi-1.5, phi-2), phi3 (Phi-3, Phi-4), gemma, gemma2, gemma3_text, qwen2, qwen3,
-qwen3_moe, olmo2 and smollm3. ``transformers`` itself is not needed: config.json is read
+qwen3_moe, olmo2 and smollm3; of gemma3 (Gemma 3 4B+, multimodal) the language model, exported as gemma3_text. ``transformers`` itself is not needed: config.json is read
 as written by transformers 5 (``rope_parameters``) or by older versions (``rope_theta``/``rope_scaling``,
 ``rotary_pct``/``rotary_emb_base``), and the weights are read shard by shard so that at most one copy of the
 model is in memory.
@@ -51,7 +51,10 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-SUPPORTED_TYPES = tuple(ARCHITECTURES)
+# Multimodal checkpoints whose language model converts on its own (its vision tower is left out): model_type ->
+# the language model's type. Exported back, it is that text-only model.
+_TEXT_PARTS = {"gemma3": "gemma3_text"}
+SUPPORTED_TYPES = tuple(ARCHITECTURES) + tuple(_TEXT_PARTS)
 
 # HF weight files, in the order they are looked for.
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -194,7 +197,7 @@ def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int, int]:
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
     elif t == "gemma3_text":
         layer_types = get("layer_types", None)
-        pattern = get("sliding_window_pattern", 6)
+        pattern = get("sliding_window_pattern", None) or get("_sliding_window_pattern", 6)
         if layer_types is None:
             layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)]
     elif t in ("mistral", "mixtral", "phi3"):
@@ -239,8 +242,31 @@ def _read_nope(get: _Reader, n_layer: int) -> int:
     raise _unsupported(get.model_type, "layers without RoPE on a pattern other than every k-th layer")
 
 
+def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json contents where ``hf_config`` describes a multimodal model (Gemma 3 4B+);
+    else ``hf_config`` itself."""
+    t = hf_config.get("model_type")
+    if t not in _TEXT_PARTS:
+        return hf_config
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(f"config.json of this {t} model has no text_config. Re-download it from the model's repository.")
+    outer = {k: v for k, v in hf_config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")}
+    return {**outer, **text, "model_type": _TEXT_PARTS[t]}
+
+
+def _text_tensor_name(hf_name: str) -> Optional[str]:
+    """A multimodal checkpoint's language-model tensor under the text-only model's name; None for the rest."""
+    for prefix, text_prefix in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                                ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if hf_name.startswith(prefix):
+            return text_prefix + hf_name[len(prefix):]
+    return None
+
+
 def config_from_hf(hf_config: dict[str, Any]) -> Config:
-    """A ``Config`` from the contents of a Hugging Face config.json."""
+    """A ``Config`` from the contents of a Hugging Face config.json (of a multimodal model: its language model)."""
+    hf_config = _text_config(hf_config)
     t = hf_config.get("model_type")
     if t not in ARCHITECTURES:
         raise UserError(
@@ -793,7 +819,9 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
             f"--hf_dir {hf_dir} has no config.json, so it is not a Hugging Face model directory. Pass the directory "
             "that holds config.json and the model's weight files."
         )
-    config = config_from_hf(_read_json(hf_dir / "config.json"))
+    hf_config = _read_json(hf_dir / "config.json")
+    multimodal = hf_config.get("model_type") in _TEXT_PARTS
+    config = config_from_hf(hf_config)
     _name_from_registry(config, hf_dir.resolve().name)
     _check_out_dir(out_dir, overwrite, (hf_dir,))
     files = hf_weight_files(hf_dir)
@@ -812,6 +840,10 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
     for number, path in enumerate(files, 1):
         count = 0
         for hf_name, tensor in _iter_shard(path):
+            if multimodal:
+                hf_name = _text_tensor_name(hf_name)
+                if hf_name is None:  # the vision tower and its projector
+                    continue
             if _IGNORED_HF_TENSORS.search(hf_name):
                 continue
             if config.tie_embeddings and hf_name in head_names:

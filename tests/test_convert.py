@@ -171,6 +171,30 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
         assert "lm_head.weight" not in load_file(tmp_path / "hf2" / "model.safetensors")
 
 
+def test_gemma3_multimodal_checkpoint_converts_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B+ is published as Gemma3ForConditionalGeneration: the language model converts, the SigLIP tower
+    and projector are left out, and text-only logits match the multimodal model's."""
+    text = {**SMALL, **FAMILIES["gemma3"][1]}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.add_(torch.randn_like(param) * 0.3) if param.ndim == 1 else param.normal_(0.0, 0.2)
+    hf_model.save_pretrained(tmp_path / "hf")
+    idx = tokens()
+    hf_to_lit(tmp_path / "hf", tmp_path / "lit")
+    model = GPT.from_checkpoint(tmp_path / "lit")
+    assert model.config.hf_type == "gemma3_text" and model.config.full_attention_every == 3
+    with torch.no_grad():
+        assert_same(model(idx), hf_logits(hf_model, idx))
+    lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    assert_same(hf_logits(reloaded, idx), hf_logits(hf_model, idx))
+
+
 def test_config_roundtrip_and_rejections() -> None:
     hf = make_hf_model("gemma2").config.to_dict()
     config = config_from_hf(hf)
