@@ -5,10 +5,10 @@
 
 Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2/3.3, TinyLlama, SmolLM2), mistral (7B, Small 3, Nemo),
 mixtral, gpt_neox (Pythia), phi (phi-1.5, phi-2), phi3 (Phi-3, Phi-4), gemma, gemma2, gemma3_text, qwen2, qwen3,
-qwen3_moe, olmo2 and smollm3; of gemma3 (Gemma 3 4B+, multimodal) the language model, exported as gemma3_text. ``transformers`` itself is not needed: config.json is read
-as written by transformers 5 (``rope_parameters``) or by older versions (``rope_theta``/``rope_scaling``,
-``rotary_pct``/``rotary_emb_base``), and the weights are read shard by shard so that at most one copy of the
-model is in memory.
+qwen3_moe, olmo2 and smollm3; of gemma3 (Gemma 3 4B+, multimodal) the language model, exported as gemma3_text.
+``transformers`` itself is not needed: config.json is read as written by transformers 5 (``rope_parameters``) or by
+older versions (``rope_theta``/``rope_scaling``, ``rotary_pct``/``rotary_emb_base``), and the weights are read shard
+by shard so that at most one copy of the model is in memory.
 """
 
 from __future__ import annotations
@@ -250,7 +250,9 @@ def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
         return hf_config
     text = hf_config.get("text_config")
     if not isinstance(text, dict):
-        raise UserError(f"config.json of this {t} model has no text_config. Re-download it from the model's repository.")
+        raise UserError(
+            f"config.json of this {t} model has no text_config. Re-download it from the model's repository."
+        )
     outer = {k: v for k, v in hf_config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")}
     return {**outer, **text, "model_type": _TEXT_PARTS[t]}
 
@@ -353,7 +355,9 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
                       n_expert_per_token=get("num_experts_per_tok"), moe_norm_topk=True)
         elif t == "qwen3_moe":
             if get("decoder_sparse_step", 1) != 1 or get("mlp_only_layers", None):
-                raise _unsupported(t, "dense MLP layers between the expert layers (decoder_sparse_step, mlp_only_layers)")
+                raise _unsupported(
+                    t, "dense MLP layers between the expert layers (decoder_sparse_step, mlp_only_layers)"
+                )
             n_expert = get("num_experts", None) or get("num_local_experts")  # the name transformers 5 writes
             kw.update(mlp_class_name="LLaMAMoE", n_expert=n_expert, n_expert_per_token=get("num_experts_per_tok"),
                       moe_norm_topk=bool(get("norm_topk_prob", False)), intermediate_size=get("moe_intermediate_size"))

@@ -20,8 +20,8 @@ from lit_model.model import GPT, rope_cache
 transformers = pytest.importorskip("transformers")
 
 PUBLISHED = [name for name in known_names() if Config.from_name(name).hf_org]
-HF_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3",
-            "qwen3_moe", "olmo2", "smollm3")
+HF_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2",
+            "qwen3", "qwen3_moe", "olmo2", "smollm3")
 
 # Parameter counts of the released checkpoints (model cards / safetensors metadata), each also reproduced by
 # ``transformers`` in test_matches_transformers.
@@ -116,8 +116,8 @@ _LLAMA_LIKE = dict(
     final_logit_softcapping=None, qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None,
     full_attention_every=0, n_expert=0, n_expert_per_token=0,
 )
-_MOE = dict(mlp_class_name="LLaMAMoE", **{k: v for k, v in _LLAMA_LIKE.items() if k not in ("mlp_class_name", "n_expert",
-                                                                                             "n_expert_per_token")})
+_MOE = {**{k: v for k, v in _LLAMA_LIKE.items() if k not in ("n_expert", "n_expert_per_token")},
+        "mlp_class_name": "LLaMAMoE"}
 _GEMMA = dict(
     _LLAMA_LIKE, mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_unit_offset=True, scale_embeddings=True,
     bias=False, attn_bias=False,
