@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -399,3 +400,51 @@ def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pyt
     convert.main(["hf_to_lit", "--hf_dir", str(hf_dir), "--out_dir", str(busy), "--overwrite"])
     assert {"model.safetensors", "model_config.yaml"} <= {p.name for p in busy.iterdir()}
     assert not (busy / "keep.txt").exists()
+
+
+# config.json as the hub serves it (transformers 4 layout), for the entries whose layout differs most from what
+# transformers 5 writes: each must read as its registry entry.
+GEMMA3_1B_HUB = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106], "final_logit_softcapping": None,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+    "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "vocab_size": 262144,
+}
+GEMMA3_4B_HUB = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "torch_dtype": "bfloat16",
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                    "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+                    "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+                    "rope_local_base_freq": 10000, "rope_theta": 1000000, "vocab_size": 262208},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+}
+SMOLLM3_HUB = {
+    "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
+    "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 65536,
+    "rope_theta": 5000000.0, "rms_norm_eps": 1e-06, "vocab_size": 128256, "tie_word_embeddings": True,
+    "no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+    "use_sliding_window": False, "sliding_window": None, "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu",
+}
+QWEN3_MOE_HUB = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "vocab_size": 151936, "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+    "max_window_layers": 48, "attention_bias": False, "hidden_act": "silu",
+}
+
+
+@pytest.mark.parametrize("hub, name", [(GEMMA3_1B_HUB, "gemma-3-1b-it"), (GEMMA3_4B_HUB, "gemma-3-4b-it"),
+                                       (SMOLLM3_HUB, "SmolLM3-3B"), (QWEN3_MOE_HUB, "Qwen3-30B-A3B")])
+def test_hub_config_reads_as_the_registry_entry(hub: dict, name: str) -> None:
+    config, published = config_from_hf(hub), Config.from_name(name)
+    architecture = [f.name for f in fields(Config) if f.name not in ("name", "hf_org", "vocab_size", "extra")]
+    assert {f: getattr(config, f) for f in architecture} == {f: getattr(published, f) for f in architecture}
