@@ -52,8 +52,13 @@ class Config:
     norm_eps: float = 1e-5
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
     # MLP
-    mlp_class_name: Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"] = "LLaMAMLP"
-    intermediate_size: Optional[int] = None  # None: 4 * n_embd
+    mlp_class_name: Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP", "LLaMAMoE"] = "LLaMAMLP"
+    intermediate_size: Optional[int] = None  # None: 4 * n_embd (LLaMAMoE: each expert's)
+    # Mixture of experts (LLaMAMoE: Mixtral, Qwen3-MoE): n_expert SwiGLU experts, n_expert_per_token chosen per
+    # token by a router; their softmax probabilities renormalised to sum to 1 (Mixtral) or not (moe_norm_topk=False)
+    n_expert: int = 0
+    n_expert_per_token: int = 0
+    moe_norm_topk: bool = True
     gelu_approximate: str = "none"  # "tanh" for gelu_new / gelu_pytorch_tanh
     # Attention and output variants
     scale_embeddings: bool = False  # multiply embeddings by sqrt(n_embd) (Gemma)
@@ -62,6 +67,15 @@ class Config:
     final_logit_softcapping: Optional[float] = None
     sliding_window_size: Optional[int] = None  # local attention window
     sliding_window_layer_stride: int = 1  # 1: every layer is local; 2: every other layer (Gemma 2)
+    # k > 0: with a window, layers k-1, 2k-1, ... attend globally and the others locally (Gemma 3: 6, i.e. 5:1);
+    # replaces sliding_window_layer_stride
+    full_attention_every: int = 0
+    rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    nope_every: int = 0  # k > 0: layers k-1, 2k-1, ... use no positional encoding at all (SmolLM3: 4)
+    # RMSNorm of queries and keys before RoPE: "head" normalises each head (Qwen3, Gemma 3), "projection" the
+    # whole query/key projection (OLMo 2)
+    qk_norm: Optional[Literal["head", "projection"]] = None
+    pre_norm: bool = True  # norms before attention and MLP; False: only the post norms (OLMo 2)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific HF fields kept for export
 
     def __post_init__(self) -> None:
@@ -86,7 +100,14 @@ class Config:
         return f"{self.hf_org}/{self.name}" if self.hf_org else self.name
 
     def layer_uses_sliding_window(self, layer_idx: int) -> bool:
-        return self.sliding_window_size is not None and layer_idx % self.sliding_window_layer_stride == 0
+        if self.sliding_window_size is None:
+            return False
+        if self.full_attention_every:
+            return (layer_idx + 1) % self.full_attention_every != 0
+        return layer_idx % self.sliding_window_layer_stride == 0
+
+    def layer_uses_rope(self, layer_idx: int) -> bool:
+        return not (self.nope_every and (layer_idx + 1) % self.nope_every == 0)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -3,11 +3,12 @@
     python -m lit_model.convert hf_to_lit --hf_dir DIR --out_dir DIR [--overwrite]
     python -m lit_model.convert lit_to_hf --checkpoint_dir DIR --out_dir DIR [--overwrite]
 
-Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2, TinyLlama, SmolLM2), mistral, gpt_neox (Pythia), phi
-(phi-1.5, phi-2), phi3, gemma, gemma2 and qwen2. ``transformers`` itself is not needed: config.json is read
-as written by transformers 5 (``rope_parameters``) or by older versions (``rope_theta``/``rope_scaling``,
-``rotary_pct``/``rotary_emb_base``), and the weights are read shard by shard so that at most one copy of the
-model is in memory.
+Supported ``model_type`` values: llama (Llama 2/3/3.1/3.2/3.3, TinyLlama, SmolLM2), mistral (7B, Small 3, Nemo),
+mixtral, gpt_neox (Pythia), phi (phi-1.5, phi-2), phi3 (Phi-3, Phi-4), gemma, gemma2, gemma3_text, qwen2, qwen3,
+qwen3_moe, olmo2 and smollm3; of gemma3 (Gemma 3 4B+, multimodal) the language model, exported as gemma3_text.
+``transformers`` itself is not needed: config.json is read as written by transformers 5 (``rope_parameters``) or by
+older versions (``rope_theta``/``rope_scaling``, ``rotary_pct``/``rotary_emb_base``), and the weights are read shard
+by shard so that at most one copy of the model is in memory.
 """
 
 from __future__ import annotations
@@ -43,8 +44,17 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-SUPPORTED_TYPES = tuple(ARCHITECTURES)
+# Multimodal checkpoints whose language model converts on its own (its vision tower is left out): model_type ->
+# the language model's type. Exported back, it is that text-only model.
+_TEXT_PARTS = {"gemma3": "gemma3_text"}
+SUPPORTED_TYPES = tuple(ARCHITECTURES) + tuple(_TEXT_PARTS)
 
 # HF weight files, in the order they are looked for.
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -60,7 +70,7 @@ _DROPPED_KEYS = {
 # Tensors some checkpoints hold that are recomputed, not learned.
 _IGNORED_HF_TENSORS = re.compile(r"(rotary_emb\.inv_freq|attention\.masked_bias|attention\.bias)$")
 
-_DEFAULT_TIE = {"gemma": True, "gemma2": True}
+_DEFAULT_TIE = {"gemma": True, "gemma2": True, "gemma3_text": True, "smollm3": True}
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
@@ -98,12 +108,15 @@ def _unsupported(model_type: str, what: str) -> UserError:
     )
 
 
-def _read_rope(get: _Reader) -> tuple[float, float, Optional[dict[str, Any]]]:
-    """(rope_theta, partial_rotary_factor, scaling) from either config.json layout."""
+def _read_rope(get: _Reader, layer_type: Optional[str] = None) -> tuple[float, float, Optional[dict[str, Any]]]:
+    """(rope_theta, partial_rotary_factor, scaling) from either config.json layout; ``layer_type`` picks one
+    layer type's settings where they are nested per layer type (Gemma 3's global layers)."""
     params = dict(get("rope_parameters", None) or {})
     legacy = dict(get("rope_scaling", None) or {})
     if params and all(isinstance(v, dict) for v in params.values()):  # nested per layer type
         values = list(params.values())
+        if layer_type is not None:
+            values = [params.get(layer_type) or {}]
         if any(v != values[0] for v in values):
             raise _unsupported(get.model_type, "different RoPE settings per layer type")
         params = dict(values[0])
@@ -145,15 +158,33 @@ def _read_rope(get: _Reader) -> tuple[float, float, Optional[dict[str, Any]]]:
     raise _unsupported(get.model_type, f"RoPE scaling of type {rope_type!r} (supported: default, linear, llama3)")
 
 
-def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int]:
-    """(sliding_window_size, sliding_window_layer_stride) from ``sliding_window`` and ``layer_types``."""
+def _read_local_rope(get: _Reader, theta: float, scaling: Optional[dict[str, Any]]) -> Optional[float]:
+    """Gemma 3: the unscaled RoPE base of the sliding-window layers; None where they use the global tables."""
+    params = get("rope_parameters", None) or {}
+    if isinstance(params.get("sliding_attention"), dict):
+        local = dict(params["sliding_attention"])
+        local_type, local_theta = local.get("rope_type", "default"), local.get("rope_theta", 10000.0)
+        if local_type == "default" and local.get("partial_rotary_factor", 1.0) != 1.0:
+            local_type = "partial rotary"
+    else:  # transformers 4 layout
+        local_type, local_theta = "default", get("rope_local_base_freq", 10000.0)
+    if local_type != "default":
+        raise _unsupported(get.model_type, f"RoPE of type {local_type!r} on the sliding-window layers")
+    if float(local_theta) == theta and scaling is None:
+        return None
+    return float(local_theta)
+
+
+def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int, int]:
+    """(sliding_window_size, sliding_window_layer_stride, full_attention_every) from ``sliding_window`` and
+    ``layer_types``."""
     t = get.model_type
     window = get("sliding_window", None)
-    if t == "qwen2":
+    if t in ("qwen2", "qwen3", "qwen3_moe"):
         if not get("use_sliding_window", False):
             get("max_window_layers", None)
             get("layer_types", None)
-            return None, 1
+            return None, 1, 0
         layer_types = get("layer_types", None)
         if layer_types is None:
             first = get("max_window_layers", 0)
@@ -164,26 +195,80 @@ def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int]:
         layer_types = get("layer_types", None)
         if layer_types is None:
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
-    elif t in ("mistral", "phi3"):
+    elif t == "gemma3_text":
+        layer_types = get("layer_types", None)
+        pattern = get("sliding_window_pattern", None) or get("_sliding_window_pattern", 6)
+        if layer_types is None:
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)]
+    elif t in ("mistral", "mixtral", "phi3"):
         layer_types = get("layer_types", None) or ["sliding_attention"] * n_layer
     else:
-        return None, 1
+        return None, 1, 0
     if window is None:
-        return None, 1
+        return None, 1, 0
     if len(layer_types) != n_layer:
         raise UserError(f"config.json lists {len(layer_types)} layer_types for {n_layer} layers. Fix config.json.")
     sliding = [kind == "sliding_attention" for kind in layer_types]
     if not any(sliding):
-        return None, 1
+        return None, 1, 0
     if all(sliding):
-        return int(window), 1
+        return int(window), 1, 0
     if sliding == [i % 2 == 0 for i in range(n_layer)]:
-        return int(window), 2
-    raise _unsupported(t, "sliding-window attention on a layer pattern other than all layers or every other layer")
+        return int(window), 2, 0
+    for every in range(2, n_layer + 1):
+        if sliding == [(i + 1) % every != 0 for i in range(n_layer)]:
+            return int(window), 1, every
+    raise _unsupported(
+        t, "sliding-window attention on a layer pattern other than all layers, every other layer or all but every "
+        "k-th layer"
+    )
+
+
+def _read_nope(get: _Reader, n_layer: int) -> int:
+    """SmolLM3: k where layers k-1, 2k-1, ... have no RoPE (``no_rope_layers``: 1 = RoPE, 0 = none)."""
+    if get("use_sliding_window", False):
+        get("sliding_window", None)
+        raise _unsupported(get.model_type, "sliding-window attention (use_sliding_window=true)")
+    get("layer_types", None)
+    interval = int(get("no_rope_layer_interval", 4))
+    uses_rope = get("no_rope_layers", None)
+    if uses_rope is None:
+        uses_rope = [int((i + 1) % interval != 0) for i in range(n_layer)]
+    if all(uses_rope):
+        return 0
+    for every in range(1, n_layer + 1):
+        if [bool(u) for u in uses_rope] == [(i + 1) % every != 0 for i in range(n_layer)]:
+            return every
+    raise _unsupported(get.model_type, "layers without RoPE on a pattern other than every k-th layer")
+
+
+def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json contents where ``hf_config`` describes a multimodal model (Gemma 3 4B+);
+    else ``hf_config`` itself."""
+    t = hf_config.get("model_type")
+    if t not in _TEXT_PARTS:
+        return hf_config
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(
+            f"config.json of this {t} model has no text_config. Re-download it from the model's repository."
+        )
+    outer = {k: v for k, v in hf_config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")}
+    return {**outer, **text, "model_type": _TEXT_PARTS[t]}
+
+
+def _text_tensor_name(hf_name: str) -> Optional[str]:
+    """A multimodal checkpoint's language-model tensor under the text-only model's name; None for the rest."""
+    for prefix, text_prefix in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                                ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if hf_name.startswith(prefix):
+            return text_prefix + hf_name[len(prefix):]
+    return None
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> Config:
-    """A ``Config`` from the contents of a Hugging Face config.json."""
+    """A ``Config`` from the contents of a Hugging Face config.json (of a multimodal model: its language model)."""
+    hf_config = _text_config(hf_config)
     t = hf_config.get("model_type")
     if t not in ARCHITECTURES:
         raise UserError(
@@ -208,10 +293,16 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
         kw["n_query_groups"] = n_head
     else:
         kw["n_query_groups"] = get("num_key_value_heads", n_head)
-    if t in ("llama", "mistral", "gemma", "gemma2", "qwen2", "phi", "phi3"):
+    if t != "gpt_neox":
         kw["head_size"] = get("head_dim", None) or n_embd // n_head
-    kw["rope_base"], kw["rotary_percentage"], kw["rope_scaling"] = _read_rope(get)
-    kw["sliding_window_size"], kw["sliding_window_layer_stride"] = _read_sliding(get, n_layer)
+    kw["rope_base"], kw["rotary_percentage"], kw["rope_scaling"] = _read_rope(
+        get, "full_attention" if t == "gemma3_text" else None
+    )
+    if t == "gemma3_text":
+        kw["rope_local_base"] = _read_local_rope(get, kw["rope_base"], kw["rope_scaling"])
+    kw["sliding_window_size"], kw["sliding_window_layer_stride"], kw["full_attention_every"] = _read_sliding(
+        get, n_layer
+    )
 
     if t in ("gpt_neox", "phi"):
         kw.update(norm_class_name="LayerNorm", norm_eps=get("layer_norm_eps", 1e-5), mlp_class_name="GptNeoxMLP")
@@ -230,7 +321,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
             kw.update(parallel_residual=True, shared_attention_norm=True, lm_head_bias=True)
     else:
         kw["norm_eps"] = get("rms_norm_eps", 1e-6)
-        if t in ("gemma", "gemma2"):
+        if t in ("gemma", "gemma2", "gemma3_text"):
             act = get("hidden_activation", None) or get("hidden_act", "gelu_pytorch_tanh")
             if t == "gemma" and act == "gelu":  # legacy value of the official Gemma releases; HF does the same
                 act = "gelu_pytorch_tanh"
@@ -246,14 +337,32 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
                 raise _unsupported(t, f"the activation {act!r} (supported: silu)")
         if t == "qwen2":
             kw["attn_bias"] = True
-        elif t in ("llama", "gemma", "gemma2"):
+        elif t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "smollm3"):
             attention_bias, mlp_bias = bool(get("attention_bias", False)), bool(get("mlp_bias", False))
             if t != "llama" and attention_bias:
                 raise _unsupported(t, "attention bias (attention_bias=true)")
             if attention_bias != mlp_bias:
                 raise _unsupported(t, "bias on the attention but not the MLP layers or vice versa")
             kw["bias"] = attention_bias
-        if t == "gemma2":
+        if t in ("qwen3", "qwen3_moe", "gemma3_text"):
+            kw["qk_norm"] = "head"
+        elif t == "olmo2":
+            kw.update(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True)
+        elif t == "smollm3":
+            kw["nope_every"] = _read_nope(get, n_layer)
+        if t == "mixtral":
+            kw.update(mlp_class_name="LLaMAMoE", n_expert=get("num_local_experts"),
+                      n_expert_per_token=get("num_experts_per_tok"), moe_norm_topk=True)
+        elif t == "qwen3_moe":
+            if get("decoder_sparse_step", 1) != 1 or get("mlp_only_layers", None):
+                raise _unsupported(
+                    t, "dense MLP layers between the expert layers (decoder_sparse_step, mlp_only_layers)"
+                )
+            n_expert = get("num_experts", None) or get("num_local_experts")  # the name transformers 5 writes
+            kw.update(mlp_class_name="LLaMAMoE", n_expert=n_expert, n_expert_per_token=get("num_experts_per_tok"),
+                      moe_norm_topk=bool(get("norm_topk_prob", False)), intermediate_size=get("moe_intermediate_size"))
+            get.used.discard("intermediate_size")  # the (unused) dense MLP size: kept in extra for the export
+        if t in ("gemma2", "gemma3_text"):
             kw.update(
                 post_attention_norm=True,
                 post_mlp_norm=True,
@@ -294,7 +403,10 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     )
     if t != "gpt_neox":
         derived["num_key_value_heads"] = config.n_query_groups
-    if t in ("llama", "mistral", "gemma", "gemma2", "qwen2") or config.head_size != config.n_embd // config.n_head:
+    if (
+        t in ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "qwen3_moe", "smollm3")
+        or config.head_size != config.n_embd // config.n_head
+    ):
         derived["head_dim"] = config.head_size
     rope: dict[str, Any] = {"rope_theta": config.rope_base, "rope_type": "default"}
     if config.rope_scaling:
@@ -303,6 +415,10 @@ def config_to_hf(config: Config) -> dict[str, Any]:
     if config.rotary_percentage != 1.0 or t in ("gpt_neox", "phi", "phi3"):
         rope["partial_rotary_factor"] = config.rotary_percentage
     derived["rope_parameters"] = rope
+    if t == "gemma3_text":  # RoPE per layer type: the local layers' own base, unscaled
+        local_base = config.rope_local_base
+        local = dict(rope) if local_base is None else {"rope_theta": local_base, "rope_type": "default"}
+        derived["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
 
     if t in ("gpt_neox", "phi"):
         derived["layer_norm_eps"] = config.norm_eps
@@ -316,21 +432,21 @@ def config_to_hf(config: Config) -> dict[str, Any]:
         derived["rms_norm_eps"] = config.norm_eps
         if t == "gemma":
             derived["hidden_act"] = "gelu_pytorch_tanh" if config.gelu_approximate == "tanh" else "gelu"
-        elif t == "gemma2":
+        elif t in ("gemma2", "gemma3_text"):
             derived["hidden_activation"] = "gelu_pytorch_tanh" if config.gelu_approximate == "tanh" else "gelu"
         else:
             derived["hidden_act"] = "silu"
-        if t in ("llama", "gemma", "gemma2"):
+        if t in ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "smollm3"):
             derived["attention_bias"] = config.bias
-        if t == "llama":
+        if t in ("llama", "smollm3"):
             derived["mlp_bias"] = config.bias
     window = config.sliding_window_size
     layer_types = [
         "sliding_attention" if config.layer_uses_sliding_window(i) else "full_attention" for i in range(config.n_layer)
     ]
-    if t in ("mistral", "phi3"):
+    if t in ("mistral", "mixtral", "phi3"):
         derived["sliding_window"] = window
-    elif t == "gemma2":
+    elif t in ("gemma2", "gemma3_text"):
         if window is None:  # every layer global: a window as long as the context is the same thing
             window = config.block_size
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.n_layer)]
@@ -341,13 +457,32 @@ def config_to_hf(config: Config) -> dict[str, Any]:
             attn_logit_softcapping=config.attention_logit_softcapping,
             final_logit_softcapping=config.final_logit_softcapping,
         )
-    elif t == "qwen2":
+    elif t in ("qwen2", "qwen3", "qwen3_moe"):
         derived.update(
             use_sliding_window=window is not None,
             sliding_window=window,
             max_window_layers=0 if window is not None else config.n_layer,
             layer_types=layer_types,
         )
+    if t == "mixtral":
+        derived.update(num_local_experts=config.n_expert, num_experts_per_tok=config.n_expert_per_token)
+    elif t == "qwen3_moe":
+        derived.update(
+            num_experts=config.n_expert,
+            num_experts_per_tok=config.n_expert_per_token,
+            norm_topk_prob=config.moe_norm_topk,
+            moe_intermediate_size=config.intermediate_size,
+            intermediate_size=config.extra.get("intermediate_size", config.intermediate_size),  # dense size, unused
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if t == "smollm3":
+        # the list decides; the interval is only HF's default for building that list
+        derived.update(
+            use_sliding_window=False, no_rope_layers=[int(config.layer_uses_rope(i)) for i in range(config.n_layer)]
+        )
+        if config.nope_every:
+            derived["no_rope_layer_interval"] = config.nope_every
     hf.update({k: v for k, v in config.extra.items() if k not in derived and k not in _DROPPED_KEYS})
     hf.update(derived)
 
@@ -378,10 +513,12 @@ def _canonical(config: Config, name: str) -> Any:
         return None
     if name == "sliding_window_size" and value is not None and value >= config.block_size:
         return None
-    if name == "sliding_window_layer_stride" and (
+    if name in ("sliding_window_layer_stride", "full_attention_every") and (
         config.sliding_window_size is None or config.sliding_window_size >= config.block_size
     ):
-        return 1
+        return 1 if name == "sliding_window_layer_stride" else 0
+    if name == "rope_local_base" and value == config.rope_base and not config.rope_scaling:
+        return None
     return value
 
 
@@ -410,6 +547,15 @@ _LAYER_MODULES: dict[str, dict[str, str]] = {
         "norm_2": "pre_feedforward_layernorm",
         "post_mlp_norm": "post_feedforward_layernorm",
     },
+    "smollm3": _LLAMA_LAYER,
+    "qwen3": {**_LLAMA_LAYER, "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"},
+    "olmo2": {
+        **{lit: hf for lit, hf in _LLAMA_LAYER.items() if not lit.startswith("norm_")},
+        "attn.q_norm": "self_attn.q_norm",
+        "attn.k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+    },
     "phi3": {"norm_1": "input_layernorm", "attn.proj": "self_attn.o_proj", "norm_2": "post_attention_layernorm",
              "mlp.proj": "mlp.down_proj"},
     "phi": {
@@ -428,6 +574,23 @@ _LAYER_MODULES: dict[str, dict[str, str]] = {
         "mlp.fc": "mlp.dense_h_to_4h",
         "mlp.proj": "mlp.dense_4h_to_h",
     },
+}
+_MLP_NAMES = ("mlp.fc_1", "mlp.fc_2", "mlp.proj")
+_LAYER_MODULES["mixtral"] = {
+    **{lit: hf for lit, hf in _LLAMA_LAYER.items() if lit not in _MLP_NAMES}, "mlp.gate": "block_sparse_moe.gate"
+}
+_LAYER_MODULES["qwen3_moe"] = {
+    **{lit: hf for lit, hf in _LAYER_MODULES["qwen3"].items() if lit not in _MLP_NAMES}, "mlp.gate": "mlp.gate"
+}
+# Each expert's SwiGLU layers (lit: mlp.experts.<e>.<name>), the HF name formatted with the expert's number.
+_EXPERT_MODULES = {
+    "mixtral": {"fc_1": "block_sparse_moe.experts.{}.w1", "fc_2": "block_sparse_moe.experts.{}.w3",
+                "proj": "block_sparse_moe.experts.{}.w2"},
+    "qwen3_moe": {"fc_1": "mlp.experts.{}.gate_proj", "fc_2": "mlp.experts.{}.up_proj",
+                  "proj": "mlp.experts.{}.down_proj"},
+}
+_LAYER_MODULES["gemma3_text"] = {
+    **_LAYER_MODULES["gemma2"], "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"
 }
 # Fused HF modules: hf module -> the lit modules it holds, in order.
 _FUSED: dict[str, dict[str, tuple[str, ...]]] = {
@@ -458,7 +621,9 @@ class WeightMap:
         self.top_back = {hf: lit for lit, hf in self.top.items()}
         if self.t == "gpt_neox":
             self.top_back["lm_head"] = "lm_head"  # transformers 5 may write the head as lm_head
-        self.layer = _LAYER_MODULES[self.t]
+        self.layer = dict(_LAYER_MODULES[self.t])
+        for e in range(config.n_expert):
+            self.layer.update({f"mlp.experts.{e}.{lit}": hf.format(e) for lit, hf in _EXPERT_MODULES[self.t].items()})
         self.layer_back = {hf: lit for lit, hf in self.layer.items()}
         self.fused = _FUSED.get(self.t, {})
         self.fused_of = {lit: hf for hf, parts in self.fused.items() for lit in parts}
@@ -675,7 +840,9 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
             f"--hf_dir {hf_dir} has no config.json, so it is not a Hugging Face model directory. Pass the directory "
             "that holds config.json and the model's weight files."
         )
-    config = config_from_hf(_read_json(hf_dir / "config.json"))
+    hf_config = _read_json(hf_dir / "config.json")
+    multimodal = hf_config.get("model_type") in _TEXT_PARTS
+    config = config_from_hf(hf_config)
     _name_from_registry(config, hf_dir.resolve().name)
     _check_out_dir(out_dir, overwrite, (hf_dir,))
     files = hf_weight_files(hf_dir)
@@ -694,6 +861,10 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
     for number, path in enumerate(files, 1):
         count = 0
         for hf_name, tensor in _iter_shard(path):
+            if multimodal:
+                hf_name = _text_tensor_name(hf_name)
+                if hf_name is None:  # the vision tower and its projector
+                    continue
             if _IGNORED_HF_TENSORS.search(hf_name):
                 continue
             if config.tie_embeddings and hf_name in head_names:

@@ -159,7 +159,7 @@ def set_kv_cache(model: GPT, batch_size: int, max_length: int, dtype: Optional[t
         model.set_kv_cache(batch_size, max_length)  # raises the model's "exceeds the context" error
     dtype = dtype or model.embed.weight.dtype
     for block in model.blocks:
-        block.attn.kv_cache = KVCache(batch_size, model.config, max_length, block.norm_1.weight.device, dtype)
+        block.attn.kv_cache = KVCache(batch_size, model.config, max_length, block.attn.proj.weight.device, dtype)
 
 
 def kv_cache_nbytes(model: GPT) -> int:
@@ -195,7 +195,7 @@ def forward_last(
     cos = model.cos.index_select(0, input_pos).to(x.dtype)
     sin = model.sin.index_select(0, input_pos).to(x.dtype)
     for block in model.blocks:
-        device = block.norm_1.weight.device
+        device = block.attn.proj.weight.device
         if x.device != device:
             x, cos, sin, input_pos = x.to(device), cos.to(device), sin.to(device), input_pos.to(device)
         x = block(x, cos, sin, input_pos, input_pos_maxp1)

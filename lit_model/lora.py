@@ -16,6 +16,7 @@ stored base weights (never from a quantized copy):
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -73,6 +74,7 @@ class LoRAConfig:
         return self.alpha / self.r
 
     def targets(self, name: str) -> bool:
+        name = re.sub(r"\.experts\.\d+", "", name)  # each expert of a mixture is an MLP (mlp.experts.3.fc_1: mlp.fc_1)
         return any(
             name == suffix or name.endswith("." + suffix)
             for flag, suffixes in TARGETS.items() if getattr(self, flag) for suffix in suffixes

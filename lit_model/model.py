@@ -1,4 +1,5 @@
-"""A GPT decoder that covers Llama, Mistral, GPT-NeoX/Pythia, Phi, Gemma (1 and 2) and Qwen2.
+"""A GPT decoder that covers Llama, Mistral, Mixtral, GPT-NeoX/Pythia, Phi, Gemma (1, 2 and 3), Qwen2/Qwen3
+(dense and MoE), OLMo 2 and SmolLM3.
 
 Every architectural difference is a field of ``Config``; this file reads top to bottom: the model, a block,
 attention, the MLPs, normalisation, rotary embeddings and the KV cache.
@@ -7,6 +8,7 @@ attention, the MLPs, normalisation, rotary embeddings and the KV cache.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -63,9 +65,15 @@ class GPT(nn.Module):
         self.reset_rope_cache()
 
     def reset_rope_cache(self, device: Optional[torch.device] = None) -> None:
-        """(Re)build the cos/sin tables, e.g. after the model was created on the meta device."""
+        """(Re)build the cos/sin tables, e.g. after the model was created on the meta device. With a local RoPE
+        base (Gemma 3) the global and the local tables sit side by side along the last dimension, so every
+        caller indexes positions as usual and each attention layer takes its half."""
         device = device if device is not None else self.embed.weight.device
         cos, sin = rope_cache(self.config, self._max_seq_length, device)
+        if self.config.rope_local_base is not None:
+            local = replace(self.config, rope_base=self.config.rope_local_base, rope_scaling=None)
+            cos_local, sin_local = rope_cache(local, self._max_seq_length, device)
+            cos, sin = torch.cat((cos, cos_local), dim=-1), torch.cat((sin, sin_local), dim=-1)
         self.cos, self.sin = cos, sin
 
     def forward(
@@ -194,10 +202,13 @@ class Block(nn.Module):
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.config = config
-        self.norm_1 = make_norm(config, config.n_embd)
+        self.norm_1 = make_norm(config, config.n_embd) if config.pre_norm else nn.Identity()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.post_attention_norm = make_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
-        self.norm_2 = None if config.shared_attention_norm else make_norm(config, config.n_embd)
+        if config.shared_attention_norm:
+            self.norm_2 = None
+        else:
+            self.norm_2 = make_norm(config, config.n_embd) if config.pre_norm else nn.Identity()
         self.mlp = MLP_CLASSES[config.mlp_class_name](config)
         self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
 
@@ -221,7 +232,12 @@ class CausalSelfAttention(nn.Module):
         self.key = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
         self.value = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        if config.qk_norm is not None:
+            per_head = config.qk_norm == "head"
+            self.q_norm = make_norm(config, config.head_size if per_head else config.n_head * config.head_size)
+            self.k_norm = make_norm(config, config.head_size if per_head else config.n_query_groups * config.head_size)
         self.sliding_window = config.sliding_window_size if config.layer_uses_sliding_window(layer_idx) else None
+        self.use_rope = config.layer_uses_rope(layer_idx)
         self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
         self.kv_cache: Optional[KVCache] = None
 
@@ -232,12 +248,21 @@ class CausalSelfAttention(nn.Module):
         where causality follows from the shapes (one query, or a prefill that starts at position 0)."""
         B, T, _ = x.shape
         hs, n_head, n_kv = self.config.head_size, self.config.n_head, self.config.n_query_groups
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.config.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(B, T, n_head, hs), k.view(B, T, n_kv, hs), v.view(B, T, n_kv, hs)
+        if self.config.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         # (B, heads, T, head_size)
-        q = self.query(x).view(B, T, n_head, hs).transpose(1, 2)
-        k = self.key(x).view(B, T, n_kv, hs).transpose(1, 2)
-        v = self.value(x).view(B, T, n_kv, hs).transpose(1, 2)
-        q = apply_rope(q, cos, sin, self.config.rope_n_elem)
-        k = apply_rope(k, cos, sin, self.config.rope_n_elem)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.use_rope:
+            n_elem = self.config.rope_n_elem
+            if self.config.rope_local_base is not None:  # global and local tables side by side (reset_rope_cache)
+                columns = slice(n_elem, 2 * n_elem) if self.sliding_window is not None else slice(0, n_elem)
+                cos, sin = cos[..., columns], sin[..., columns]
+            q = apply_rope(q, cos, sin, n_elem)
+            k = apply_rope(k, cos, sin, n_elem)
 
         if input_pos is not None:
             if self.kv_cache is None:
@@ -353,7 +378,33 @@ class GemmaMLP(LLaMAMLP):
         return F.gelu(x, approximate=self.approximate)
 
 
-MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}
+class LLaMAMoE(nn.Module):
+    """Mixture of SwiGLU experts (Mixtral, Qwen3-MoE): a router scores every expert per token, the
+    ``n_expert_per_token`` best run on that token and their outputs are summed, weighted by the router's softmax
+    probabilities (renormalised over the chosen experts with ``moe_norm_topk``)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(LLaMAMLP(config) for _ in range(config.n_expert))
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.config.n_expert_per_token, dim=-1)  # (tokens, k)
+        if self.config.moe_norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)  # the tokens that chose expert e, and in which of their k slots
+            y = y.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return y.view(B, T, C)
+
+
+MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,7 @@ below), both models are built on the meta device, and their parameter counts mus
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -20,7 +20,8 @@ from lit_model.model import GPT, rope_cache
 transformers = pytest.importorskip("transformers")
 
 PUBLISHED = [name for name in known_names() if Config.from_name(name).hf_org]
-HF_TYPES = ("llama", "mistral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "qwen2")
+HF_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2",
+            "qwen3", "qwen3_moe", "olmo2", "smollm3")
 
 # Parameter counts of the released checkpoints (model cards / safetensors metadata), each also reproduced by
 # ``transformers`` in test_matches_transformers.
@@ -62,6 +63,37 @@ PUBLISHED_PARAMETERS = {
     "Qwen2.5-14B": 14_770_033_664,
     "Qwen2.5-32B": 32_763_876_352,
     "Qwen2.5-72B": 72_706_203_648,
+    # Qwen3 model cards give total / non-embedding counts rounded: 0.6B / 0.44B, 1.7B / 1.4B, 4.0B / 3.6B,
+    # 8.2B / 6.95B, 14.8B / 13.2B, 32.8B / 31.2B; these are the exact counts of the config.json architectures.
+    "Qwen3-0.6B": 596_049_920,
+    "Qwen3-1.7B": 1_720_574_976,
+    "Qwen3-4B": 4_022_468_096,
+    "Qwen3-8B": 8_190_735_360,
+    "Qwen3-14B": 14_768_307_200,
+    "Qwen3-32B": 32_762_123_264,
+    # Gemma 3: 1b is text only (999,885,952 on its model page). 4b/12b/27b are the language models of multimodal
+    # checkpoints whose published totals (4,300,079,472 / 12,187,325,040 / 27,432,406,640) are these plus the
+    # same SigLIP tower (416,866,032) and a projector of 1152 * n_embd + 1152.
+    "gemma-3-1b-pt": 999_885_952,
+    "gemma-3-4b-pt": 3_880_263_168,
+    "gemma-3-12b-pt": 11_766_034_176,
+    "gemma-3-27b-pt": 27_009_346_304,
+    # Model pages (safetensors totals): OLMo 2 7B 7.30B / 13B 13.7B, SmolLM3 3.08B, Llama 3.3 70.6B (Llama 3.1 70B's
+    # architecture), Mistral Nemo 12.2B, Mistral Small 3 23.6B, Phi-4 14.7B.
+    "OLMo-2-1124-7B": 7_298_617_344,
+    "OLMo-2-1124-13B": 13_716_198_400,
+    "SmolLM3-3B": 3_075_098_624,
+    "Llama-3.3-70B-Instruct": 70_553_706_496,
+    "Mistral-Nemo-Base-2407": 12_247_782_400,
+    "Mistral-Small-24B-Base-2501": 23_572_403_200,
+    "phi-4": 14_659_507_200,
+    # Mixtures of experts (total; active per token): Mixtral 8x7B 46.7B (12.9B), 8x22B 141B (39B; the Instruct
+    # model's larger vocabulary adds 2 x 768 x 6144), Qwen3-30B-A3B 30.5B (3.3B), Qwen3-235B-A22B 235B (22B).
+    "Mixtral-8x7B-v0.1": 46_702_792_704,
+    "Mixtral-8x22B-v0.1": 140_620_634_112,
+    "Mixtral-8x22B-Instruct-v0.1": 140_630_071_296,
+    "Qwen3-30B-A3B": 30_532_122_624,
+    "Qwen3-235B-A22B": 235_093_634_560,
 }
 
 def n_parameters(model: torch.nn.Module) -> int:
@@ -81,8 +113,11 @@ _LLAMA_LIKE = dict(
     norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", parallel_residual=False, shared_attention_norm=False,
     post_attention_norm=False, post_mlp_norm=False, lm_head_bias=False, norm_unit_offset=False,
     scale_embeddings=False, rotary_percentage=1.0, attention_scores_scalar=None, attention_logit_softcapping=None,
-    final_logit_softcapping=None,
+    final_logit_softcapping=None, qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None,
+    full_attention_every=0, n_expert=0, n_expert_per_token=0,
 )
+_MOE = {**{k: v for k, v in _LLAMA_LIKE.items() if k not in ("n_expert", "n_expert_per_token")},
+        "mlp_class_name": "LLaMAMoE"}
 _GEMMA = dict(
     _LLAMA_LIKE, mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_unit_offset=True, scale_embeddings=True,
     bias=False, attn_bias=False,
@@ -94,10 +129,22 @@ FIXED: dict[str, dict[str, Any]] = {
     "mistral": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_layer_stride=1),
     "phi3": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_layer_stride=1),
     "qwen2": dict(_LLAMA_LIKE, bias=False, attn_bias=True, sliding_window_size=None),
+    "qwen3": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="head"),
+    "qwen3_moe": dict(_MOE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="head"),
+    "mixtral": dict(_MOE, bias=False, attn_bias=False, sliding_window_layer_stride=1, moe_norm_topk=True),
+    "olmo2": dict(_LLAMA_LIKE, bias=False, attn_bias=False, sliding_window_size=None, qk_norm="projection",
+                  pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
+    "smollm3": {**{k: v for k, v in _LLAMA_LIKE.items() if k != "nope_every"}, "bias": False, "attn_bias": False,
+                "sliding_window_size": None},
     "gemma": dict(_GEMMA, sliding_window_size=None),
     "gemma2": {
         **{k: v for k, v in _GEMMA.items() if "softcapping" not in k and k != "attention_scores_scalar"},
         **dict(post_attention_norm=True, post_mlp_norm=True, sliding_window_layer_stride=2),
+    },
+    "gemma3_text": {
+        **{k: v for k, v in _GEMMA.items() if k not in ("attention_scores_scalar", "rope_local_base",
+                                                          "full_attention_every")},
+        **dict(post_attention_norm=True, post_mlp_norm=True, qk_norm="head", sliding_window_layer_stride=1),
     },
     "gpt_neox": dict(
         norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", shared_attention_norm=False, bias=True,
@@ -111,7 +158,9 @@ FIXED: dict[str, dict[str, Any]] = {
     ),
 }
 for _t in ("gpt_neox", "phi"):
-    FIXED[_t].update(norm_unit_offset=False, attention_logit_softcapping=None, final_logit_softcapping=None)
+    FIXED[_t].update(norm_unit_offset=False, attention_logit_softcapping=None, final_logit_softcapping=None,
+                     qk_norm=None, pre_norm=True, nope_every=0, rope_local_base=None, full_attention_every=0,
+                     n_expert=0)
 _GELU_NAME = {"none": "gelu", "tanh": "gelu_new"}
 
 
@@ -156,6 +205,31 @@ def hf_config(config: Config) -> tuple[str, dict[str, Any]]:
         kw.update(sliding_window=config.sliding_window_size, hidden_act="silu")
     elif t == "qwen2":
         kw.update(use_sliding_window=False, hidden_act="silu")
+    elif t == "qwen3":
+        kw.update(use_sliding_window=False, hidden_act="silu", attention_bias=False)
+    elif t == "qwen3_moe":
+        kw.update(use_sliding_window=False, hidden_act="silu", attention_bias=False, num_experts=config.n_expert,
+                  num_experts_per_tok=config.n_expert_per_token, norm_topk_prob=config.moe_norm_topk,
+                  moe_intermediate_size=config.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
+    elif t == "mixtral":
+        kw.update(sliding_window=config.sliding_window_size, hidden_act="silu", num_local_experts=config.n_expert,
+                  num_experts_per_tok=config.n_expert_per_token)
+    elif t == "olmo2":
+        kw.update(hidden_act="silu", attention_bias=False)
+    elif t == "smollm3":
+        kw.update(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False,
+                  no_rope_layers=[int(config.layer_uses_rope(i)) for i in range(config.n_layer)])
+    elif t == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": config.rope_local_base or config.rope_base}
+        kw.update(
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            query_pre_attn_scalar=config.attention_scores_scalar or config.head_size,
+            sliding_window=config.sliding_window_size,
+            layer_types=["sliding_attention" if config.layer_uses_sliding_window(i) else "full_attention"
+                         for i in range(config.n_layer)],
+            rope_parameters={"full_attention": rope, "sliding_attention": local},
+        )
     elif t == "gemma":
         kw.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
     elif t == "gemma2":
@@ -223,6 +297,15 @@ def test_variants_share_the_base_architecture():
         ("gemma-2-27b-it", "gemma-2-27b"),
         ("pythia-1b-deduped", "pythia-1b"),
         ("Qwen2.5-3B-Instruct", "Qwen2.5-3B"),
+        ("Qwen3-4B", "Qwen3-4B-Base"),
+        ("gemma-3-12b-it", "gemma-3-12b-pt"),
+        ("OLMo-2-1124-13B-Instruct", "OLMo-2-1124-13B"),
+        ("SmolLM3-3B", "SmolLM3-3B-Base"),
+        ("Llama-3.3-70B-Instruct", "Llama-3.1-70B"),
+        ("Mistral-Nemo-Instruct-2407", "Mistral-Nemo-Base-2407"),
+        ("Mistral-Small-24B-Instruct-2501", "Mistral-Small-24B-Base-2501"),
+        ("Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B-v0.1"),
+        ("Qwen3-30B-A3B-Base", "Qwen3-30B-A3B"),
     ]
     ignored = {"name", "extra", "block_size", "norm_eps"}  # Qwen2.5-Instruct: 32K context, rms_norm_eps 1e-6
     for variant, base in pairs:
@@ -256,6 +339,21 @@ def test_registry_highlights():
     ]
     assert Config.from_name("Qwen2.5-7B").padded_vocab_size == 152064
     assert Config.from_name("Qwen2.5-0.5B").padded_vocab_size == 151936
+    assert [Config.from_name(f"Qwen3-{s}").tie_embeddings for s in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")] == [
+        True, True, True, False, False, False,
+    ]
+    assert {Config.from_name(f"Qwen3-{s}").head_size for s in ("0.6B", "4B", "32B")} == {128}  # not n_embd / n_head
+    gemma3 = Config.from_name("gemma-3-27b-it")
+    assert [gemma3.layer_uses_sliding_window(i) for i in range(12)] == ([True] * 5 + [False]) * 2
+    assert (gemma3.rope_base, gemma3.rope_local_base, gemma3.rope_scaling) == (
+        1e6, 1e4, {"rope_type": "linear", "factor": 8.0}
+    )
+    assert Config.from_name("gemma-3-1b-it").rope_scaling is None
+    smollm3 = Config.from_name("SmolLM3-3B")
+    assert [i for i in range(smollm3.n_layer) if not smollm3.layer_uses_rope(i)] == list(range(3, 36, 4))
+    olmo2 = Config.from_name("OLMo-2-1124-7B")
+    assert not olmo2.pre_norm and olmo2.qk_norm == "projection" and olmo2.post_mlp_norm
+    assert Config.from_name("Mistral-Nemo-Base-2407").head_size == 128 != 5120 // 32
 
 
 
@@ -305,7 +403,7 @@ def test_published_entry(name):
     assert config.rope_n_elem % 2 == 0 and 0 < config.rope_n_elem <= config.head_size
     if config.sliding_window_size is not None:
         assert 0 < config.sliding_window_size < config.block_size
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and config.rope_scaling.get("rope_type", "llama3") == "llama3":
         assert config.rope_scaling["original_max_position_embeddings"] < config.block_size
     # extra only carries what an exporter writes back and the model does not use
     assert set(config.extra) <= {"bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"}, config.extra
@@ -357,8 +455,15 @@ def test_matches_transformers(name):
     rotary = next(m for m in hf_model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     with torch.device("cpu"):
         hf_rotary = type(rotary)(config=hf_cfg)
-    assert hf_rotary.attention_scaling == 1.0
-    cos, sin = rope_cache(config, 2, torch.device("cpu"))
-    ours = torch.atan2(sin[1], cos[1])[: config.rope_n_elem // 2]
-    assert ours.shape == hf_rotary.inv_freq.shape
-    torch.testing.assert_close(ours, hf_rotary.inv_freq.float(), rtol=1e-5, atol=1e-7)
+    # Gemma 3 keeps one table per layer type: the global one, and the local one with its own base
+    tables = [(config, "")]
+    if config.hf_type == "gemma3_text":
+        local = replace(config, rope_base=config.rope_local_base or config.rope_base, rope_scaling=None)
+        tables = [(config, "full_attention_"), (local, "sliding_attention_")]
+    for table_config, prefix in tables:
+        assert getattr(hf_rotary, f"{prefix}attention_scaling") == 1.0
+        cos, sin = rope_cache(table_config, 2, torch.device("cpu"))
+        ours = torch.atan2(sin[1], cos[1])[: config.rope_n_elem // 2]
+        hf_inv_freq = getattr(hf_rotary, f"{prefix}inv_freq")
+        assert ours.shape == hf_inv_freq.shape
+        torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-5, atol=1e-7)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,39 @@ FAMILIES = {
     ),
     "qwen2": ("qwen2", {"tie_word_embeddings": False}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+    # q/k RMSNorm per head; head_dim 16 != hidden_size / heads
+    "qwen3": ("qwen3", {"head_dim": 16, "tie_word_embeddings": False}),
+    "qwen3_tied": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
+    # 6 layers, every 3rd global (Gemma 3's pattern, shorter): local RoPE base 10, global 1e4 with linear scaling
+    "gemma3": (
+        "gemma3_text",
+        {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 5, "query_pre_attn_scalar": 12,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}},
+    ),
+    "olmo2": ("olmo2", {}),  # norms after attention and MLP only; q/k RMSNorm over the whole projection
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),  # layers 1 and 3 without RoPE
+    "mistral_nemo": ("mistral", {"head_dim": 16, "sliding_window": 5}),  # head_dim != hidden_size / heads
+    # mixtures of experts: 4 experts, 2 per token
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                "head_dim": 16, "norm_topk_prob": False}),
+    "qwen3_moe_normalised": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                           "head_dim": 16, "norm_topk_prob": True}),
+}
+
+# What config_from_hf must read from the new families' config.json (the parity test then shows it is right).
+FEATURES = {
+    "qwen3": dict(qk_norm="head", head_size=16, bias=False, attn_bias=False),
+    "gemma3": dict(qk_norm="head", full_attention_every=3, sliding_window_size=5, rope_base=10000.0,
+                   rope_local_base=10.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, post_mlp_norm=True),
+    "olmo2": dict(qk_norm="projection", pre_norm=False, post_attention_norm=True, post_mlp_norm=True),
+    "smollm3": dict(nope_every=2, tie_embeddings=True),
+    "mistral_nemo": dict(head_size=16),
+    "mixtral": dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_norm_topk=True),
+    "qwen3_moe": dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_norm_topk=False,
+                      intermediate_size=48, qk_norm="head"),
 }
 
 
@@ -104,6 +138,8 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
 
     hf_to_lit(tmp_path / "hf", tmp_path / "lit")
     model = GPT.from_checkpoint(tmp_path / "lit")
+    for field, value in FEATURES.get(family, {}).items():
+        assert getattr(model.config, field) == value, field
     with torch.no_grad():
         assert_same(model(idx), expected)
         if model.config.sliding_window_size is not None:  # the window must matter for the test to mean anything
@@ -116,8 +152,14 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
             assert (uncapped(idx) - expected).abs().max() > 1e-3
         if family == "llama3_tied":
             assert model.config.rope_scaling["rope_type"] == "llama3"
-            unscaled = GPT.from_checkpoint(tmp_path / "lit", rope_scaling=None)
-            assert (unscaled(idx) - expected).abs().max() > 1e-3
+        # each feature the config.json asked for must matter, for the test to mean anything
+        switches = [("rope_scaling", None), ("rope_local_base", None), ("nope_every", 0), ("full_attention_every", 0)]
+        if model.config.n_expert:
+            switches.append(("moe_norm_topk", False))
+        for field, off in switches:
+            if getattr(model.config, field) != off:
+                without = GPT.from_checkpoint(tmp_path / "lit", **{field: off})
+                assert (without(idx) - expected).abs().max() > 1e-3, field
 
     lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
@@ -128,6 +170,30 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
         assert written.get(key) == original.get(key), key
     if original["tie_word_embeddings"]:
         assert "lm_head.weight" not in load_file(tmp_path / "hf2" / "model.safetensors")
+
+
+def test_gemma3_multimodal_checkpoint_converts_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B+ is published as Gemma3ForConditionalGeneration: the language model converts, the SigLIP tower
+    and projector are left out, and text-only logits match the multimodal model's."""
+    text = {**SMALL, **FAMILIES["gemma3"][1]}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.add_(torch.randn_like(param) * 0.3) if param.ndim == 1 else param.normal_(0.0, 0.2)
+    hf_model.save_pretrained(tmp_path / "hf")
+    idx = tokens()
+    hf_to_lit(tmp_path / "hf", tmp_path / "lit")
+    model = GPT.from_checkpoint(tmp_path / "lit")
+    assert model.config.hf_type == "gemma3_text" and model.config.full_attention_every == 3
+    with torch.no_grad():
+        assert_same(model(idx), hf_logits(hf_model, idx))
+    lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    assert_same(hf_logits(reloaded, idx), hf_logits(hf_model, idx))
 
 
 def test_config_roundtrip_and_rejections() -> None:
@@ -335,3 +401,51 @@ def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pyt
     convert.main(["hf_to_lit", "--hf_dir", str(hf_dir), "--out_dir", str(busy), "--overwrite"])
     assert {"model.safetensors", "model_config.yaml"} <= {p.name for p in busy.iterdir()}
     assert not (busy / "keep.txt").exists()
+
+
+# config.json as the hub serves it (transformers 4 layout), for the entries whose layout differs most from what
+# transformers 5 writes: each must read as its registry entry.
+GEMMA3_1B_HUB = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106], "final_logit_softcapping": None,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+    "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "vocab_size": 262144,
+}
+GEMMA3_4B_HUB = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "torch_dtype": "bfloat16",
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                    "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+                    "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+                    "rope_local_base_freq": 10000, "rope_theta": 1000000, "vocab_size": 262208},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+}
+SMOLLM3_HUB = {
+    "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
+    "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 65536,
+    "rope_theta": 5000000.0, "rms_norm_eps": 1e-06, "vocab_size": 128256, "tie_word_embeddings": True,
+    "no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+    "use_sliding_window": False, "sliding_window": None, "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu",
+}
+QWEN3_MOE_HUB = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "vocab_size": 151936, "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+    "max_window_layers": 48, "attention_bias": False, "hidden_act": "silu",
+}
+
+
+@pytest.mark.parametrize("hub, name", [(GEMMA3_1B_HUB, "gemma-3-1b-it"), (GEMMA3_4B_HUB, "gemma-3-4b-it"),
+                                       (SMOLLM3_HUB, "SmolLM3-3B"), (QWEN3_MOE_HUB, "Qwen3-30B-A3B")])
+def test_hub_config_reads_as_the_registry_entry(hub: dict, name: str) -> None:
+    config, published = config_from_hf(hub), Config.from_name(name)
+    architecture = [f.name for f in fields(Config) if f.name not in ("name", "hf_org", "vocab_size", "extra")]
+    assert {f: getattr(config, f) for f in architecture} == {f: getattr(published, f) for f in architecture}

@@ -16,6 +16,7 @@ ops keep it), then adds the transients at the moments a training step peaks:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,8 +40,12 @@ class ParamCounts:
     head: int  # 0 when tied to the embedding
     norm_f: int
     block_linear: dict[str, tuple[int, int, bool]]  # name -> (in, out, bias) per block
-    block_norms: int  # norm weights (+ biases) per block
+    block_norm_sizes: list[int]  # element counts of the norm weights (+ biases) of one block
     n_layer: int
+
+    @property
+    def block_norms(self) -> int:
+        return sum(self.block_norm_sizes)
 
     @property
     def block_linear_weights(self) -> int:
@@ -71,13 +76,26 @@ def param_counts(config: Config) -> ParamCounts:
     I = config.intermediate_size
     if config.mlp_class_name == "GptNeoxMLP":
         linear.update({"mlp.fc": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
+    elif config.mlp_class_name == "LLaMAMoE":  # the router and every expert
+        linear["mlp.gate"] = (C, config.n_expert, False)
+        for e in range(config.n_expert):
+            linear.update({f"mlp.experts.{e}.fc_1": (C, I, config.bias), f"mlp.experts.{e}.fc_2": (C, I, config.bias),
+                           f"mlp.experts.{e}.proj": (I, C, config.bias)})
     else:
         linear.update({"mlp.fc_1": (C, I, config.bias), "mlp.fc_2": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
-    norm = C * (2 if config.norm_class_name == "LayerNorm" else 1)
-    norms = norm * (1 + (0 if config.shared_attention_norm else 1) + int(config.post_attention_norm) + int(config.post_mlp_norm))
+    def norm(size: int) -> list[int]:  # weight (and bias)
+        return [size, size] if config.norm_class_name == "LayerNorm" else [size]
+
+    pre_norms = (1 + (0 if config.shared_attention_norm else 1)) if config.pre_norm else 0
+    norms = norm(C) * (pre_norms + int(config.post_attention_norm) + int(config.post_mlp_norm))
+    if config.qk_norm == "head":
+        norms += norm(hs) * 2
+    elif config.qk_norm == "projection":
+        norms += norm(config.n_head * hs) + norm(config.n_query_groups * hs)
     V = config.padded_vocab_size
     head = 0 if config.tie_embeddings else V * C + (V if config.lm_head_bias else 0)
-    return ParamCounts(embed=V * C, head=head, norm_f=norm, block_linear=linear, block_norms=norms, n_layer=config.n_layer)
+    return ParamCounts(embed=V * C, head=head, norm_f=sum(norm(C)), block_linear=linear, block_norm_sizes=norms,
+                       n_layer=config.n_layer)
 
 
 def _frozen_blocks(spec: RunSpec) -> tuple[bool, int]:
@@ -105,7 +123,8 @@ def model_bytes(spec: RunSpec) -> ModelBytes:
     config, d = spec.config, spec.param_bytes
     pc = param_counts(config)
     C, L = config.n_embd, config.n_layer
-    buffers = 2 * spec.seq_len * config.rope_n_elem * 4  # cos/sin in fp32 for max_seq_length = seq_len
+    # cos/sin in fp32 for max_seq_length = seq_len (with a local base: the global and local tables)
+    buffers = 2 * spec.seq_len * config.rope_n_elem * 4 * (1 if config.rope_local_base is None else 2)
     quant = spec.quantize
     trainable_tensors: list[int] = []
     frozen_embed, frozen_blocks = _frozen_blocks(spec)
@@ -144,7 +163,7 @@ def model_bytes(spec: RunSpec) -> ModelBytes:
                 trainable_tensors.append(i * o)
                 if bias:
                     trainable_tensors.append(o)
-            trainable_tensors += [C] * (pc.block_norms // C)
+            trainable_tensors += pc.block_norm_sizes
         trainable_tensors += [C] * (pc.norm_f // C)
         if pc.head:
             trainable_tensors.append(config.padded_vocab_size * C)
@@ -201,20 +220,22 @@ class BlockActs:
     transient_per_token: float  # extra bytes in flight during this block's backward
 
 
-def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False) -> tuple[float, bool]:
-    """Kept bytes per token of a norm over C channels and whether its output requires grad.
+def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False,
+          rows: int = 1) -> tuple[float, bool]:
+    """Kept bytes per token of a norm over C channels (in ``rows`` groups normalised on their own: the heads of
+    a per-head q/k norm) and whether its output requires grad.
     ``shared_input``: the input is already kept by another consumer (LayerNorm keeps its input)."""
     config = spec.config
     out_rg = x_rg or w_train
     if not out_rg:
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
-        return (0 if shared_input else d * C) + 8, True  # input + mean + rstd (fp32)
+        return (0 if shared_input else d * C) + 8 * rows, True  # input + mean + rstd (fp32)
     if d == 4 and not config.norm_unit_offset and norms_by_hand(spec.device_type, spec.micro_batch_size * spec.seq_len * C):
         return 4 * C, True  # fp32 in and fp32 weight: ops.rms_norm's own path keeps only its input
     kept = 0.0
     if x_rg:
-        kept += 4 * C + 4  # the fp32 input (x itself in fp32) and rsqrt
+        kept += 4 * C + 4 * rows  # the fp32 input (x itself in fp32) and rsqrt
     if w_train:
         kept += 4 * C if config.norm_unit_offset else d * C  # normalised activations for the weight gradient
     return kept, True
@@ -234,6 +255,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
     T = spec.seq_len
     lora = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
+    lora |= {re.sub(r"experts\.\d+\.", "", name) for name in lora}  # an expert's path is an MLP's (times k)
     W = {name: block_trainable for name in ("attn.query", "attn.key", "attn.value", "attn.proj", "mlp.fc", "mlp.fc_1", "mlp.fc_2", "mlp.proj")}
     norm_w = block_trainable
     cuda = spec.device_type == "cuda"
@@ -269,13 +291,18 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
     t2 = 0.0
     per_layer = 0.0
     # norm_1 and the q, k, v linears
-    kept, xn_rg = _norm(spec, d, x_rg, norm_w, C)
+    kept, xn_rg = _norm(spec, d, x_rg, norm_w, C) if config.pre_norm else (0.0, x_rg)
     per_token += kept
     out_rg = {}
     for name in ("attn.query", "attn.key", "attn.value"):
         lk, l_rg = lora_kept(name, C, xn_rg, d)
         per_token += lk
         out_rg[name] = xn_rg or W[name] or l_rg
+    if config.qk_norm is not None:  # RMSNorm of the query and key projections (per head, or as a whole)
+        for name, heads in (("attn.query", config.n_head), ("attn.key", config.n_query_groups)):
+            rows = heads if config.qk_norm == "head" else 1
+            kept, out_rg[name] = _norm(spec, dm, out_rg[name], norm_w, heads * hs, rows=rows)
+            per_token += kept
     attn_rg = any(out_rg.values())
     xn_kept = kept_linear_inputs(("attn.query", "attn.key", "attn.value"), C, d)
     # attention: rope makes new q/k tensors (nothing kept); attention keeps q, k, v and its output
@@ -302,7 +329,7 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
             per_token += Hq * dm
         per_token += Hq * dm + config.n_head * 4
         attn_rg = True
-    if dm != 4 and config.rope_n_elem:
+    if dm != 4 and config.rope_n_elem and config.layer_uses_rope(layer):
         # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
         per_layer += 2 * T * config.rope_n_elem * dm * (int(out_rg["attn.query"]) + int(out_rg["attn.key"]))
     y_rg = attn_rg
@@ -329,11 +356,12 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
         res_rg = x_rg or a_rg
     else:
         x2_rg = x_rg or a_rg
-        kept, m_in_rg = _norm(spec, d, x2_rg, norm_w, C)
+        kept, m_in_rg = _norm(spec, d, x2_rg, norm_w, C) if config.pre_norm else (0.0, x2_rg)
         per_token += kept
         shared_with_attention = False
         res_rg = x2_rg
     # MLP
+    before_mlp = per_token
     if config.mlp_class_name == "GptNeoxMLP":
         fc_names: tuple[str, ...] = ("mlp.fc",)
         lk, l_rg = lora_kept("mlp.fc", C, m_in_rg, d)
@@ -378,6 +406,12 @@ def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bo
             per_token += kept_linear_inputs(fc_names, C, d)
     else:
         per_token += kept_linear_inputs(fc_names, C, d)
+    if config.mlp_class_name == "LLaMAMoE":
+        # Estimate (the trace cannot follow the router's data-dependent choice): each token runs the SwiGLU above
+        # in k experts, on its own copy of the input, and each expert's output is kept by the product with the
+        # router weight; the router keeps its fp32 softmax and its logits.
+        k = config.n_expert_per_token
+        per_token = before_mlp + k * (per_token - before_mlp + C * d + C * dm) + config.n_expert * (4 + dm)
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
     if config.post_mlp_norm:
         kept, m_rg = _norm(spec, dm, m_rg, norm_w, C)
@@ -414,7 +448,7 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     for layer in range(L):
         block_trainable = spec.trainable == "full" and layer >= frozen_blocks
         adapter = spec.trainable == "adapter" and layer >= spec.adapter_start_layer
-        key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer))
+        key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer), config.layer_uses_rope(layer))
         if key not in cache:
             cache[key] = block_activations(spec, layer, x_rg, block_trainable, adapter)
         acts = cache[key]
@@ -489,8 +523,8 @@ def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary
     # no-grad forward: the largest set of tensors alive at once inside a block (MLP: 3 intermediates)
     if config.mlp_class_name == "GptNeoxMLP":
         eval_fw = N * (2 * I + 3 * C) * d
-    else:
-        eval_fw = N * (3 * I + 3 * C) * d
+    else:  # a mixture of experts runs each token through n_expert_per_token experts
+        eval_fw = N * (3 * I * max(config.n_expert_per_token, 1) + 3 * C) * d
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
     eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path

@@ -61,7 +61,12 @@ def lora_target_names(config, targets: Iterable[str]) -> list[str]:
     if "projection" in targets:
         names.append("attn.proj")
     if "mlp" in targets:
-        names += ["mlp.fc", "mlp.proj"] if config.mlp_class_name == "GptNeoxMLP" else ["mlp.fc_1", "mlp.fc_2", "mlp.proj"]
+        if config.mlp_class_name == "GptNeoxMLP":
+            names += ["mlp.fc", "mlp.proj"]
+        elif config.mlp_class_name == "LLaMAMoE":  # every expert
+            names += [f"mlp.experts.{e}.{n}" for e in range(config.n_expert) for n in ("fc_1", "fc_2", "proj")]
+        else:
+            names += ["mlp.fc_1", "mlp.fc_2", "mlp.proj"]
     return names
 
 
