@@ -30,14 +30,15 @@ def create_fabric(args: TrainArgs) -> Fabric:
 
 def print_plan(config: Config, args: TrainArgs, trainable: str = "full") -> None:
     """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights;
-    ``--plan_plot`` also draws it."""
-    from lit_model.memory import plan_training, plot_plan
+    ``--plan_plot`` also draws it. Exit status 1 when it does not fit and no suggestion makes it fit."""
+    from lit_model.memory import check_plan_fits, plan_training, plot_plan
 
     device_type = "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
     plan = plan_training(config, args, trainable=trainable, device_memory=args.device_memory, device_type=device_type)
     print(plan.to_json() if args.plan == "json" else plan.to_text())
     if args.plan_plot is not None:
         print(f"Plot: {plot_plan(plan, args.plan_plot)}", file=sys.stderr)
+    check_plan_fits(plan)
 
 
 def resolve_micro_batch_size(fabric: Fabric, args: TrainArgs, config: Config, trainable: str = "full") -> None:
