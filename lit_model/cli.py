@@ -23,8 +23,16 @@ def main(entry: Callable[..., Any] | dict[str, Callable[..., Any]], argv: Option
     user errors exit cleanly (errors.py)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     functions = entry.values() if isinstance(entry, dict) else [entry]
-    argv = config_first(bare_bool_flags({k: v for f in functions for k, v in typing.get_type_hints(f).items()}, argv))
-    return run_cli(CLI, entry, args=argv, as_positional=False, fail_untyped=False)
+    hints = {k: v for f in functions for k, v in typing.get_type_hints(f).items()}
+    argv = config_first(bare_bool_flags(hints, argv))
+
+    def run() -> Any:
+        try:
+            return CLI(entry, args=argv, as_positional=False, fail_untyped=False, exit_on_error=False)
+        except ArgumentError as error:
+            raise UsageError(f"{usage_message(str(error), hints, argv)} Run with --help to list every flag.") from None
+
+    return run_cli(run)
 
 
 def parse(args_cls: type, argv: Optional[list[str]] = None) -> Any:

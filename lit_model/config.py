@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import sys
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
@@ -17,7 +18,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from lit_model.errors import UsageError
+from lit_model.errors import UsageError, run_cli
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -258,6 +259,13 @@ def known_names() -> list[str]:
     return sorted(_registry())
 
 
-if __name__ == "__main__":
+def _cli(argv: list[str]) -> None:
+    if argv:
+        raise UsageError(f"python -m lit_model.config takes no arguments (got {' '.join(argv)}): it lists every known "
+                         "model name.")
     for model_name in known_names():
         print(Config.from_name(model_name).hf_name)
+
+
+if __name__ == "__main__":
+    run_cli(_cli, sys.argv[1:])
