@@ -107,7 +107,7 @@ def check_lengths(prompt_length: int, max_new_tokens: int, config: Config) -> in
 
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: float, num_samples: int = 1) -> None:
-    if not (temperature >= 0 and math.isfinite(temperature)):
+    if temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), not {temperature}.")
     if top_k is not None and top_k < 1:
         raise UsageError(f"--top_k must be at least 1 (or left out for no limit), not {top_k}.")

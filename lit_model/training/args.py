@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,9 +133,6 @@ def check_args(args: Any) -> None:
         if value is not None and not value >= least:  # also catches NaN
             meaning = f" ({MEANING[flag]})" if flag in MEANING else ""
             raise UsageError(f"--{flag} {value} must be at least {least}{meaning}.")
-    for flag in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
-        if not math.isfinite(getattr(args, flag)):
-            raise UsageError(f"--{flag} {getattr(args, flag)} must be a finite number.")
     if not args.learning_rate > 0:
         raise UsageError(f"--learning_rate {args.learning_rate} must be positive, e.g. 3e-4.")
     if args.min_lr > args.learning_rate:
