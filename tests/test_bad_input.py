@@ -93,6 +93,7 @@ CASES = [
     (PRETRAIN, ["--out_dir", ""], 2, "--out_dir is empty: give a path (use . for the current directory)"),
     (PRETRAIN, ["--out_dir", "FILE"], 2, "is a file, not a directory"),
     (PRETRAIN, ["--out_dir", "FILE/run"], 2, "is a file, so no directory can be made under it"),
+    (PRETRAIN, ["--out_dir", "/proc/1/run"], 2, "/proc/1 is not writable by this user"),
     (PRETRAIN, ["--out_dir", "RUN", "--resume", "auto", "--overwrite"], 2, "choose one of them"),
     # --plan and --plan_plot
     (PRETRAIN, ["--plan", "text", "--micro_batch_size", "3", "--global_batch_size", "16"], 2, "use a micro_batch_size among"),
@@ -224,11 +225,12 @@ def test_end_to_end_checks_come_before_any_process_starts(tmp_path):
     process; a bad interval stops before step 1; a plan nothing makes fit exits 1."""
     (tmp_path / "file").write_text("x")
     proc = run_script(PRETRAIN, "--devices", "2", "--out_dir", tmp_path / "file", timeout=120)
-    assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "is a file, not a directory" in " ".join(proc.stderr.split()), proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "file").read_text() == "x"
     proc = run_script(PRETRAIN, "--log_interval", "0", "--out_dir", tmp_path / "out", timeout=120)
-    assert proc.returncode == 2 and "--log_interval 0 must be at least 1" in proc.stderr and not (tmp_path / "out").exists()
+    assert proc.returncode == 2 and "--log_interval 0 must be at least 1" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
     proc = run_script(BASE, "--plan", "text", *NEEDS_14M, "1MB", timeout=120)
-    assert proc.returncode == 1 and "Memory plan" in proc.stdout and "does not fit" in proc.stderr
+    assert proc.returncode == 1 and "Memory plan" in proc.stdout and "does not fit" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
