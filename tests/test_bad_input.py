@@ -234,3 +234,25 @@ def test_end_to_end_checks_come_before_any_process_starts(tmp_path):
     proc = run_script(BASE, "--plan", "text", *NEEDS_14M, "1MB", timeout=120)
     assert proc.returncode == 1 and "Memory plan" in proc.stdout and "does not fit" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
+    import torch
+
+    from lit_model import Config
+    from lit_model.training.args import TrainArgs
+    from lit_model.training.recovery import out_of_memory_report
+
+    config = Config(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4)
+    args = TrainArgs(out_dir=tmp_path, micro_batch_size=1, global_batch_size=4, device_memory="2MB")
+
+    def report() -> str:
+        text = out_of_memory_report(config, args, "full", torch.device("cpu"), 1, 1, "at step 1", "simulated", tmp_path)
+        return " ".join(text.split())
+
+    before_any_save = report()
+    assert f"No checkpoint was saved yet in {tmp_path}: start again with the new flags and --overwrite." in before_any_save
+    assert "--resume auto" not in before_any_save
+    for step in (2, 10):
+        (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-10'}: continue with the new flags and --resume auto." in report()
