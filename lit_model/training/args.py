@@ -10,7 +10,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from lit_model.data.text import check_batch_sizes
 from lit_model.errors import UsageError
@@ -107,10 +107,10 @@ class TrainArgs(DistributedSettings):
     oom_recovery: bool = True
 
 
-# Flag -> the smallest value that means something; a flag left out (None) is not checked. The subclasses'
-# flags are here too, so every script's numbers are checked in one place before anything starts.
+# Flag -> the smallest value that means something; a flag left out (None) or "auto" is not checked. The
+# subclasses' flags are here too, so every script's numbers are checked in one place before anything starts.
 AT_LEAST: dict[str, int] = {
-    "global_batch_size": 1, "eval_batch_size": 1, "num_nodes": 1, "log_interval": 1, "eval_interval": 1,
+    "devices": 1, "micro_batch_size": 1, "global_batch_size": 1, "eval_batch_size": 1, "num_nodes": 1, "log_interval": 1, "eval_interval": 1,
     "eval_iters": 1, "keep_last": 1, "max_steps": 1, "max_tokens": 1, "override_max_seq_length": 1,
     "activation_checkpointing_interval": 1, "adapter_prompt_length": 1,
     "warmup_steps": 0, "save_interval": 0, "empty_cache_interval": 0, "loss_chunk_size": 0, "seed": 0,
@@ -124,13 +124,13 @@ MEANING = {
 MAX_SEED = 2**32 - 1  # numpy's and Fabric's seed range
 
 
-def check_args(args: Any) -> None:
+def check_args(args: TrainArgs) -> None:
     """Every training flag's value and the combinations that cannot work, checked once at the start of each
     training script's main, before anything is written or any process is launched: a bad value stops there
     with the fix, not after N processes start or after the first step."""
     for flag, least in AT_LEAST.items():
         value = getattr(args, flag, None)
-        if value is not None and not value >= least:  # also catches NaN
+        if value not in (None, "auto") and not value >= least:  # also catches NaN
             meaning = f" ({MEANING[flag]})" if flag in MEANING else ""
             raise UsageError(f"--{flag} {value} must be at least {least}{meaning}.")
     if not args.learning_rate > 0:
@@ -140,15 +140,18 @@ def check_args(args: Any) -> None:
                          "from the learning rate down to min_lr. Lower --min_lr.")
     if args.seed > MAX_SEED:
         raise UsageError(f"--seed {args.seed} must be between 0 and {MAX_SEED}.")
-    if not 0 < getattr(args, "val_split_fraction", 0.5) < 1:
-        raise UsageError(f"--val_split_fraction {args.val_split_fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
+    fraction = getattr(args, "val_split_fraction", None)  # fine-tuning only
+    if fraction is not None and not 0 < fraction < 1:
+        raise UsageError(f"--val_split_fraction {fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
     if args.max_steps is None and args.max_tokens is None:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
     if isinstance(args.freeze_layers, int) and args.freeze_layers < 0:
         raise UsageError(f"--freeze_layers {args.freeze_layers} must be at least 0 (the number of frozen blocks).")
     if isinstance(args.freeze_layers, list) and not args.freeze_layers:
         raise UsageError("--freeze_layers [] names no parameter: give patterns such as '[blocks.[0-3].*]', or drop it.")
-    world_size = resolve_devices(args.devices) * args.num_nodes
+    # A plan may be for GPUs this machine does not have; a run needs them here
+    devices = args.devices if args.plan is not None and args.devices != "auto" else resolve_devices(args.devices)
+    world_size = devices * args.num_nodes
     micro = 1 if args.micro_batch_size == "auto" else args.micro_batch_size  # auto picks a divisor of the batch
     check_batch_sizes(args.global_batch_size, micro, world_size)
     check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
@@ -164,7 +167,7 @@ def check_args(args: Any) -> None:
             )
 
 
-def check_plan_flags(args: Any) -> None:
+def check_plan_flags(args: TrainArgs) -> None:
     if args.plan_plot is None:
         return
     if args.plan is None:
