@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+import yaml
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser
 
 from lit_model.errors import UsageError, run_cli
@@ -126,10 +127,28 @@ def usage_message(error: str, hints: dict[str, Any], argv: list[str]) -> str:
     return error.rstrip(".") + "."
 
 
+def _config_values(argv: list[str]) -> dict[str, Any]:
+    """The values the ``--config`` files in ``argv`` set, as written (a file jsonargparse cannot read is left
+    to it to report)."""
+    values: dict[str, Any] = {}
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg[len("--config="):] if arg.startswith("--config=") else None
+        if path is None or not Path(path).is_file():
+            continue
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (yaml.YAMLError, UnicodeDecodeError, OSError):
+            continue
+        values.update(data if isinstance(data, dict) else {})
+    return values
+
+
 def check_empty_values(hints: dict[str, Any], argv: list[str]) -> None:
-    """``--out_dir ""`` would become the current directory (and ``--seed ""`` a parse error deep inside
-    jsonargparse): an empty value is only meaningful for text flags."""
+    """``--out_dir ""`` (on the command line or in a --config file) would become the current directory, and
+    ``--seed ""`` a parse error deep inside jsonargparse: an empty value is only meaningful for text flags."""
+    from_files = _config_values(argv)
     for flag, hint in hints.items():
-        if _given(flag, argv) == "" and str not in (hint, *typing.get_args(hint)):
+        given = _given(flag, argv)
+        if (from_files.get(flag) if given is None else given) == "" and str not in (hint, *typing.get_args(hint)):
             raise UsageError(f"--{flag} is empty: give {describe(hint)}" + (
                 " (use . for the current directory)." if hint is Path else "."))

@@ -91,6 +91,7 @@ CASES = [
     (PRETRAIN, ["--model_name", "Llama-2-7b"], 2, "Did you mean"),
     # out_dir and the run it may hold
     (PRETRAIN, ["--out_dir", ""], 2, "--out_dir is empty: give a path (use . for the current directory)"),
+    (PRETRAIN, ["--config", "YAML:out_dir: ''\n"], 2, "--out_dir is empty: give a path"),
     (PRETRAIN, ["--out_dir", "FILE"], 2, "is a file, not a directory"),
     (PRETRAIN, ["--out_dir", "FILE/run"], 2, "is a file, so no directory can be made under it"),
     (PRETRAIN, ["--out_dir", "/proc/1/run"], 2, "/proc/1 is not writable by this user"),
@@ -165,7 +166,7 @@ def prepare(root: Path, argv: list[str]) -> list[str]:
 def test_bad_input(tmp_path, monkeypatch, script, argv, code, fragment):
     monkeypatch.chdir(tmp_path)
     argv = prepare(tmp_path, argv)
-    if script in TRAINING and "--out_dir" not in argv:
+    if script in TRAINING and "--out_dir" not in argv and "--config" not in argv:  # the flag would win over the file
         argv = ["--out_dir", "OUT", *argv]
     before = tree(tmp_path)
     proc = run_script_inprocess(script, *argv, cache=tmp_path / "cache", monkeypatch=monkeypatch)
