@@ -158,6 +158,18 @@ class Config:
         path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
+def sequence_length(config: Config, override: Optional[int]) -> int:
+    """The training sequence length for ``--override_max_seq_length``; one rule for training and --plan."""
+    if override is None:
+        return config.block_size
+    if not 1 <= override <= config.block_size:
+        raise UsageError(
+            f"--override_max_seq_length {override} is outside 1..{config.block_size}, the context "
+            f"{config.name or 'this model'} supports. Use a value of at most {config.block_size}."
+        )
+    return override
+
+
 # ---- validation: every field's type, then the ranges and the relations between fields -----------------------
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -111,6 +111,8 @@ CASES = [
     (LORA, ["--log_interval", "0"], 2, "--log_interval 0 must be at least 1"),
     (LORA, ["--optimizer", "torch.optim.LBFGS"], 2, "cannot serve this training loop"),
     (LORA, ["--plan", "text", *NEEDS_14M, "8GB", "--micro_batch_size", "3"], 2, "use a micro_batch_size among [1, 2, 4, 8, 16]"),
+    (LORA, ["--plan", "text", *NEEDS_14M, "8GB", "--override_max_seq_length", "4096"], 2,
+     "--override_max_seq_length 4096 is outside 1..512"),
     (ADAPTER, ["--adapter_prompt_length", "0"], 2, "--adapter_prompt_length 0 must be at least 1"),
     (ADAPTER, ["--adapter_start_layer", "-1"], 2, "--adapter_start_layer -1 must be at least 0"),
     (ADAPTER, ["--eval_interval", "0"], 2, "--eval_interval 0 must be at least 1"),

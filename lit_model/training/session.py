@@ -14,7 +14,7 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, Dataset
 
-from lit_model.config import Config
+from lit_model.config import Config, sequence_length  # noqa: F401 - the scripts call session.sequence_length
 from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT
 from lit_model.precision import param_dtype
@@ -77,17 +77,6 @@ def finish(fabric: Fabric) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def sequence_length(config: Config, override: int | None) -> int:
-    if override is None:
-        return config.block_size
-    if not 1 <= override <= config.block_size:
-        raise UsageError(
-            f"--override_max_seq_length {override} is outside 1..{config.block_size}, the context "
-            f"{config.name or 'this model'} supports. Use a value of at most {config.block_size}."
-        )
-    return override
 
 
 def setup_model_and_optimizer(fabric: Fabric, model: GPT, args: TrainArgs) -> tuple[nn.Module, Any]:
