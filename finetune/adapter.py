@@ -21,6 +21,7 @@ from lit_model.checkpoint import derive_checkpoint_dir
 from lit_model.cli import parse
 from lit_model.errors import run_cli
 from lit_model.training import finetune, session
+from lit_model.training.args import check_args
 
 
 @dataclass
@@ -40,6 +41,7 @@ class AdapterArgs(finetune.FinetuneArgs):
 
 
 def main(args: AdapterArgs) -> None:
+    check_args(args)
     if args.plan is not None:
         return finetune.print_plan(args, "adapter")
     fabric = session.create_fabric(args)

@@ -16,6 +16,7 @@ from lightning.fabric import Fabric
 from lit_model.cli import parse
 from lit_model.errors import UsageError, run_cli
 from lit_model.training import finetune, session
+from lit_model.training.args import check_args
 from lit_model.training.loop import save_final
 
 
@@ -30,6 +31,7 @@ class FullArgs(finetune.FinetuneArgs):
 
 
 def main(args: FullArgs) -> None:
+    check_args(args)
     if args.quantize is not None:
         raise UsageError(
             f"--quantize {args.quantize} stores frozen weights, but full fine-tuning trains every weight. Use "

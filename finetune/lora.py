@@ -17,6 +17,7 @@ from lit_model.cli import parse
 from lit_model.errors import run_cli
 from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
 from lit_model.training import finetune, session
+from lit_model.training.args import check_args
 
 
 @dataclass
@@ -50,6 +51,7 @@ class LoRAArgs(finetune.FinetuneArgs):
 
 
 def main(args: LoRAArgs) -> None:
+    check_args(args)
     lora = LoRAConfig.from_flags(args)  # bad LoRA flags fail before any process starts
     if args.plan is not None:
         return finetune.print_plan(args, "lora")

@@ -43,9 +43,7 @@ class BaseArgs(GenerationArgs):
 
 
 def main(args: BaseArgs) -> None:
-    if args.prompt_length is not None and args.plan is None:
-        raise UsageError("--prompt_length applies with --plan only; generating counts the prompt's tokens.")
-    setup = prepare_generation(args, args.num_samples)
+    setup = prepare_generation(args)  # checks every flag first (check_generation_args)
     if args.plan is not None and (args.prompt_length is not None or setup.tokenizer is None):
         length = args.prompt_length or math.ceil(len(setup.style.apply(args.prompt)) / CHARACTERS_PER_TOKEN)
     else:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
+import sys
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
@@ -15,9 +18,14 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from lit_model.errors import UsageError
+from lit_model.errors import UsageError, run_cli
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(UsageError, ValueError):
+    """A Config field of the wrong type or out of range. Also a ValueError, so code that builds a Config from a
+    file the user did not write as one (a Hugging Face config.json) can report it as that file's fault."""
 
 
 @dataclass
@@ -79,20 +87,21 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific HF fields kept for export
 
     def __post_init__(self) -> None:
+        # Every construction path (--model_config, the registry, a checkpoint, conversion) lands here, so a
+        # bad value is named before a model of the wrong shape is built.
+        check_types(self)
         if self.padded_vocab_size is None:
             self.padded_vocab_size = self.vocab_size
-        if self.padded_vocab_size < self.vocab_size:
-            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
         if self.head_size is None:
             if self.n_embd % self.n_head:
-                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+                raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: each head gets "
+                                 "n_embd / n_head channels. Change one of them, or give head_size.")
             self.head_size = self.n_embd // self.n_head
         if self.n_query_groups is None:
             self.n_query_groups = self.n_head
-        if self.n_head % self.n_query_groups:
-            raise ValueError(f"n_head={self.n_head} is not divisible by n_query_groups={self.n_query_groups}")
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.n_embd
+        check_ranges(self)
         self.rope_n_elem = int(self.rotary_percentage * self.head_size)
 
     @property
@@ -136,12 +145,27 @@ class Config:
         path = Path(path)
         if not path.is_file():
             raise UsageError(f"Model config {str(path)!r} does not exist: pass a YAML file of Config fields.")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise UsageError(f"{path} is not valid YAML ({_first_line(error)}). Write one `field: value` per line.") from None
+        if not isinstance(data, dict) or not data:
+            # An empty file would otherwise give the defaults: a 3.4B-parameter model nobody asked for.
+            raise UsageError(
+                f"{path} holds no Config fields ({'empty' if data is None else type(data).__name__}). Write a mapping "
+                "such as `n_layer: 4`, `n_embd: 256`, `n_head: 4`, `block_size: 512`, `vocab_size: 8192`, or pass "
+                "--model_name (python -m lit_model.config lists the known ones)."
+            )
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
-            raise UsageError(f"{path}: unknown Config fields {sorted(unknown)}.")
+            close = {k: difflib.get_close_matches(str(k), [f.name for f in fields(cls)], n=1) for k in unknown}
+            hints = "".join(f" {k!r}: did you mean {v[0]!r}?" for k, v in close.items() if v)
+            raise UsageError(f"{path}: unknown Config fields {sorted(map(str, unknown))}.{hints}")
         data.update(overrides)
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, **overrides: Any) -> "Config":
@@ -153,6 +177,96 @@ class Config:
     def save(self, checkpoint_dir: str | Path) -> None:
         path = Path(checkpoint_dir) / "model_config.yaml"
         path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def sequence_length(config: Config, override: Optional[int]) -> int:
+    """The training sequence length for ``--override_max_seq_length``; one rule for training and --plan."""
+    if override is None:
+        return config.block_size
+    if not 1 <= override <= config.block_size:
+        raise UsageError(
+            f"--override_max_seq_length {override} is outside 1..{config.block_size}, the context "
+            f"{config.name or 'this model'} supports. Use a value of at most {config.block_size}."
+        )
+    return override
+
+
+# ---- validation: every field's type, then the ranges and the relations between fields -----------------------
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+@lru_cache(maxsize=1)
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is typing.Union:
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " (or null)"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "text", dict: "a mapping"}.get(
+        origin or hint, str(hint))
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        return any(_matches(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is float:  # an integer is a fine number; a bool is not
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint)
+
+
+def check_types(config: Config) -> None:
+    for name, hint in _field_types().items():
+        value = getattr(config, name)
+        if not _matches(value, hint):
+            fix = ""
+            if isinstance(value, str) and hint in (float, Optional[float]):
+                fix = " (YAML reads a number like 1e-5 as text: write 1.0e-5)"
+            raise ConfigError(f"Config field {name}: {value!r} is not {_type_name(hint)}{fix}.")
+
+
+# field -> smallest allowed value; None (where the type allows it) means "derived" or "off"
+_AT_LEAST = {
+    "block_size": 1, "vocab_size": 1, "padded_vocab_size": 1, "n_layer": 1, "n_embd": 1, "n_head": 1,
+    "head_size": 1, "n_query_groups": 1, "intermediate_size": 1, "attention_scores_scalar": 1,
+    "sliding_window_size": 1, "sliding_window_layer_stride": 1,
+}
+_POSITIVE = ("rope_base", "norm_eps", "attention_logit_softcapping", "final_logit_softcapping")
+
+
+def check_ranges(config: Config) -> None:
+    for name, least in _AT_LEAST.items():
+        value = getattr(config, name)
+        if value is not None and value < least:
+            raise ConfigError(f"Config field {name}: {value} must be at least {least}.")
+    for name in _POSITIVE:
+        value = getattr(config, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"Config field {name}: {value} must be a positive number.")
+    if config.padded_vocab_size < config.vocab_size:
+        raise ConfigError(f"Config field padded_vocab_size={config.padded_vocab_size} is smaller than "
+                         f"vocab_size={config.vocab_size}: the embedding needs a row per token.")
+    if config.n_head % config.n_query_groups:
+        raise ConfigError(f"n_head={config.n_head} is not divisible by n_query_groups={config.n_query_groups}: "
+                         "each key/value head serves the same number of query heads.")
+    if not 0.0 <= config.rotary_percentage <= 1.0:
+        raise ConfigError(f"Config field rotary_percentage: {config.rotary_percentage} must be in [0, 1].")
+    if int(config.rotary_percentage * config.head_size) % 2:
+        raise ConfigError(f"rotary_percentage={config.rotary_percentage} x head_size={config.head_size} gives an odd "
+                         "number of rotary channels; RoPE rotates channel pairs. Pick values whose product is even.")
+    if config.gelu_approximate not in ("none", "tanh"):
+        raise ConfigError(f"Config field gelu_approximate: {config.gelu_approximate!r} must be none or tanh.")
 
 
 @lru_cache(maxsize=1)
@@ -178,6 +292,13 @@ def known_names() -> list[str]:
     return sorted(_registry())
 
 
-if __name__ == "__main__":
+def _cli(argv: list[str]) -> None:
+    if argv:
+        raise UsageError(f"python -m lit_model.config takes no arguments (got {' '.join(argv)}): it lists every known "
+                         "model name.")
     for model_name in known_names():
         print(Config.from_name(model_name).hf_name)
+
+
+if __name__ == "__main__":
+    run_cli(_cli, sys.argv[1:])

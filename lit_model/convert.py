@@ -910,13 +910,17 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
 # ------------------------------------------------------------------------------------------------
 def _parse_size(size: Union[int, str]) -> int:
     if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
-    if match is None:
-        raise UsageError(f"--max_shard_size {size!r} is not a size. Use bytes or e.g. 500MB, 5GB.")
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return int(float(match.group(1)) * units[(match.group(2) or "").upper()])
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
+        if match is None:
+            raise UsageError(f"--max_shard_size {size!r} is not a size. Use bytes or e.g. 500MB, 5GB.")
+        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        value = int(float(match.group(1)) * units[(match.group(2) or "").upper()])
+    if value < 1:
+        raise UsageError(f"--max_shard_size {size!r} must be at least 1 byte; e.g. 500MB or 5GB.")
+    return value
 
 
 def lit_to_hf(

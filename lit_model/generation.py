@@ -22,7 +22,7 @@ from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
-from lit_model.precision import param_dtype, resolve_precision
+from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
 from lit_model.tokenizer import Tokenizer, check_utf8
 
@@ -608,7 +608,8 @@ class GenerationArgs:
         stop: a string, or a list like '["\\n\\n", "User:"]', that ends the generation (not printed)
         devices: GPUs to place consecutive blocks on, for models that do not fit one (CPU: 1)
         prompt_style: how to wrap the prompt (default, alpaca, chatml, llama-3, ...); default: the checkpoint's
-        plan: text or json: print the predicted peak memory of this generation and exit without reading weights
+        plan: text or json: print the predicted peak memory of this generation and exit without reading weights;
+            exit status 1 when it does not fit the device and no suggested flag change makes it fit, else 0
         model_name: with --plan: a name from the config registry in place of --checkpoint_dir
         device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB (default: this machine)
     """
@@ -671,7 +672,7 @@ class GenerationSetup:
         """``--plan text|json``: the predicted peak memory of generating ``max_new_tokens`` after
         ``prompt_length`` tokens for ``batch_size`` samples: weights in the precision's dtype (or packed with
         --quantize), the KV cache for exactly those positions, activations, logits and overhead."""
-        from lit_model.memory import plan_generation
+        from lit_model.memory import check_plan_fits, plan_generation
 
         args = self.args
         plan = plan_generation(self.config, prompt_length, max_new_tokens, batch_size, self.precision.name,
@@ -682,21 +683,47 @@ class GenerationSetup:
                 f"model on one, so each GPU needs about 1/{args.devices} of the weights and KV cache."
             )
         print(plan.to_json() if args.plan == "json" else plan.to_text())
+        check_plan_fits(plan)
 
 
-def prepare_generation(args: GenerationArgs, num_samples: int = 1) -> GenerationSetup:
-    """Check the flags, then read the config, tokenizer and prompt style (never the weights). With ``--plan``
-    the device is the one planned for (a CUDA GPU with ``--device_memory``, else this machine's), and
-    ``--model_name`` may stand for the checkpoint: its config comes from the registry."""
-    check_sampling(args.temperature, args.top_k, args.top_p, num_samples)
-    checkpoint_dir: Optional[Path] = Path(args.checkpoint_dir)
+def check_generation_args(args: GenerationArgs) -> None:
+    """Every flag of generate/base.py and chat.py (``num_samples``, ``prompt_length``, ``max_new_tokens``,
+    ``max_seq_length`` where the script has them), checked before any file is read; the limits that depend on
+    the model (its context) are checked once its config is read."""
+    from lit_model.memory.units import parse_memory
+    from lit_model.quantize import QUANTIZE_MODES
+
+    check_sampling(args.temperature, args.top_k, args.top_p, getattr(args, "num_samples", 1))
+    for flag, least in (("max_new_tokens", 1), ("prompt_length", 1), ("max_seq_length", 2), ("devices", 1), ("seed", 0)):
+        value = getattr(args, flag, None)
+        if value is not None and value < least:
+            raise UsageError(f"--{flag} {value} must be at least {least}.")
+    if args.seed >= 2**64:
+        raise UsageError(f"--seed {args.seed} must be below 2**64.")
+    if args.precision is not None and args.precision not in PRECISIONS:
+        raise UsageError(f"Unknown --precision {args.precision!r}. Choose one of: {', '.join(PRECISIONS)}.")
+    if args.quantize is not None and args.quantize not in QUANTIZE_MODES:
+        raise UsageError(f"Unknown --quantize {args.quantize!r}. Choose one of: {', '.join(QUANTIZE_MODES)}, or drop it.")
     if args.plan is None:
-        for flag, value in (("--model_name", args.model_name), ("--device_memory", args.device_memory)):
+        plan_only = ("--model_name", args.model_name), ("--device_memory", args.device_memory), (
+            "--prompt_length", getattr(args, "prompt_length", None))
+        for flag, value in plan_only:
             if value is not None:
                 raise UsageError(
                     f"{flag} {value} applies with --plan only (to plan a generation before its weights are here). "
-                    "Generating reads the model from --checkpoint_dir."
+                    "Generating reads the model from --checkpoint_dir and counts the prompt's tokens."
                 )
+    elif args.device_memory is not None:
+        parse_memory(args.device_memory)
+
+
+def prepare_generation(args: GenerationArgs) -> GenerationSetup:
+    """Check the flags, then read the config, tokenizer and prompt style (never the weights). With ``--plan``
+    the device is the one planned for (a CUDA GPU with ``--device_memory``, else this machine's), and
+    ``--model_name`` may stand for the checkpoint: its config comes from the registry."""
+    check_generation_args(args)
+    checkpoint_dir: Optional[Path] = Path(args.checkpoint_dir)
+    if args.plan is None:
         checkpoint_dir = check_checkpoint_dir(checkpoint_dir, need_tokenizer=True)
         devices = resolve_devices(args.devices)
         device_type = devices[0].type

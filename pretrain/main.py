@@ -22,7 +22,7 @@ from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_l
 from lit_model.errors import UsageError, run_cli
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
-from lit_model.training.args import TrainArgs
+from lit_model.training.args import TrainArgs, check_args
 from lit_model.training.loop import RunState, check_out_dir, fit, save_final, write_summary
 
 
@@ -50,8 +50,11 @@ class PretrainArgs(TrainArgs):
 
 
 def main(args: PretrainArgs) -> None:
+    check_args(args)
+    config = model_config(args)  # a bad --model_name or --model_config stops before any process starts
+    session.sequence_length(config, args.override_max_seq_length)
     if args.plan is not None:
-        session.print_plan(model_config(args), args)
+        session.print_plan(config, args)
         return
     fabric = session.create_fabric(args)
     fabric.launch(train, args)

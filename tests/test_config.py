@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from lit_model.config import CONFIG_DIR, Config, known_names
+from lit_model.config import CONFIG_DIR, Config, ConfigError, known_names
 from lit_model.errors import UsageError
 from lit_model.model import GPT, rope_cache
 
@@ -275,6 +275,37 @@ def test_unknown_name_suggests_close_names():
     assert "Did you mean" in str(error.value) and "Llama-2-7b-hf" in str(error.value)
     with pytest.raises(UsageError, match="qwen2.5-7b|Qwen2.5-7B"):
         Config.from_name("Qwen/Qwen2.5-7b")  # names are case sensitive; the close match is offered
+
+
+def test_every_registry_entry_passes_validation_and_a_bad_field_is_named():
+    for name in known_names():  # __post_init__ validates types and ranges, so every published entry is checked
+        Config.from_name(name)
+    cases = [
+        (dict(n_layer="four"), "n_layer: 'four' is not an integer"),
+        (dict(n_head=5), "n_embd=768 is not divisible by n_head=5"),
+        (dict(n_embd=-64, head_size=64), "n_embd: -64 must be at least 1"),
+        (dict(rope_base=0.0), "rope_base: 0.0 must be a positive number"),
+        (dict(sliding_window_size=0), "sliding_window_size: 0 must be at least 1"),
+        (dict(mlp_class_name="SwiGLU"), "is not one of GptNeoxMLP, LLaMAMLP, GemmaMLP"),
+        (dict(tie_embeddings=1), "tie_embeddings: 1 is not true or false"),
+        (dict(rope_scaling=[8.0]), "rope_scaling: [8.0] is not a mapping (or null)"),
+        (dict(gelu_approximate="exact"), "gelu_approximate: 'exact' must be none or tanh"),
+    ]
+    for overrides, needle in cases:
+        with pytest.raises(ConfigError) as error:
+            Config.from_name("pythia-160m", **overrides)
+        assert needle in str(error.value) and isinstance(error.value, (UsageError, ValueError))
+
+
+def test_model_config_file_errors_name_the_file(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(UsageError, match="holds no Config fields"):  # not the 3.4B defaults
+        Config.from_file(empty)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("n_layer: 2\nn_embd: 64\nn_head: 3\n")
+    with pytest.raises(ConfigError, match=f"{bad}: n_embd=64 is not divisible by n_head=3"):
+        Config.from_file(bad)
 
 
 def test_wrong_org_raises():

@@ -304,6 +304,37 @@ def test_bad_inputs():
         plan_training(LLAMA2, args(precision="fp8"), engine="analytic")
 
 
+@pytest.mark.parametrize("micro, global_batch, devices, needle", [
+    (3, 16, 1, "use a micro_batch_size among [1, 2, 4, 8, 16]"),
+    (64, 16, 1, "use a micro_batch_size among [1, 2, 4, 8, 16]"),
+    (4, 12, 8, "use a global_batch_size that is a multiple of 32"),
+])
+def test_plan_refuses_the_batches_training_refuses(micro, global_batch, devices, needle):
+    """One rule (lit_model.data.text.check_batch_sizes) for the plan and the samplers: the same message."""
+    from lit_model.data.text import GlobalBatchSampler
+
+    settings = args(micro_batch_size=micro, global_batch_size=global_batch, devices=devices)
+    with pytest.raises(UsageError) as planned:
+        plan_training(tiny(), settings, engine="analytic", detect=False)
+    with pytest.raises(UsageError) as trained:
+        GlobalBatchSampler(100, global_batch, micro, 0, devices)
+    assert str(planned.value) == str(trained.value) and needle in str(planned.value)
+
+
+def test_check_plan_fits_fails_only_when_nothing_fits():
+    from lit_model.errors import UserError
+    from lit_model.memory import check_plan_fits
+
+    hopeless = plan_training(LLAMA2, args(), device_memory="1MB", engine="analytic")
+    assert not hopeless.fits and not hopeless.suggestions
+    with pytest.raises(UserError, match="does not fit in 1.00 MB per device, and no combination"):
+        check_plan_fits(hopeless)
+    rescued = plan_training(LLAMA2, args(), device_memory="24GB", engine="analytic")
+    assert not rescued.fits and rescued.suggestions
+    check_plan_fits(rescued)
+    check_plan_fits(plan_training(tiny(), args(), device_memory="80GB", engine="analytic"))
+
+
 def test_plan_is_a_dataclass_with_the_documented_fields():
     plan = plan_training(tiny(), args(), engine="analytic", detect=False)
     assert isinstance(plan, Plan)

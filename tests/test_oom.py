@@ -97,6 +97,7 @@ def test_out_of_memory_report_names_categories_and_fixes(tmp_path):
     from lit_model.training.recovery import out_of_memory_report
 
     args = TrainArgs(micro_batch_size=1, global_batch_size=8, device_memory="24GB")
+    (tmp_path / "checkpoints" / "step-6").mkdir(parents=True)  # the report cites only a checkpoint that exists
     text = out_of_memory_report(Config.from_name("lit-model-40m"), args, "full", torch.device("cpu"), 1, 1,
                                 "at step 7", "CUDA out of memory", tmp_path)
     assert "Out of memory at step 7 even with micro batch 1 (CUDA out of memory)" in text

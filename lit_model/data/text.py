@@ -262,6 +262,22 @@ class PackedDataset(Dataset):
         return window[:-1], window[1:]
 
 
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, world_size: int) -> None:
+    """The one rule for a valid batch, used by training (the samplers), the flag checks and --plan: every
+    process runs the same whole number of micro batches per optimizer step."""
+    G, M, W = global_batch_size, micro_batch_size, world_size
+    if min(G, M, W) < 1:
+        raise UsageError(f"global_batch_size ({G}), micro_batch_size ({M}) and the number of processes ({W}) must "
+                         "each be at least 1.")
+    if G % (W * M):
+        per_rank = G // W if G % W == 0 else 0
+        valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        fix = (f"use a micro_batch_size among {valid}" if valid else
+               f"use a global_batch_size that is a multiple of {W * M} (devices x micro_batch_size)")
+        raise UsageError(f"global_batch_size={G} must be divisible by devices ({W}) x micro_batch_size ({M}) "
+                         f"so every process runs the same number of micro batches per step; {fix}.")
+
+
 class GlobalBatchSampler:
     """Batch sampler whose global batch at optimizer step ``s`` does not depend on the world size.
 
@@ -282,13 +298,7 @@ class GlobalBatchSampler:
             raise UsageError(f"Invalid sampler settings: global_batch_size={G}, micro_batch_size={M}, rank={rank}, "
                              f"world_size={W}, seed={seed}, start_step={start_step}; sizes must be positive, "
                              "0 <= rank < world_size, and seed and step non-negative.")
-        if G % (W * M):
-            per_rank = G // W if G % W == 0 else 0
-            valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-            fix = (f"use a micro_batch_size among {valid}" if valid else
-                   f"use a global_batch_size that is a multiple of {W * M} (devices x micro_batch_size)")
-            raise UsageError(f"global_batch_size={G} must be divisible by devices ({W}) x micro_batch_size ({M}) "
-                             f"so every process runs the same number of micro batches per step; {fix}.")
+        check_batch_sizes(G, M, W)
         self.dataset_len, self.global_batch_size, self.micro_batch_size = dataset_len, G, M
         self.rank, self.world_size, self.seed, self.step = rank, W, seed, start_step
         self._perms: dict[int, np.ndarray] = {}

@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lit_model.config import Config
-from lit_model.errors import UsageError
+from lit_model.errors import UsageError, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
@@ -309,6 +309,17 @@ def plan_training(
             plan.notes.append("No combination of up to 3 flag changes fits this device.")
     plan._inputs = ("training", config, settings, kwargs)
     return plan
+
+
+def check_plan_fits(plan: Plan) -> None:
+    """``--plan``'s exit status, after the plan is printed: 1 (this error) when the run does not fit the device
+    and no suggested flag change makes it fit, so a script can test a plan; 0 when it fits or a suggestion does."""
+    if plan.fits or plan.suggestions:
+        return
+    raise UserError(
+        f"This run does not fit in {format_bytes(plan.device_memory)} per device, and no combination of up to 3 "
+        "flag changes makes it fit (see the plan above): it needs more or larger devices, or a smaller model."
+    )
 
 
 def max_micro_batch_size(

@@ -10,7 +10,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lit_model.config import Config
+from lit_model.config import Config, sequence_length
+from lit_model.data.text import check_batch_sizes
 from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 
@@ -150,9 +151,8 @@ def make_spec(
         micro = 1  # the caller resolves "auto" with max_micro_batch_size
     micro = int(micro)
     global_batch = int(_get(settings, "global_batch_size", micro * world_size))
-    global_batch = max(global_batch, micro * world_size)
-    seq_len = _get(settings, "override_max_seq_length", None) or config.block_size
-    seq_len = min(int(seq_len), config.block_size)
+    check_batch_sizes(global_batch, micro, world_size)  # what training would refuse, the plan refuses too
+    seq_len = sequence_length(config, _get(settings, "override_max_seq_length", None))  # as training refuses
     ac = bool(_get(settings, "activation_checkpointing", False))
     interval = int(_get(settings, "activation_checkpointing_interval", 1)) if ac else 0
     adapter_start = _get(settings, "adapter_start_layer", None)

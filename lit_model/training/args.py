@@ -6,12 +6,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from lit_model.data.text import check_batch_sizes
+from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from lit_model.training.fabric import DistributedSettings
+from lit_model.memory.units import parse_memory
+from lit_model.training.fabric import DistributedSettings, resolve_devices
+from lit_model.training.optimizers import check_optimizer
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -58,7 +64,8 @@ class TrainArgs(DistributedSettings):
         loss_chunk_size: tokens per cross-entropy chunk, so full logits are never held at once (0: unchunked)
         overwrite: allow writing into an out_dir that holds another run
         device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB
-        plan: print the predicted peak memory of this run and exit
+        plan: print the predicted peak memory of this run and exit without training; exit status 1 when it does
+            not fit the device and no suggested flag change makes it fit, else 0
         plan_plot: with --plan: also write a PNG of peak memory by category for this run and each suggestion
         rehearse: before training, run one step on the longest batch, one evaluation batch and a checkpoint save
             (a fresh run's rehearsal changes nothing), so an out-of-memory shows in the first minute
@@ -98,3 +105,93 @@ class TrainArgs(DistributedSettings):
     plan_plot: Optional[Path] = None
     rehearse: bool = True
     oom_recovery: bool = True
+
+
+# Flag -> the smallest value that means something; a flag left out (None) or "auto" is not checked. The
+# subclasses' flags are here too, so every script's numbers are checked in one place before anything starts.
+AT_LEAST: dict[str, int] = {
+    "devices": 1, "micro_batch_size": 1, "global_batch_size": 1, "eval_batch_size": 1, "num_nodes": 1, "log_interval": 1, "eval_interval": 1,
+    "eval_iters": 1, "keep_last": 1, "max_steps": 1, "max_tokens": 1, "override_max_seq_length": 1,
+    "activation_checkpointing_interval": 1, "adapter_prompt_length": 1,
+    "warmup_steps": 0, "save_interval": 0, "empty_cache_interval": 0, "loss_chunk_size": 0, "seed": 0,
+    "adapter_start_layer": 0, "weight_decay": 0, "grad_clip": 0, "min_lr": 0,
+}
+MEANING = {
+    "log_interval": "steps between logged rows", "eval_interval": "steps between evaluations",
+    "save_interval": "steps between checkpoints, 0: only at the end", "keep_last": "checkpoints kept",
+    "empty_cache_interval": "0: never", "loss_chunk_size": "0: unchunked", "grad_clip": "0: off",
+}
+MAX_SEED = 2**32 - 1  # numpy's and Fabric's seed range
+
+
+def check_args(args: TrainArgs) -> None:
+    """Every training flag's value and the combinations that cannot work, checked once at the start of each
+    training script's main, before anything is written or any process is launched: a bad value stops there
+    with the fix, not after N processes start or after the first step."""
+    for flag, least in AT_LEAST.items():
+        value = getattr(args, flag, None)
+        if value not in (None, "auto") and not value >= least:  # also catches NaN
+            meaning = f" ({MEANING[flag]})" if flag in MEANING else ""
+            raise UsageError(f"--{flag} {value} must be at least {least}{meaning}.")
+    if not args.learning_rate > 0:
+        raise UsageError(f"--learning_rate {args.learning_rate} must be positive, e.g. 3e-4.")
+    if args.min_lr > args.learning_rate:
+        raise UsageError(f"--min_lr {args.min_lr} is above --learning_rate {args.learning_rate}: the schedule decays "
+                         "from the learning rate down to min_lr. Lower --min_lr.")
+    if args.seed > MAX_SEED:
+        raise UsageError(f"--seed {args.seed} must be between 0 and {MAX_SEED}.")
+    fraction = getattr(args, "val_split_fraction", None)  # fine-tuning only
+    if fraction is not None and not 0 < fraction < 1:
+        raise UsageError(f"--val_split_fraction {fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
+    if args.max_steps is None and args.max_tokens is None:
+        raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
+    if isinstance(args.freeze_layers, int) and args.freeze_layers < 0:
+        raise UsageError(f"--freeze_layers {args.freeze_layers} must be at least 0 (the number of frozen blocks).")
+    if isinstance(args.freeze_layers, list) and not args.freeze_layers:
+        raise UsageError("--freeze_layers [] names no parameter: give patterns such as '[blocks.[0-3].*]', or drop it.")
+    # A plan may be for GPUs this machine does not have; a run needs them here
+    devices = args.devices if args.plan is not None and args.devices != "auto" else resolve_devices(args.devices)
+    world_size = devices * args.num_nodes
+    micro = 1 if args.micro_batch_size == "auto" else args.micro_batch_size  # auto picks a divisor of the batch
+    check_batch_sizes(args.global_batch_size, micro, world_size)
+    check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
+    if args.device_memory is not None:
+        parse_memory(args.device_memory)
+    check_plan_flags(args)
+    if args.plan is None:  # a plan writes nothing into out_dir
+        check_out_dir_path(args.out_dir)
+        if args.resume is not None and args.overwrite:
+            raise UsageError(
+                f"--resume {args.resume} continues the run in {args.out_dir}, --overwrite starts a new one there: "
+                "choose one of them."
+            )
+
+
+def check_plan_flags(args: TrainArgs) -> None:
+    if args.plan_plot is None:
+        return
+    if args.plan is None:
+        raise UsageError("--plan_plot draws the memory plan: add --plan text (or json), or drop --plan_plot.")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plan_plot needs matplotlib: run `pip install matplotlib` (or `pip install -e .[plot]`), "
+                         "or drop --plan_plot.")
+    path = Path(args.plan_plot)
+    if path.is_dir() or not path.parent.is_dir():
+        raise UsageError(f"--plan_plot {path}: give a file name in an existing directory, e.g. plan.png.")
+
+
+def check_out_dir_path(out_dir: Path) -> None:
+    """``out_dir`` can be a directory this process creates and writes into (its contents are check_out_dir's
+    business, in the launched processes)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out_dir {out_dir} is a file, not a directory. Pick another --out_dir.")
+    existing = out_dir
+    while not existing.exists():  # the nearest ancestor that exists is where the directories get created
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--out_dir {out_dir}: {existing} is a file, so no directory can be made under it. "
+                         "Pick another --out_dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out_dir {out_dir}: {existing} is not writable by this user. Pick a directory you "
+                         "can write to, or change its permissions.")

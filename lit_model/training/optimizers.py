@@ -90,10 +90,42 @@ def build_optimizer(
             groups = [{"params": g["params"]} for g in groups]
         defaults = {"betas": betas} if betas and "betas" in accepted else {}
         return _construct(cls, groups, learning_rate, {**defaults, **extra})
-    raise UsageError(
+    raise _unknown_optimizer(name)
+
+
+def _unknown_optimizer(name: str) -> UsageError:
+    return UsageError(
         f"Unknown optimizer {name!r}. Use one of {', '.join(OPTIMIZERS)}, or the import path of an optimizer"
         " class such as `torch.optim.RMSprop` or `pytorch_optimizer.CAME`."
     )
+
+
+def check_optimizer(name: str, learning_rate: float, weight_decay: float) -> None:
+    """Refuse, before anything starts, an optimizer the fit loop cannot drive. The loop calls ``step()`` without
+    a closure, on dense gradients: a class path is built over a small parameter and stepped once that way,
+    which fails for e.g. torch.optim.LBFGS (needs a closure) and SparseAdam (sparse gradients only). The names
+    in ``OPTIMIZERS`` are known to work and are checked when built (their packages, the device)."""
+    if name.lower() in {n.lower() for n in OPTIMIZERS}:
+        return
+    if "." not in name:
+        raise _unknown_optimizer(name)
+    probe = nn.Linear(2, 2)
+    try:  # built as the loop builds it: weight-decay groups, then one step
+        optimizer = build_optimizer(probe, name, learning_rate=learning_rate, weight_decay=weight_decay)
+        if _is_hessian_optimizer(optimizer):  # steps on the gradients' graph, which needs a real backward
+            return
+        for parameter in probe.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+    except UsageError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the class raises, the loop would hit at setup or step 1
+        raise UsageError(
+            f"--optimizer {name} cannot serve this training loop, which builds it with parameter groups and "
+            f"calls step() without a closure on dense gradients ({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}). "
+            f"Use one of {', '.join(OPTIMIZERS)}, or a class that steps that way, e.g. torch.optim.Adam, NAdam, "
+            "RAdam, RMSprop, Adagrad, Adamax or Adadelta."
+        ) from None
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

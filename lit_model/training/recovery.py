@@ -129,6 +129,7 @@ def out_of_memory_report(config: Any, args: Any, trainable: str, device: torch.d
     from lit_model.memory.plan import SUGGESTION_MARGIN, plan_training, suggest_changes
     from lit_model.memory.spec import make_spec
     from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
+    from lit_model.training.loop import checkpoint_dirs  # loop imports this module: import at call time
 
     settings = replace(args, micro_batch_size=micro_batch_size)
     device_type = "cuda" if device.type == "cuda" else "cpu"
@@ -144,9 +145,14 @@ def out_of_memory_report(config: Any, args: Any, trainable: str, device: torch.d
     fix_text = "; ".join(f"{i + 1}) {' '.join(s.flags)} (predicted peak {format_bytes(s.peak_bytes)}, speed x{s.speed_factor})"
                          for i, s in enumerate(fixes)) or "none of up to 3 flag changes fits: use more devices"
     snapshot = write_snapshot(device, out_dir)
+    saved = checkpoint_dirs(out_dir)
+    if saved:
+        resume = f"The newest checkpoint is {saved[-1]}: continue with the new flags and --resume auto."
+    else:  # cite only what exists: before the first save there is nothing to resume
+        resume = f"No checkpoint was saved yet in {out_dir}: start again with the new flags and --overwrite."
     return (
         f"Out of memory {where} even with micro batch {micro_batch_size} ({message}). Predicted memory "
         f"per rank: {categories} (peak {format_bytes(plan.peak_bytes)}). Fixes, cheapest first: {fix_text}. "
         + (f"Memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz). " if snapshot else "")
-        + f"Checkpoints so far are in {out_dir / 'checkpoints'}: continue with the new flags and --resume auto."
+        + resume
     )

@@ -15,7 +15,7 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, Dataset
 
-from lit_model.config import Config
+from lit_model.config import Config, sequence_length  # noqa: F401 - the scripts call session.sequence_length
 from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT
 from lit_model.precision import param_dtype
@@ -31,14 +31,15 @@ def create_fabric(args: TrainArgs) -> Fabric:
 
 def print_plan(config: Config, args: TrainArgs, trainable: str = "full") -> None:
     """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights;
-    ``--plan_plot`` also draws it."""
-    from lit_model.memory import plan_training, plot_plan
+    ``--plan_plot`` also draws it. Exit status 1 when it does not fit and no suggestion makes it fit."""
+    from lit_model.memory import check_plan_fits, plan_training, plot_plan
 
     device_type = "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
     plan = plan_training(config, args, trainable=trainable, device_memory=args.device_memory, device_type=device_type)
     print(plan.to_json() if args.plan == "json" else plan.to_text())
     if args.plan_plot is not None:
         print(f"Plot: {plot_plan(plan, args.plan_plot)}", file=sys.stderr)
+    check_plan_fits(plan)
 
 
 def resolve_micro_batch_size(fabric: Fabric, args: TrainArgs, config: Config, trainable: str = "full") -> None:
@@ -77,17 +78,6 @@ def finish(fabric: Fabric) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def sequence_length(config: Config, override: int | None) -> int:
-    if override is None:
-        return config.block_size
-    if not 1 <= override <= config.block_size:
-        raise UsageError(
-            f"--override_max_seq_length {override} is outside 1..{config.block_size}, the context "
-            f"{config.name or 'this model'} supports. Use a value of at most {config.block_size}."
-        )
-    return override
 
 
 def setup_model_and_optimizer(fabric: Fabric, model: GPT, args: TrainArgs) -> tuple[nn.Module, Any]:
