@@ -259,3 +259,8 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
     for step in (2, 10):
         (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
     assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-10'}: continue with the new flags and --resume auto." in report()
+    # After an explicit --resume of step-2, the lineage (what --resume auto takes) ends there, not at step-10
+    from lit_model.training.loop import write_lineage
+
+    write_lineage(tmp_path, [tmp_path / "checkpoints" / "step-2"])
+    assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-2'}:" in report()

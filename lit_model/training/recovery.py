@@ -129,7 +129,7 @@ def out_of_memory_report(config: Any, args: Any, trainable: str, device: torch.d
     from lit_model.memory.plan import SUGGESTION_MARGIN, plan_training, suggest_changes
     from lit_model.memory.spec import make_spec
     from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
-    from lit_model.training.loop import checkpoint_dirs  # loop imports this module: import at call time
+    from lit_model.training.loop import lineage  # loop imports this module: import at call time
 
     settings = replace(args, micro_batch_size=micro_batch_size)
     device_type = "cuda" if device.type == "cuda" else "cpu"
@@ -145,7 +145,7 @@ def out_of_memory_report(config: Any, args: Any, trainable: str, device: torch.d
     fix_text = "; ".join(f"{i + 1}) {' '.join(s.flags)} (predicted peak {format_bytes(s.peak_bytes)}, speed x{s.speed_factor})"
                          for i, s in enumerate(fixes)) or "none of up to 3 flag changes fits: use more devices"
     snapshot = write_snapshot(device, out_dir)
-    saved = checkpoint_dirs(out_dir)
+    saved = [path for path in lineage(out_dir) if path.is_dir()]  # what --resume auto would take
     if saved:
         resume = f"The newest checkpoint is {saved[-1]}: continue with the new flags and --resume auto."
     else:  # cite only what exists: before the first save there is nothing to resume
