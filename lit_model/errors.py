@@ -60,6 +60,7 @@ class StopSignals:
         self.deferring = False
         self.exiting = False
         self.where = ""  # what an immediate stop leaves behind, e.g. "before training started: nothing was saved"
+        self.rank: Optional[int] = None  # this process's rank when there are several (named by the watchdog)
         self._handled = 0  # signals whose Python handler ran (the watchdog compares with those it saw)
         self._wakeup_read: Optional[int] = None
 
@@ -126,7 +127,7 @@ class StopSignals:
                 time.sleep(0.05)
             if self._handled < seen:
                 name = signal.Signals(data[0]).name
-                rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+                rank = f"rank {self.rank}: " if self.rank is not None else ""
                 print(
                     f"error: {rank}stopped by {name}, but the process was blocked for {patience:.0f} s inside a call "
                     "that cannot be interrupted (most likely a collective waiting for another rank that stopped "

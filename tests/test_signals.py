@@ -217,19 +217,21 @@ def start_two_ranks(setup: dict[str, Path], out_dir: Path, timeout: str) -> tupl
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_stopped_rank_ends_the_other_after_timeout_with_a_message(tiny_setup, tmp_path):
-    proc, rank_1 = start_two_ranks(tiny_setup, tmp_path / "stuck", "3")
+    # --timeout also bounds the start-up rendezvous: 10 s leaves room for rank 1's imports on a busy machine.
+    proc, rank_1 = start_two_ranks(tiny_setup, tmp_path / "stuck", "10")
     try:
         os.kill(rank_1, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
         elapsed = time.monotonic() - stopped_at
     finally:
-        os.kill(rank_1, signal.SIGKILL)
+        os.kill(rank_1, signal.SIGKILL)  # it holds the pipes open
+    _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr[-3000:]
-    assert elapsed < 3 + 6, elapsed
+    assert 10 <= elapsed < 10 + 6, elapsed
     message = " ".join(stderr.split())
     assert "Rank 0 of 2 waited for the other processes" in message and "rank 1 stopped answering" in message
-    assert "--timeout (3 s)" in message and "--resume auto" in message and "Traceback" not in stderr
+    assert "--timeout (10 s)" in message and "--resume auto" in message and "Traceback" not in stderr
 
 
 @pytest.mark.slow
@@ -243,10 +245,11 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective(tiny_setup, tmp_path):
         time.sleep(1)  # rank 0 reaches the next collective and waits for rank 1 there
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
         elapsed = time.monotonic() - sent
     finally:
-        os.kill(rank_1, signal.SIGKILL)
+        os.kill(rank_1, signal.SIGKILL)  # it holds the pipes open
+    _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr[-3000:]
     assert STUCK_AFTER_S <= elapsed < STUCK_AFTER_S + 5, elapsed
     assert "rank 0: stopped by SIGTERM, but the process was blocked" in stderr and "Traceback" not in stderr

@@ -129,16 +129,23 @@ def launch(fabric: Fabric, function: Callable[..., Any], *args: Any) -> Any:
     """``fabric.launch(function, *args)`` on every rank; a collective that timed out (or lost its peer) ends the
     rank with one paragraph instead of a traceback."""
     STOPS.where = "before training started: nothing was saved"  # until the fit loop defers stops
+
+    def on_rank(fabric: Fabric, *args: Any) -> Any:
+        STOPS.rank = fabric.global_rank if fabric.world_size > 1 else None
+        return function(fabric, *args)
+
     try:
-        return fabric.launch(function, *args)
+        return fabric.launch(on_rank, *args)
     except RuntimeError as error:
         if fabric.world_size == 1 or not COLLECTIVE_FAILURE.search(str(error)):
             raise
         rank, world_size = fabric.global_rank, fabric.world_size
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[-1])  # without gloo's source location
         others = f"rank {1 - rank}" if world_size == 2 else f"one of the other {world_size - 1} ranks"
         raise CollectiveTimeout(
-            f"Rank {rank} of {world_size} waited for the other processes in a collective operation until it failed "
-            f"({str(error).strip().splitlines()[-1]}): {others} stopped answering (stopped, hung or died) or left. "
+            f"Rank {rank} of {world_size} waited for the other processes (in a collective operation or the start-up "
+            f"rendezvous) until it failed "
+            f"({reason}): {others} stopped answering (stopped, hung or died) or left. "
             f"The wait is bounded by --timeout ({fabric.timeout_s:g} s). Check that every process runs (and why one "
             "stopped), then continue from the newest checkpoint with --resume auto; raise --timeout if a rank "
             "legitimately needs longer (e.g. writing a large checkpoint)."
