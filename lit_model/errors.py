@@ -15,7 +15,9 @@ after a signal, at once after a second one.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import signal
 import sys
 import textwrap
@@ -62,7 +64,8 @@ class StopSignals:
         self.where = ""  # what an immediate stop leaves behind, e.g. "before training started: nothing was saved"
         self.rank: Optional[int] = None  # this process's rank when there are several (named by the watchdog)
         self._handled = 0  # signals whose Python handler ran (the watchdog compares with those it saw)
-        self._wakeup_read: Optional[int] = None
+        self._wakeup_read: Optional[int] = None  # the watchdog's pipe (see _watchdog_fd)
+        self._wakeup_write: Optional[int] = None
 
     @property
     def signal_name(self) -> str:
@@ -116,26 +119,25 @@ class StopSignals:
         return self._wakeup_write
 
     def _watch(self) -> None:
-        seen = 0
+        seen, signum, deadline = 0, 0, math.inf  # deadline: when an unhandled signal ends the process
         while True:
-            data = os.read(self._wakeup_read, 1)
-            if not data or data[0] not in STOP_SIGNALS:
-                continue
-            seen += 1
-            start, patience = time.monotonic(), STUCK_AFTER_S if seen == 1 else 1.0
-            while self._handled < seen and time.monotonic() < start + patience:
-                time.sleep(0.05)
-            if self._handled < seen:
-                name = signal.Signals(data[0]).name
+            if self._handled >= seen:
+                deadline = math.inf
+            if select.select([self._wakeup_read], [], [], None if deadline == math.inf else 0.05)[0]:
+                data = os.read(self._wakeup_read, 1)
+                if data and data[0] in STOP_SIGNALS:
+                    seen, signum = seen + 1, data[0]
+                    deadline = min(deadline, time.monotonic() + (STUCK_AFTER_S if seen == 1 else 1.0))
+            elif time.monotonic() >= deadline:
                 rank = f"rank {self.rank}: " if self.rank is not None else ""
                 print(
-                    f"error: {rank}stopped by {name}, but the process was blocked for {patience:.0f} s inside a call "
+                    f"error: {rank}stopped by {signal.Signals(signum).name}, but the process was blocked inside a call "
                     "that cannot be interrupted (most likely a collective waiting for another rank that stopped "
                     "answering): exiting without saving. The newest checkpoint continues with --resume auto; "
                     "--timeout bounds such waits.",
                     file=sys.stderr, flush=True,
                 )
-                os._exit(128 + data[0])
+                os._exit(128 + signum)
 
 
 STOPS = StopSignals()

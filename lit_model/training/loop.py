@@ -492,9 +492,9 @@ def fit(
         args.micro_batch_size = train_step.micro_batch_size  # what the summary reports, after any out-of-memory split
         if stopped:
             stop_run(fabric, run, args, max_steps, state, config, save_filter, saved)
-    # A signal from here on ends the process at once: training is over or saved.
-    STOPS.where = (f"after training, before final/ was complete: the last checkpoint is in {out_dir / CHECKPOINTS}; "
-                   "the same command with --resume auto writes final/")
+    if not stopped:  # a signal from here on ends the process at once: training is over and saved
+        STOPS.where = (f"after training, before final/ was complete: the last checkpoint is in {out_dir / CHECKPOINTS}; "
+                       "the same command with --resume auto writes final/")
     return run
 
 
