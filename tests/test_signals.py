@@ -223,14 +223,15 @@ def test_summary_is_strict_json_with_null_for_a_loss_never_measured(tiny_setup, 
 def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tiny_setup, tmp_path):
     # Only rank 0 gets the signal, mid-step: it skips its remaining micro batches, rank 1 learns of the stop at the
     # step's agreement point before the gradient all-reduce, and both abandon the step and save step 1 together.
-    settings = ("--devices", "2", "--strategy", "ddp", "--global_batch_size", "128", "--max_steps", "3",
+    # 128 micro batches per rank and step: over a second even on an idle machine.
+    settings = ("--devices", "2", "--strategy", "ddp", "--global_batch_size", "256", "--max_steps", "3",
                 "--eval_interval", "2", "--eval_iters", "4")
     full = tmp_path / "full"
     run_to_end(tiny_setup, full, *settings)
     stopped = tmp_path / "stopped"
     proc = start(tiny_setup, stopped, *settings)
     lines = read_until(proc, "step 1/3")
-    time.sleep(0.3)
+    time.sleep(0.2)
     latency = signal_and_time_the_checkpoint(proc, stopped, signal.SIGTERM)
     check_stopped_run(proc, stopped, 1, latency, lines)
     run_to_end(tiny_setup, stopped, *settings, "--resume", "auto")
