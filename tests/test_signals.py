@@ -238,6 +238,17 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tiny_setup, t
     assert losses(stopped) == losses(full)
 
 
+@pytest.mark.parametrize("argv", [
+    ["pretrain/main.py", "--max_steps", "9"],
+    ["pretrain/main.py", "--resume", "out/pretrain/checkpoints/step-00000004", "--max_steps", "9"],
+    ["pretrain/main.py", "--resume=auto", "--max_steps", "9"],
+])
+def test_the_resume_command_is_the_same_command_with_resume_auto(argv):
+    from lit_model.training.loop import resume_command
+
+    assert resume_command(argv) == "python pretrain/main.py --max_steps 9 --resume auto"
+
+
 def children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 

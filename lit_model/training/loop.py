@@ -417,6 +417,7 @@ def fit(
     steps_at_start = run.step
     saved: Optional[tuple[int, Path]] = None  # the step and path of the checkpoint this run wrote last
     stopped = False
+    # The rate step run.step ran with: what the row of an evaluation redone on resume reports.
     lr = lr_at(max(run.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
     with STOPS.deferred():
@@ -510,7 +511,8 @@ def stop_run(fabric: Fabric, run: RunState, args: TrainArgs, max_steps: int, sta
     redo = " (its evaluation is redone on resume)" if run.evaluation_due else ""
     fabric.print(
         f"Stopped by signal {STOPS.signal_name if stop_requested() else '(on another rank)'} at step {run.step}/{max_steps}"
-        f"{redo}; saved {saved[1]}; no final/ written. Continue with:\n  {command}", flush=True,
+        f"{redo}; saved {saved[1]}; no final/ written. Continue with the same command plus --resume auto:\n  {command}",
+        flush=True,
     )
 
 
