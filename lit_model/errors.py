@@ -9,7 +9,7 @@ loop a signal ends the script at once with one line and exit status 128 + the si
 SIGTERM). Inside ``STOPS.deferred()`` (the fit loop) the first signal only asks the loop to save and stop at its
 next safe point; a second one ends the process at once. A watchdog thread ends a process whose main thread cannot
 run the handler (blocked in C++, e.g. in a collective waiting for a rank that stopped) ``STUCK_AFTER_S`` seconds
-after a signal, at once after a second one.
+after a signal (unless it is saving, ``STOPS.patience()``), about a second after a second one.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class StopSignals:
         self.exiting = False
         self.where = ""  # what an immediate stop leaves behind, e.g. "before training started: nothing was saved"
         self.rank: Optional[int] = None  # this process's rank when there are several (named by the watchdog)
+        self.patient = False  # see patience()
         self._handled = 0  # signals whose Python handler ran (the watchdog compares with those it saw)
         self._wakeup_read: Optional[int] = None  # the watchdog's pipe (see _watchdog_fd)
         self._wakeup_write: Optional[int] = None
@@ -91,6 +92,16 @@ class StopSignals:
             yield self
         finally:
             self.deferring = False
+
+    @contextlib.contextmanager
+    def patience(self) -> Iterator[None]:
+        """Inside, the main thread may legitimately wait in C++ for long (a rank at a barrier while rank 0 writes a
+        large checkpoint): the watchdog lets it finish after a first signal (a second still ends the process)."""
+        self.patient = True
+        try:
+            yield
+        finally:
+            self.patient = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -129,7 +140,7 @@ class StopSignals:
                 if data and data[0] in STOP_SIGNALS:
                     seen, signum = seen + 1, data[0]
                     deadline = min(deadline, time.monotonic() + (STUCK_AFTER_S if seen == 1 else 1.0))
-            elif time.monotonic() >= deadline:
+            elif time.monotonic() >= deadline and not (self.patient and seen == 1):
                 rank = f"rank {self.rank}: " if self.rank is not None else ""
                 print(
                     f"error: {rank}stopped by {signal.Signals(signum).name}, but the process was blocked inside a call "

@@ -486,7 +486,8 @@ def fit(
             stopped = any_rank(fabric, stop_requested())
             if (args.save_interval and run.step % args.save_interval == 0) or is_last or stopped:
                 run.fit_seconds = time.perf_counter() - fit_start
-                saved = run.step, save_resumable(fabric, out_dir, state, config, run.step, args.keep_last, save_filter)
+                with STOPS.patience():  # the other ranks wait while rank 0 writes: let the save finish
+                    saved = run.step, save_resumable(fabric, out_dir, state, config, run.step, args.keep_last, save_filter)
             if stopped:
                 break
         run.fit_seconds = time.perf_counter() - fit_start
@@ -504,7 +505,8 @@ def stop_run(fabric: Fabric, run: RunState, args: TrainArgs, max_steps: int, sta
     """After a stop: the last completed step's checkpoint (unless this run just wrote it), a summary marked stopped,
     and the command that continues the run. ``run.stopped`` is set after the save, so no checkpoint holds it."""
     if saved is None or saved[0] != run.step:
-        saved = run.step, save_resumable(fabric, args.out_dir, state, config, run.step, args.keep_last, save_filter)
+        with STOPS.patience():
+            saved = run.step, save_resumable(fabric, args.out_dir, state, config, run.step, args.keep_last, save_filter)
     run.stopped = True
     command = resume_command(sys.argv)
     write_summary(fabric, args.out_dir, run, args, {"stopped": True, "resume_command": command})
