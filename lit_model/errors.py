@@ -59,7 +59,7 @@ class StopSignals:
     """The process's SIGINT/SIGTERM state (one per process: signal handlers are process-wide)."""
 
     def __init__(self) -> None:
-        self.requested: Optional[int] = None  # the first stop signal received while deferred
+        self.requested: Optional[int] = None  # the first stop signal received
         self.deferring = False
         self.exiting = False
         self.where = ""  # what an immediate stop leaves behind, e.g. "before training started: nothing was saved"
