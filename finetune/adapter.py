@@ -22,6 +22,7 @@ from lit_model.cli import parse
 from lit_model.errors import run_cli
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
+from lit_model.training.fabric import launch
 
 
 @dataclass
@@ -45,7 +46,7 @@ def main(args: AdapterArgs) -> None:
     if args.plan is not None:
         return finetune.print_plan(args, "adapter")
     fabric = session.create_fabric(args)
-    fabric.launch(train, args)
+    launch(fabric, train, args)
     session.finish(fabric)
 
 
@@ -66,6 +67,8 @@ def train(fabric: Fabric, args: AdapterArgs) -> None:
                  f"{setup.config.n_layer - 1}: {trainable:,} trainable parameters")
     model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
     run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=True)
+    if run.stopped:  # saved and summarized by fit: no final/, no answer
+        return
 
     final_dir = args.out_dir / "final"
     adapter_weights = finetune.gather_trainable(model)

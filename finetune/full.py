@@ -17,6 +17,7 @@ from lit_model.cli import parse
 from lit_model.errors import UsageError, run_cli
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
+from lit_model.training.fabric import launch
 from lit_model.training.loop import save_final
 
 
@@ -40,7 +41,7 @@ def main(args: FullArgs) -> None:
     if args.plan is not None:
         return finetune.print_plan(args, "full")
     fabric = session.create_fabric(args)
-    fabric.launch(train, args)
+    launch(fabric, train, args)
     session.finish(fabric)
 
 
@@ -50,6 +51,8 @@ def train(fabric: Fabric, args: FullArgs) -> None:
     model = finetune.load_model(fabric, args, setup).requires_grad_(True)
     model, optimizer = session.setup_model_and_optimizer(fabric, model, args)  # applies --freeze_layers
     run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=False)
+    if run.stopped:  # saved and summarized by fit: no final/, no answer
+        return
 
     final_dir = args.out_dir / "final"
     save_final(fabric, model, setup.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)

@@ -18,6 +18,7 @@ from lit_model.errors import run_cli
 from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
+from lit_model.training.fabric import launch
 
 
 @dataclass
@@ -56,7 +57,7 @@ def main(args: LoRAArgs) -> None:
     if args.plan is not None:
         return finetune.print_plan(args, "lora")
     fabric = session.create_fabric(args)
-    fabric.launch(train, args, lora)
+    launch(fabric, train, args, lora)
     session.finish(fabric)
 
 
@@ -69,6 +70,8 @@ def train(fabric: Fabric, args: LoRAArgs, lora: LoRAConfig) -> None:
     fabric.print(f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(layers)} layers: {trainable:,} trainable parameters")
     model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
     run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=True)
+    if run.stopped:  # saved and summarized by fit: no final/, no answer
+        return
 
     final_dir = args.out_dir / "final"
     adapter_weights = finetune.gather_trainable(model)

@@ -1,22 +1,43 @@
-"""User-facing errors: one paragraph naming the problem and the fix, no traceback.
+"""How a script ends: user errors and stop signals, one paragraph or line each, no traceback.
 
 Raise ``UsageError`` for bad flags or arguments (exit 2) and ``UserError`` for a bad input found while
 running (exit 1). Scripts run their entry point through ``run_cli``, which prints the message and exits;
 ``LIT_MODEL_DEBUG=1`` re-raises to show the traceback.
+
+``run_cli`` also installs the SIGINT/SIGTERM handlers before anything else runs (``STOPS``). Outside a training
+loop a signal ends the script at once with one line and exit status 128 + the signal (130 for Ctrl-C, 143 for
+SIGTERM). Inside ``STOPS.deferred()`` (the fit loop) the first signal only asks the loop to save and stop at its
+next safe point; a second one ends the process at once. A watchdog thread ends a process whose main thread cannot
+run the handler (blocked in C++, e.g. in a collective waiting for a rank that stopped) ``STUCK_AFTER_S`` seconds
+after a signal (unless it is saving, ``STOPS.patience()``), about a second after a second one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import select
+import signal
 import sys
 import textwrap
-from typing import Any, Callable
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+# How long a signal may wait for the main thread to run its handler before the watchdog ends the process: longer
+# than any single C++ call of a healthy step (a matmul, a collective whose peers are computing), well inside the
+# 30 s that SLURM and Kubernetes allow between SIGTERM and SIGKILL.
+STUCK_AFTER_S = 10.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class UserError(Exception):
     """A problem with the user's input found at run time (exit status 1)."""
 
     exit_code = 1
+    every_rank = False  # True: found by one rank alone, so each rank that meets it prints it
 
 
 class UsageError(UserError):
@@ -25,17 +46,161 @@ class UsageError(UserError):
     exit_code = 2
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal where there is nothing to save (or a second one): the script ends at once. A KeyboardInterrupt,
+    so code that ends an interactive loop on Ctrl-C (chat) still does."""
+
+    def __init__(self, signum: int, again: bool = False) -> None:
+        self.signum, self.again = signum, again
+        super().__init__(signal.Signals(signum).name)
+
+
+class StopSignals:
+    """The process's SIGINT/SIGTERM state (one per process: signal handlers are process-wide)."""
+
+    def __init__(self) -> None:
+        self.requested: Optional[int] = None  # the first stop signal received
+        self.deferring = False
+        self.exiting = False
+        self.where = ""  # what an immediate stop leaves behind, e.g. "before training started: nothing was saved"
+        self.rank: Optional[int] = None  # this process's rank when there are several (named by the watchdog)
+        self.patient = False  # see patience()
+        self._handled = 0  # signals whose Python handler ran (the watchdog compares with those it saw)
+        self._wakeup_read: Optional[int] = None  # the watchdog's pipe (see _watchdog_fd)
+        self._wakeup_write: Optional[int] = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.requested).name if self.requested else "a signal"
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self._handled += 1
+        if self.exiting:
+            return  # run_cli is already printing the message and exiting
+        if self.deferring and self.requested is None:
+            self.requested = signum  # the fit loop saves and stops at its next safe point
+            return
+        again = self.requested is not None
+        self.requested = self.requested or signum
+        raise Interrupted(signum, again)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[StopSignals]:
+        """Inside: a first signal sets ``requested`` and returns; the caller stops at its next safe point."""
+        self.deferring = True
+        try:
+            yield self
+        finally:
+            self.deferring = False
+
+    @contextlib.contextmanager
+    def patience(self) -> Iterator[None]:
+        """Inside, the main thread may legitimately wait in C++ for long (a rank at a barrier while rank 0 writes a
+        large checkpoint): the watchdog lets it finish after a first signal (a second still ends the process)."""
+        self.patient = True
+        try:
+            yield
+        finally:
+            self.patient = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers and the watchdog while the block runs; the previous handlers afterwards (tests run scripts
+        in-process). Only the main thread can install handlers; elsewhere this does nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self.requested, self.deferring, self.exiting, self.where = None, False, False, ""
+        previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        previous_fd = signal.set_wakeup_fd(self._watchdog_fd(), warn_on_full_buffer=False)
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _watchdog_fd(self) -> int:
+        """The write end of a pipe that the C-level signal handler writes each signal's number to, even while the
+        main thread is blocked in C++; a daemon thread reads it (started once per process)."""
+        if self._wakeup_read is None:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup_read, self._wakeup_write = read, write
+            threading.Thread(target=self._watch, name="lit-model-stop-watchdog", daemon=True).start()
+        return self._wakeup_write
+
+    def _watch(self) -> None:
+        seen, signum, deadline = 0, 0, math.inf  # deadline: when an unhandled signal ends the process
+        while True:
+            if self._handled >= seen:
+                deadline = math.inf
+            if select.select([self._wakeup_read], [], [], None if deadline == math.inf else 0.05)[0]:
+                data = os.read(self._wakeup_read, 1)
+                if data and data[0] in STOP_SIGNALS:
+                    seen, signum = seen + 1, data[0]
+                    deadline = min(deadline, time.monotonic() + (STUCK_AFTER_S if seen == 1 else 1.0))
+            elif time.monotonic() >= deadline and not (self.patient and seen == 1):
+                rank = f"rank {self.rank}: " if self.rank is not None else ""
+                print(
+                    f"error: {rank}stopped by {signal.Signals(signum).name}, but the process was blocked inside a call "
+                    "that cannot be interrupted (most likely a collective waiting for another rank that stopped "
+                    "answering): exiting without saving. The newest checkpoint continues with --resume auto; "
+                    "--timeout bounds such waits.",
+                    file=sys.stderr, flush=True,
+                )
+                os._exit(128 + signum)
+
+
+STOPS = StopSignals()
+
+
+def _is_first_rank() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def _signal_children(signum: int) -> None:
+    """Pass a stop on to the processes this one started (Fabric starts ranks 1.. as children of rank 0), which
+    would otherwise wait for it in their next collective until --timeout. Linux lists them in /proc."""
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signum)
+
+
+def _exit(code: int) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip process-group teardown, which can hang or abort
+    sys.exit(code)
+
+
 def run_cli(entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return entry(*args, **kwargs)
-    except UserError as error:
-        if os.environ.get("LIT_MODEL_DEBUG") == "1":
-            raise
-        # Every rank validates the same inputs and fails alike; one copy of the message is enough.
-        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
-            message = textwrap.fill(str(error), width=100, break_long_words=False, break_on_hyphens=False)
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            sys.stdout.flush()
-            os._exit(error.exit_code)  # skip process-group teardown, which can hang or abort
-        sys.exit(error.exit_code)
+    with STOPS.installed():
+        try:
+            return entry(*args, **kwargs)
+        except KeyboardInterrupt as stop:
+            STOPS.exiting = True
+            if os.environ.get("LIT_MODEL_DEBUG") == "1":
+                raise
+            signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+            again = isinstance(stop, Interrupted) and stop.again
+            where = f" {STOPS.where}" if STOPS.where else ""
+            if _is_first_rank():
+                print(f"{'Aborted by a second' if again else 'Stopped by'} {signal.Signals(signum).name}{where}.",
+                      file=sys.stderr, flush=True)
+            _signal_children(signum)
+            _exit(128 + signum)
+        except UserError as error:
+            if os.environ.get("LIT_MODEL_DEBUG") == "1":
+                raise
+            # Every rank validates the same inputs and fails alike; one copy of the message is enough.
+            if error.every_rank or _is_first_rank():
+                message = textwrap.fill(str(error), width=100, break_long_words=False, break_on_hyphens=False)
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            _exit(error.exit_code)

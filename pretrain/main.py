@@ -23,6 +23,7 @@ from lit_model.errors import UsageError, run_cli
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs, check_args
+from lit_model.training.fabric import launch
 from lit_model.training.loop import RunState, check_out_dir, fit, save_final, write_summary
 
 
@@ -57,7 +58,7 @@ def main(args: PretrainArgs) -> None:
         session.print_plan(config, args)
         return
     fabric = session.create_fabric(args)
-    fabric.launch(train, args)
+    launch(fabric, train, args)
     session.finish(fabric)
 
 
@@ -103,6 +104,8 @@ def train(fabric: Fabric, args: PretrainArgs) -> None:
     rehearsal_batch = session.longest_batch(fabric, train_data, args)
     run = fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps, run,
               config, rehearsal_batch=rehearsal_batch)
+    if run.stopped:  # saved and summarized by fit: no final/, no sample
+        return
 
     final_dir = args.out_dir / "final"
     save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)

@@ -39,6 +39,7 @@ class TrainArgs(DistributedSettings):
         activation_checkpointing_interval: with activation_checkpointing, recompute every k-th block only
         forward_prefetch: FSDP: gather the next block's parameters during the current block's forward
         backward_prefetch: FSDP: gather the previous block's parameters during backward
+        timeout: seconds a process waits for the others in a collective before the run ends with a message
         micro_batch_size: samples per forward/backward; auto picks the largest that fits
         global_batch_size: samples per optimizer step over all ranks (gradient accumulation makes up the rest)
         override_max_seq_length: cap on sequence length; memory grows with it

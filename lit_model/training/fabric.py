@@ -7,9 +7,11 @@ on GPUs and, with gloo, on the CPU, which Fabric's FSDP1 strategy refuses.
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -17,7 +19,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lit_model.errors import UsageError
+from lit_model.errors import STOPS, UsageError, UserError
 from lit_model.model import GPT
 from lit_model.precision import resolve_precision
 
@@ -37,6 +39,9 @@ class DistributedSettings:
     activation_checkpointing_interval: int = 1  # with activation_checkpointing: every k-th block
     forward_prefetch: bool = True
     backward_prefetch: bool = True
+    # Long enough for the longest legitimate wait of one rank for the others: rank 0 writing a large checkpoint or
+    # final/ while the others wait at a barrier (minutes for billions of parameters). Torch's gloo default.
+    timeout: float = 1800.0
 
 
 def accelerator_type() -> str:
@@ -76,6 +81,9 @@ class StateIO(TorchCheckpointIO):
 
 def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fabric:
     """Build (not launch) the Fabric for these settings; ``fabric.precision_name`` holds the resolved precision."""
+    if not settings.timeout > 0:
+        raise UsageError(f"--timeout {settings.timeout}: give the collective timeout in seconds, more than 0 (default 1800).")
+    timeout = datetime.timedelta(seconds=settings.timeout)
     accelerator = accelerator_type()
     precision = resolve_precision(precision, accelerator)
     devices = resolve_devices(settings.devices)
@@ -101,13 +109,14 @@ def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fab
     if strategy == "single":
         fabric_strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if accelerator == "cuda" else "cpu"))
     elif strategy == "ddp":
-        fabric_strategy = DDPStrategy(process_group_backend=backend)
+        fabric_strategy = DDPStrategy(process_group_backend=backend, timeout=timeout)
     elif strategy == "fsdp":
         fabric_strategy = ModelParallelStrategy(
             parallelize_fn=lambda model, mesh: shard_model(model, mesh, settings, accelerator),
             data_parallel_size=world_size,
             tensor_parallel_size=1,
             process_group_backend=backend,
+            timeout=timeout,
         )
     else:
         raise UsageError(f"Unknown --strategy {strategy!r}: use auto, ddp or fsdp.")
@@ -121,7 +130,45 @@ def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fab
     )
     fabric.precision_name = precision
     fabric.strategy_name = strategy
+    fabric.timeout_s = settings.timeout
     return fabric
+
+
+# What gloo and NCCL say when a collective waited past the timeout, or when a peer left while it waited
+COLLECTIVE_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset) by peer|pair closure", re.IGNORECASE)
+
+
+class CollectiveTimeout(UserError):
+    """A collective that waited past --timeout: seen by the ranks that waited, so each one reports it."""
+
+    every_rank = True
+
+
+def launch(fabric: Fabric, function: Callable[..., Any], *args: Any) -> Any:
+    """``fabric.launch(function, *args)`` on every rank; a collective that timed out (or lost its peer) ends the
+    rank with one paragraph instead of a traceback."""
+    STOPS.where = "before training started: nothing was saved"  # until the fit loop defers stops
+
+    def on_rank(fabric: Fabric, *args: Any) -> Any:
+        STOPS.rank = fabric.global_rank if fabric.world_size > 1 else None
+        return function(fabric, *args)
+
+    try:
+        return fabric.launch(on_rank, *args)
+    except RuntimeError as error:
+        if fabric.world_size == 1 or not COLLECTIVE_FAILURE.search(str(error)):
+            raise
+        rank, world_size = fabric.global_rank, fabric.world_size
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[-1])  # without gloo's source location
+        others = f"rank {1 - rank}" if world_size == 2 else f"one of the other {world_size - 1} ranks"
+        raise CollectiveTimeout(
+            f"Rank {rank} of {world_size} waited for the other processes (in a collective operation or the start-up "
+            f"rendezvous) until it failed "
+            f"({reason}): {others} stopped answering (stopped, hung or died) or left. "
+            f"The wait is bounded by --timeout ({fabric.timeout_s:g} s). Check that every process runs (and why one "
+            "stopped), then continue from the newest checkpoint with --resume auto; raise --timeout if a rank "
+            "legitimately needs longer (e.g. writing a large checkpoint)."
+        ) from None
 
 
 def shard_model(model: nn.Module, mesh, settings: DistributedSettings, accelerator: str) -> nn.Module:

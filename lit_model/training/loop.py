@@ -17,8 +17,8 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -28,17 +28,18 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_model.checkpoint import MANIFEST_NAME, verify_checkpoint_dir, write_manifest
 from lit_model.config import Config
-from lit_model.errors import UsageError, UserError
+from lit_model.errors import STOPS, UsageError, UserError
 from lit_model.files import atomic_open, atomic_write, fsync_directory
 from lit_model.memory.units import peak_rss_bytes
 from lit_model.training.args import TrainArgs
 from lit_model.training.optimizers import lr_at, set_lr
 from lit_model.training.recovery import (
-    StepOutOfMemory, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
+    StepOutOfMemory, any_rank, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
     simulated_memory_cap, split_batches, start_memory_history,
 )
 
@@ -103,6 +104,9 @@ class RunState:
         self.fit_seconds = 0.0
         self.last_train_loss = float("nan")
         self.last_val_loss = float("nan")
+        # A stop interrupted the evaluation of step ``step``: the resumed run evaluates and logs that step first.
+        self.evaluation_due = False
+        self.stopped = False  # this process stopped on a signal (set after its last save: no checkpoint holds True)
 
     # Fabric saves and restores objects with these two methods.
     def state_dict(self) -> dict[str, Any]:
@@ -112,29 +116,33 @@ class RunState:
         vars(self).update(state)
 
 
-class StopRequest:
-    """SIGTERM/SIGINT ask the loop to save a checkpoint and exit 0 at the next step boundary."""
+class StepStopped(Exception):
+    """Raised on every rank when any rank was asked to stop before the step's gradients were complete: the step is
+    abandoned (nothing applied) and the run saves the last completed step."""
 
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
+def stop_requested() -> bool:
+    """A SIGTERM/SIGINT arrived while the fit loop defers stops (errors.STOPS), on this process."""
+    return STOPS.requested is not None
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> float:
-    """Mean loss over the same number of batches on every rank (no rank waits for another)."""
+def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[float]:
+    """Mean loss over the same number of batches on every rank (no rank waits for another), or None when a stop
+    request cut it short. Before each batch the ranks agree on stopping (one 4-byte all-reduce with several
+    processes: evaluation is not the hot path, and under FSDP a rank cannot skip a forward alone)."""
     model.eval()
     total = torch.zeros(2, device=fabric.device)
-    for input_ids, targets in batches:
-        loss = model(input_ids, targets=targets)
-        count = count_targets(targets)
-        total += torch.stack([loss.float() * count, count.float()])
-    model.train()
+    try:
+        for input_ids, targets in batches:
+            if any_rank(fabric, stop_requested()):
+                return None
+            loss = model(input_ids, targets=targets)
+            count = count_targets(targets)
+            total += torch.stack([loss.float() * count, count.float()])
+    finally:
+        model.train()
     total = fabric.all_reduce(total, reduce_op="sum")
     return (total[0] / total[1].clamp(min=1)).item()
 
@@ -394,16 +402,35 @@ class TrainStep:
         self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
         self.create_graph = needs_create_graph(optimizer)
         unwrap(model).loss_differentiable_twice = self.create_graph
+        # The first micro batch of a step from which a rank asked to stop may skip the rest alone (then waits for
+        # the others at the step's agreement point): any on one process; under DDP any but the first, whose forward
+        # may broadcast buffers or rebuild gradient buckets (the later no-sync forwards and backwards, and the last
+        # forward, start no collective); under FSDP none, since every forward gathers parameters from all ranks.
+        alone = fabric.world_size == 1 or isinstance(fabric.strategy, DDPStrategy)
+        self.first_skippable = (0 if fabric.world_size == 1 else 1) if alone else None
 
     def attention_backend(self) -> Any:
         # Hessian-based optimizers differentiate twice; the fused attention kernels have no double backward.
         return sdpa_kernel([SDPBackend.MATH]) if self.create_graph else contextlib.nullcontext()
 
+    def agree(self, failures: list[str]) -> None:
+        """Every rank learns, in one collective, whether any rank ran out of memory or was asked to stop, and all
+        raise ``StepStopped`` (a stop wins: the step would be abandoned anyway) or ``StepOutOfMemory`` together."""
+        out_of_memory, stop = bool(failures), stop_requested()
+        if self.fabric.world_size > 1:
+            flags = torch.tensor([float(out_of_memory), float(stop)], device=self.fabric.device)
+            out_of_memory, stop = (bool(flag) for flag in self.fabric.all_reduce(flags, reduce_op="max").tolist())
+        if stop:
+            raise StepStopped()
+        if out_of_memory:
+            raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
+
     def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over ``batches``; returns this rank's summed token loss and its token count.
-        The ranks agree on out-of-memory twice per step: before the last micro batch's backward (its gradient
-        all-reduce; the accumulation micro batches start no collective, so a rank that fails there stops early
-        and waits at that point) and after it."""
+        The ranks agree on out-of-memory and stop requests before the last micro batch's backward (its gradient
+        all-reduce; the accumulation micro batches start no collective, so a rank that fails there, or is asked to
+        stop where it may skip alone, goes there early and waits), and on out-of-memory again after it. So a stop
+        costs no collective of its own: between micro batches it is a local check."""
         fabric = self.fabric
         chunks = split_batches(batches, self.micro_batch_size)
         counts = [count_targets(targets) for _, targets in chunks]
@@ -415,13 +442,15 @@ class TrainStep:
         last = len(chunks) - 1
         for index, ((input_ids, targets), count) in enumerate(zip(chunks, counts)):
             sync = index == last
+            if self.first_skippable is not None and index >= self.first_skippable and stop_requested():
+                self.agree(failures)  # raises StepStopped on every rank
             with fabric.no_backward_sync(self.model, enabled=not sync), self.attention_backend():
                 with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
                     loss = self.model(input_ids, targets=targets) * count
                     if not sync:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                 if failures or sync:
-                    raise_if_any_rank_failed(fabric, failures)
+                    self.agree(failures)
                 if sync:
                     with catch_out_of_memory(failures):
                         fabric.backward(loss * scale, create_graph=self.create_graph)
@@ -503,7 +532,13 @@ def fit(
     """Train until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
     ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``). With ``--rehearse``,
     ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. ``trainable`` (full, lora,
-    adapter) is what an out-of-memory report plans with."""
+    adapter) is what an out-of-memory report plans with.
+
+    A SIGTERM/SIGINT during the loop stops it within a micro batch or an evaluation batch (see TrainStep and
+    evaluate for how the ranks agree): a step that was not complete is abandoned, an evaluation cut short is
+    redone by the resumed run, and the last completed step is saved. The run then writes a summary marked
+    ``"stopped": true``, prints the command that continues it and returns with ``run.stopped`` set: the caller
+    writes no final/."""
     from lit_model.training.optimizers import hessian_step
 
     out_dir = args.out_dir
@@ -519,71 +554,123 @@ def fit(
     if args.rehearse and rehearsal_batch is not None:
         rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter)
     metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
-    stop = StopRequest()
     window_start, window_tokens = time.perf_counter(), 0
     fit_start = time.perf_counter() - run.fit_seconds
     steps_at_start = run.step
+    saved: Optional[tuple[int, Path]] = None  # the step and path of the checkpoint this run wrote last
+    stopped = False
+    # The rate step run.step ran with: what the row of an evaluation redone on resume reports.
+    lr = lr_at(max(run.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
-    while run.step < max_steps:
-        torch.manual_seed(args.seed + 1_000_003 * run.step + 7919 * fabric.global_rank)
-        lr = lr_at(run.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
-        set_lr(optimizer, lr)
-        step_loss, step_tokens = train_step([next(train_batches) for _ in range(accumulation)], f"at step {run.step + 1}")
-        if args.grad_clip > 0:
-            fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
-        if train_step.create_graph:
-            hessian_step(optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.step += 1
+    with STOPS.deferred():
+        while run.step < max_steps or run.evaluation_due:
+            if not run.evaluation_due:  # else: resumed from a stop during this step's evaluation
+                torch.manual_seed(args.seed + 1_000_003 * run.step + 7919 * fabric.global_rank)
+                lr = lr_at(run.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
+                set_lr(optimizer, lr)
+                try:
+                    step_loss, step_tokens = train_step([next(train_batches) for _ in range(accumulation)],
+                                                        f"at step {run.step + 1}")
+                except StepStopped:  # nothing of this step was applied
+                    optimizer.zero_grad(set_to_none=True)
+                    stopped = True
+                    break
+                if args.grad_clip > 0:
+                    fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
+                if train_step.create_graph:
+                    hessian_step(optimizer)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                run.step += 1
 
-        reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
-        run.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
-        run.tokens += int(reduced[1].item())
-        window_tokens += int(reduced[1].item())
-        if not math.isfinite(run.last_train_loss):
-            raise UserError(
-                f"The training loss became {run.last_train_loss} at step {run.step}. Lower --learning_rate, "
-                "keep --grad_clip on, or use --precision bf16-true/32-true instead of 16-true; resume from the "
-                f"last checkpoint in {out_dir / CHECKPOINTS} with --resume auto."
-            )
-        if args.empty_cache_interval and run.step % args.empty_cache_interval == 0:
-            release_cached_memory(fabric.device)
+                reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
+                run.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
+                run.tokens += int(reduced[1].item())
+                window_tokens += int(reduced[1].item())
+                if not math.isfinite(run.last_train_loss):
+                    raise UserError(
+                        f"The training loss became {run.last_train_loss} at step {run.step}. Lower --learning_rate, "
+                        "keep --grad_clip on, or use --precision bf16-true/32-true instead of 16-true; resume from the "
+                        f"last checkpoint in {out_dir / CHECKPOINTS} with --resume auto."
+                    )
+                if args.empty_cache_interval and run.step % args.empty_cache_interval == 0:
+                    release_cached_memory(fabric.device)
 
-        is_last = run.step >= max_steps
-        row: dict[str, Any] = {}
-        if run.step % args.eval_interval == 0 or is_last:
-            run.last_val_loss = evaluate(fabric, model, val_batches)
-            row["val_loss"] = f"{run.last_val_loss:.4f}"
-        if run.step % args.log_interval == 0 or is_last or "val_loss" in row:
-            now = time.perf_counter()
-            run.fit_seconds = now - fit_start
-            tokens_per_sec = window_tokens / max(now - window_start, 1e-9)
-            peak = fabric.all_reduce(torch.tensor(peak_memory_bytes(fabric.device), device=fabric.device), reduce_op="max")
-            row.update(
-                step=run.step, tokens=run.tokens, train_loss=f"{run.last_train_loss:.4f}", learning_rate=f"{lr:.3e}",
-                tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
-            )
-            metrics.write(row)
-            done = run.step - steps_at_start
-            eta = (max_steps - run.step) * run.fit_seconds / max(done, 1) if done else 0
-            val = f" | val {run.last_val_loss:.4f}" if "val_loss" in row else ""
-            fabric.print(
-                f"step {run.step}/{max_steps} | loss {run.last_train_loss:.4f}{val} | {tokens_per_sec:,.0f} tok/s | "
-                f"peak {format_bytes(peak.item())} | ETA {format_duration(eta)}",
-                flush=True,
-            )
-            window_start, window_tokens = now, 0
-        stop_now = fabric.all_reduce(torch.tensor(float(stop.requested), device=fabric.device), reduce_op="max").item()
-        if (args.save_interval and run.step % args.save_interval == 0) or is_last or stop_now:
-            run.fit_seconds = time.perf_counter() - fit_start
-            path = save_resumable(fabric, args, state, config, run.step, save_filter)
-            if stop_now:
-                fabric.print(f"Stopped by signal at step {run.step}; saved {path}. Continue with --resume auto.")
+            is_last = run.step >= max_steps
+            row: dict[str, Any] = {}
+            if run.step % args.eval_interval == 0 or is_last or run.evaluation_due:
+                val_loss = evaluate(fabric, model, val_batches)
+                run.evaluation_due = val_loss is None
+                if run.evaluation_due:
+                    stopped = True
+                    break
+                run.last_val_loss = val_loss
+                row["val_loss"] = f"{run.last_val_loss:.4f}"
+            if run.step % args.log_interval == 0 or is_last or "val_loss" in row:
+                now = time.perf_counter()
+                run.fit_seconds = now - fit_start
+                tokens_per_sec = window_tokens / max(now - window_start, 1e-9)
+                peak = fabric.all_reduce(torch.tensor(peak_memory_bytes(fabric.device), device=fabric.device), reduce_op="max")
+                row.update(
+                    step=run.step, tokens=run.tokens, train_loss=f"{run.last_train_loss:.4f}", learning_rate=f"{lr:.3e}",
+                    tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
+                )
+                metrics.write(row)
+                done = run.step - steps_at_start
+                eta = (max_steps - run.step) * run.fit_seconds / max(done, 1) if done else 0
+                val = f" | val {run.last_val_loss:.4f}" if "val_loss" in row else ""
+                fabric.print(
+                    f"step {run.step}/{max_steps} | loss {run.last_train_loss:.4f}{val} | {tokens_per_sec:,.0f} tok/s | "
+                    f"peak {format_bytes(peak.item())} | ETA {format_duration(eta)}",
+                    flush=True,
+                )
+                window_start, window_tokens = now, 0
+            stopped = any_rank(fabric, stop_requested())
+            if (args.save_interval and run.step % args.save_interval == 0) or is_last or stopped:
+                run.fit_seconds = time.perf_counter() - fit_start
+                with STOPS.patience():  # the other ranks wait while rank 0 writes: let the save finish
+                    saved = run.step, save_resumable(fabric, args, state, config, run.step, save_filter)
+            if stopped:
                 break
-    run.fit_seconds = time.perf_counter() - fit_start
-    args.micro_batch_size = train_step.micro_batch_size  # what the summary reports, after any out-of-memory split
+        run.fit_seconds = time.perf_counter() - fit_start
+        args.micro_batch_size = train_step.micro_batch_size  # what the summary reports, after any out-of-memory split
+        if stopped:
+            stop_run(fabric, run, args, max_steps, state, config, save_filter, saved)
+    if not stopped:  # a signal from here on ends the process at once: training is over and saved
+        STOPS.where = (f"after training, before final/ was complete: the last checkpoint is in {out_dir / CHECKPOINTS}; "
+                       "the same command with --resume auto writes final/")
     return run
+
+
+def stop_run(fabric: Fabric, run: RunState, args: TrainArgs, max_steps: int, state: dict[str, Any], config: Config,
+             save_filter: Optional[dict[str, Any]], saved: Optional[tuple[int, Path]]) -> None:
+    """After a stop: the last completed step's checkpoint (unless this run just wrote it), a summary marked stopped,
+    and the command that continues the run. ``run.stopped`` is set after the save, so no checkpoint holds it."""
+    if saved is None or saved[0] != run.step:
+        with STOPS.patience():
+            saved = run.step, save_resumable(fabric, args, state, config, run.step, save_filter)
+    run.stopped = True
+    command = resume_command(sys.argv)
+    write_summary(fabric, args.out_dir, run, args, {"stopped": True, "resume_command": command})
+    redo = " (its evaluation is redone on resume)" if run.evaluation_due else ""
+    fabric.print(
+        f"Stopped by signal {STOPS.signal_name if stop_requested() else '(on another rank)'} at step {run.step}/{max_steps}"
+        f"{redo}; saved {saved[1]}; no final/ written. Continue with the same command plus --resume auto:\n  {command}",
+        flush=True,
+    )
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that started this process, with ``--resume auto`` in place of any --resume."""
+    kept, skip = [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    return shlex.join(["python", argv[0], *kept, "--resume", "auto"])
 
 
 def write_summary(fabric: Fabric, out_dir: Path, run: RunState, args: TrainArgs, extra: dict[str, Any]) -> dict[str, Any]:
@@ -606,10 +693,9 @@ def write_summary(fabric: Fabric, out_dir: Path, run: RunState, args: TrainArgs,
         "strategy": fabric.strategy_name,
         **extra,
     }
-    if fabric.global_rank == 0:
-        tmp = out_dir / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, out_dir / "summary.json")
+    if fabric.global_rank == 0:  # strict JSON: a loss that is not a number (never evaluated, diverged) is null
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
+        atomic_write(out_dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
     return summary
 
 
