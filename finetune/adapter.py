@@ -23,6 +23,7 @@ from lit_model.errors import run_cli
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
 from lit_model.training.fabric import launch
+from lit_model.training.loop import check_out_dir
 
 
 @dataclass
@@ -45,6 +46,7 @@ def main(args: AdapterArgs) -> None:
     check_args(args)
     if args.plan is not None:
         return finetune.print_plan(args, "adapter")
+    check_out_dir(args.out_dir, args)
     fabric = session.create_fabric(args)
     launch(fabric, train, args)
     session.finish(fabric)

@@ -18,7 +18,7 @@ from lit_model.errors import UsageError, run_cli
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
 from lit_model.training.fabric import launch
-from lit_model.training.loop import save_final
+from lit_model.training.loop import check_out_dir, save_final
 
 
 @dataclass
@@ -40,6 +40,7 @@ def main(args: FullArgs) -> None:
         )
     if args.plan is not None:
         return finetune.print_plan(args, "full")
+    check_out_dir(args.out_dir, args)
     fabric = session.create_fabric(args)
     launch(fabric, train, args)
     session.finish(fabric)

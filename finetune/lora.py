@@ -19,6 +19,7 @@ from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
 from lit_model.training.fabric import launch
+from lit_model.training.loop import check_out_dir
 
 
 @dataclass
@@ -56,6 +57,7 @@ def main(args: LoRAArgs) -> None:
     lora = LoRAConfig.from_flags(args)  # bad LoRA flags fail before any process starts
     if args.plan is not None:
         return finetune.print_plan(args, "lora")
+    check_out_dir(args.out_dir, args)
     fabric = session.create_fabric(args)
     launch(fabric, train, args, lora)
     session.finish(fabric)

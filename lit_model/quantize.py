@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from lit_model.errors import UsageError, UserError
+from lit_model.errors import UsageError
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-import torch
 from lightning.fabric import Fabric
 
 from lit_model import GPT, Config
+from lit_model.config import sequence_length
 from lit_model.cli import parse
 from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_loss
 from lit_model.errors import UsageError, run_cli
@@ -53,10 +53,11 @@ class PretrainArgs(TrainArgs):
 def main(args: PretrainArgs) -> None:
     check_args(args)
     config = model_config(args)  # a bad --model_name or --model_config stops before any process starts
-    session.sequence_length(config, args.override_max_seq_length)
+    sequence_length(config, args.override_max_seq_length)
     if args.plan is not None:
         session.print_plan(config, args)
         return
+    check_out_dir(args.out_dir, args)
     fabric = session.create_fabric(args)
     launch(fabric, train, args)
     session.finish(fabric)
@@ -68,9 +69,7 @@ def model_config(args: PretrainArgs) -> Config:
 
 def train(fabric: Fabric, args: PretrainArgs) -> None:
     config = model_config(args)
-    seq_length = session.sequence_length(config, args.override_max_seq_length)
-    check_out_dir(args.out_dir, args)
-    fabric.barrier()  # every rank checks out_dir before rank 0 writes into it
+    seq_length = sequence_length(config, args.override_max_seq_length)
     session.resolve_micro_batch_size(fabric, args, config)
     tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)
     if tokenizer.vocab_size > config.padded_vocab_size:

@@ -17,7 +17,6 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 LORA_TARGETS = ("query", "key", "value", "projection", "mlp", "head")
 DEFAULT_LORA_TARGETS = ("query", "value")  # litgpt's and PEFT's default: --lora_query --lora_value

@@ -16,7 +16,7 @@ from lightning.fabric import Fabric
 
 from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lit_model.checkpoint import check_checkpoint_dir
-from lit_model.config import Config
+from lit_model.config import Config, sequence_length
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.errors import UsageError, UserError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
@@ -26,7 +26,7 @@ from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
-from lit_model.training.loop import STATE_NAME, RunState, check_out_dir, fit, unwrap, write_summary
+from lit_model.training.loop import STATE_NAME, RunState, fit, unwrap, write_summary
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")
 # What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from
@@ -131,9 +131,7 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
             "or start from its base checkpoint."
         )
     config = Config.from_checkpoint(checkpoint_dir)
-    seq_length = session.sequence_length(config, args.override_max_seq_length)
-    check_out_dir(args.out_dir, args)
-    fabric.barrier()  # every rank checks out_dir before rank 0 writes metrics.csv into it (FSDP setup does not sync)
+    seq_length = sequence_length(config, args.override_max_seq_length)
     session.resolve_micro_batch_size(fabric, args, config, method)
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:

@@ -335,14 +335,15 @@ def start_lineage(args: TrainArgs, config: Config, check: Optional[Callable[[Pat
 
 
 def check_out_dir(out_dir: Path, args: TrainArgs) -> None:
-    """Refuse to mix two runs in one directory unless asked to resume or overwrite."""
+    """Refuse to mix two runs in one directory unless asked to resume or overwrite. Each script calls it before
+    any process starts (Fabric's other ranks re-run it before they join, so rank 0 has written nothing yet); the
+    directory is created only when training starts writing, so bad inputs found before that leave nothing."""
     holds_run = any((out_dir / name).exists() for name in ("metrics.csv", "summary.json", "final")) or bool(checkpoint_dirs(out_dir))
     if holds_run and args.resume is None and not args.overwrite:
         raise UsageError(
             f"{out_dir} already holds a run. Continue it with --resume auto, start over with --overwrite, or "
             "pick another --out_dir."
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 # ---- logging -------------------------------------------------------------------------------------
@@ -542,6 +543,7 @@ def fit(
     from lit_model.training.optimizers import hessian_step
 
     out_dir = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
     start_memory_history(fabric.device)
 
     def report(micro_batch_size: int, where: str, message: str) -> str:

@@ -15,8 +15,8 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, Dataset
 
-from lit_model.config import Config, sequence_length  # noqa: F401 - the scripts call session.sequence_length
-from lit_model.errors import UsageError, UserError
+from lit_model.config import Config
+from lit_model.errors import UserError
 from lit_model.model import GPT
 from lit_model.precision import param_dtype
 from lit_model.training.args import TrainArgs
