@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -56,27 +57,32 @@ def run_script(script: str, *args: str, cache: Path | None = None, timeout: floa
     )
 
 
+def run_captured(call: Callable[[], Any], args: list[str]) -> subprocess.CompletedProcess:
+    """Run ``call`` in this process as a command line would: (exit status, stdout, stderr). An exception that
+    escapes it (what a user would see as a traceback) comes back as exit status -1 with the traceback on stderr."""
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            call()
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        except BaseException:  # noqa: BLE001 - what escapes the command is the failure under test
+            traceback.print_exc()
+            code = -1
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
 def run_script_inprocess(script: str, *args: str, cache: Path | None = None, monkeypatch=None) -> subprocess.CompletedProcess:
     """``run_script`` without a new interpreter (~50 ms instead of ~3 s): runs ``script`` as ``__main__`` with
-    ``args`` as its command line. An exception that escapes the script (what a user would see as a traceback)
-    comes back as exit status -1 with the traceback on stderr. Needs pytest's ``monkeypatch`` for the cache."""
+    ``args`` as its command line (see ``run_captured``). Needs pytest's ``monkeypatch`` for the cache."""
     if cache is not None:
         monkeypatch.setenv("LIT_MODEL_CACHE", str(cache))
-    stdout, stderr = io.StringIO(), io.StringIO()
-    argv, code = sys.argv, 0
+    argv = sys.argv
     sys.argv = [str(ROOT / script), *map(str, args)]
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                runpy.run_path(str(ROOT / script), run_name="__main__")
-            except SystemExit as exit:
-                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-            except BaseException:  # noqa: BLE001 - what escapes the script is the failure under test
-                traceback.print_exc()
-                code = -1
+        return run_captured(lambda: runpy.run_path(str(ROOT / script), run_name="__main__"), list(sys.argv))
     finally:
         sys.argv = argv
-    return subprocess.CompletedProcess(sys.argv, code, stdout.getvalue(), stderr.getvalue())
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, str]]:

@@ -3,8 +3,6 @@ exit status, same messages); ``lit-model config`` lists the registry by family w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -18,28 +16,16 @@ import torch
 from lit_model.config import Config, known_names
 from lit_model.entry import HELP, SCRIPTS, config_table, families, main
 from lit_model.model import GPT
-from tests.conftest import ROOT, run_script_inprocess
+from tests.conftest import ROOT, run_captured, run_script_inprocess
 
 
 def run_entry(*args: str) -> subprocess.CompletedProcess:
     """``lit-model ARGS`` in this process: (exit status, stdout, stderr)."""
-    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            main(list(args))
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-    return subprocess.CompletedProcess(["lit-model", *args], code, stdout.getvalue(), stderr.getvalue())
+    return run_captured(lambda: main(list(args)), ["lit-model", *args])
 
 
 def run_module(module_main, *args: str) -> subprocess.CompletedProcess:
-    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            module_main(list(args))
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-    return subprocess.CompletedProcess(list(args), code, stdout.getvalue(), stderr.getvalue())
+    return run_captured(lambda: module_main(list(args)), list(args))
 
 
 def same(a: subprocess.CompletedProcess, b: subprocess.CompletedProcess) -> None:
