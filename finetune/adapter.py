@@ -8,6 +8,10 @@ setup -> fit -> save the base weights with the adapter beside them.
 
 from __future__ import annotations
 
+import signal
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C during the imports: a quiet exit, no traceback (run_cli then takes over)
+
 import sys
 from dataclasses import dataclass
 from pathlib import Path

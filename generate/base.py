@@ -7,6 +7,10 @@
 
 from __future__ import annotations
 
+import signal
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C during the imports: a quiet exit, no traceback (run_cli then takes over)
+
 import math
 import sys
 from dataclasses import dataclass

@@ -8,6 +8,10 @@ Type /reset to start a new conversation and /exit (or end the input) to quit.
 
 from __future__ import annotations
 
+import signal
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C during the imports: a quiet exit, no traceback (run_cli then takes over)
+
 import itertools
 import sys
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ import csv
 import io
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -77,12 +78,13 @@ def run_script_inprocess(script: str, *args: str, cache: Path | None = None, mon
     ``args`` as its command line (see ``run_captured``). Needs pytest's ``monkeypatch`` for the cache."""
     if cache is not None:
         monkeypatch.setenv("LIT_MODEL_CACHE", str(cache))
-    argv = sys.argv
+    argv, sigint = sys.argv, signal.getsignal(signal.SIGINT)
     sys.argv = [str(ROOT / script), *map(str, args)]
     try:
         return run_captured(lambda: runpy.run_path(str(ROOT / script), run_name="__main__"), list(sys.argv))
     finally:
         sys.argv = argv
+        signal.signal(signal.SIGINT, sigint)  # the scripts reset it while they import
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, str]]:

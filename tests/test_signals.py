@@ -168,6 +168,17 @@ def test_a_signal_before_training_ends_the_script_with_one_line(slow_setup, tmp_
     assert not list((tmp_path / "early").glob("checkpoints/step-*"))
 
 
+def test_ctrl_c_while_the_script_imports_ends_it_without_a_traceback(tmp_path):
+    # torch and lightning take seconds to import, before run_cli installs its handlers
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain/main.py"), "--out_dir", str(tmp_path / "out")],
+                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # inside the imports (~2.5 s), well after the interpreter started
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, stderr[-3000:]  # as Ctrl-C ends any program (a shell shows 130)
+    assert "Traceback" not in stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_signal_to_rank_0_before_training_ends_the_rank_it_started(slow_setup, tmp_path):
