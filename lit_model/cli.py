@@ -17,6 +17,7 @@ import yaml
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser
 
 from lit_model.errors import UsageError, run_cli
+from lit_model.tokenizer import check_utf8
 
 
 def main(entry: Callable[..., Any] | dict[str, Callable[..., Any]], argv: Optional[list[str]] = None) -> Any:
@@ -49,6 +50,10 @@ def parse(args_cls: type, argv: Optional[list[str]] = None) -> Any:
     except ArgumentError as error:
         raise UsageError(f"{usage_message(str(error), hints, argv)} Run with --help to list every flag.") from None
     values = namespace.as_dict()
+    for name, value in values.items():  # text flags (prompts, patterns) reach a tokenizer or a file as UTF-8
+        for text in value if isinstance(value, list) else [value]:
+            if type(text) is str:  # not a Path: a file name need not be UTF-8
+                check_utf8(text, f"--{name}")
     return args_cls(**{f.name: values[f.name] for f in fields(args_cls)})
 
 

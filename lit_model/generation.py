@@ -12,7 +12,7 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
@@ -24,7 +24,7 @@ from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
 from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
-from lit_model.tokenizer import Tokenizer, check_utf8
+from lit_model.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup: devices, precision, lengths, loading
@@ -748,10 +748,5 @@ def prepare_generation(args: GenerationArgs) -> GenerationSetup:
         style = PromptStyle.from_checkpoint(checkpoint_dir, config)
     else:
         style = PromptStyle.from_config(config)
-    for flag in fields(args):  # --prompt, --stop, --system: text the tokenizer will see
-        value = getattr(args, flag.name)
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                check_utf8(text, f"--{flag.name}")
     stop = [args.stop] if isinstance(args.stop, str) else list(args.stop or [])
     return GenerationSetup(args, checkpoint_dir, config, tokenizer, style, device_type, devices, precision, stop)

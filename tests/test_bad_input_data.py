@@ -166,6 +166,8 @@ CASES = [
      "Cannot read {tmp}/d.json"),
     # ---- generation flags with bytes that are not UTF-8 (in-process: argv as Python decoded it)
     ("generate-non-utf8-stop", None, (*GENERATE, "--stop", "\udcff\udcfe"), 2, "--stop is not UTF-8 text (byte 0xff"),
+    ("pretrain-non-utf8-sample-prompt", None, (*pretrain("{data}"), "--sample_prompt", "def f\udcff():"), 2,
+     "--sample_prompt is not UTF-8 text (byte 0xff at character 5)"),
     ("chat-non-utf8-system", None, ("generate/chat.py", "--checkpoint_dir", "{checkpoint}", "--system", "caf\udce9"), 2,
      "--system is not UTF-8 text (byte 0xe9 at character 3)"),
     # ---- Hugging Face indexes
