@@ -31,6 +31,15 @@ intermediate_size: 128
 """
 
 
+@pytest.fixture(autouse=True)
+def _keep_sigint_handler():
+    """Scripts run in-process (directly, through ``lit-model`` or the tutorial's commands) set SIGINT to its default
+    action while they import; give every test the test process's own handler back."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
 @pytest.fixture(scope="session")
 def tiny_setup(tmp_path_factory) -> dict[str, Path]:
     """A 5-file corpus, a 512-token BPE tokenizer trained on it, and a ~140k-parameter model config."""
@@ -78,13 +87,12 @@ def run_script_inprocess(script: str, *args: str, cache: Path | None = None, mon
     ``args`` as its command line (see ``run_captured``). Needs pytest's ``monkeypatch`` for the cache."""
     if cache is not None:
         monkeypatch.setenv("LIT_MODEL_CACHE", str(cache))
-    argv, sigint = sys.argv, signal.getsignal(signal.SIGINT)
+    argv = sys.argv
     sys.argv = [str(ROOT / script), *map(str, args)]
     try:
         return run_captured(lambda: runpy.run_path(str(ROOT / script), run_name="__main__"), list(sys.argv))
     finally:
         sys.argv = argv
-        signal.signal(signal.SIGINT, sigint)  # the scripts reset it while they import
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, str]]:
