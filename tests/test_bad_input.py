@@ -32,6 +32,7 @@ NEEDS_14M = ("--model_name", "pythia-14m", "--device_memory")  # a plan from the
 CASES = [
     # every numeric training flag out of its range
     (PRETRAIN, ["--learning_rate", "-1"], 2, "--learning_rate -1.0 must be positive"),
+    (PRETRAIN, ["--timeout", "0"], 2, "--timeout 0.0: give the collective timeout in seconds, more than 0"),
     (PRETRAIN, ["--learning_rate", "nan"], 2, "--learning_rate 'nan' is not valid: give a number"),
     (PRETRAIN, ["--log_interval", "0"], 2, "--log_interval 0 must be at least 1 (steps between logged rows)"),
     (PRETRAIN, ["--eval_interval", "0"], 2, "--eval_interval 0 must be at least 1 (steps between evaluations)"),

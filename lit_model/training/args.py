@@ -136,6 +136,8 @@ def check_args(args: TrainArgs) -> None:
             raise UsageError(f"--{flag} {value} must be at least {least}{meaning}.")
     if not args.learning_rate > 0:
         raise UsageError(f"--learning_rate {args.learning_rate} must be positive, e.g. 3e-4.")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout}: give the collective timeout in seconds, more than 0 (default 1800).")
     if args.min_lr > args.learning_rate:
         raise UsageError(f"--min_lr {args.min_lr} is above --learning_rate {args.learning_rate}: the schedule decays "
                          "from the learning rate down to min_lr. Lower --min_lr.")
@@ -182,8 +184,8 @@ def check_plan_flags(args: TrainArgs) -> None:
 
 
 def check_out_dir_path(out_dir: Path) -> None:
-    """``out_dir`` can be a directory this process creates and writes into (its contents are check_out_dir's
-    business, in the launched processes)."""
+    """``out_dir`` can be a directory this process creates and writes into (whether it holds another run is
+    check_out_dir's business)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out_dir {out_dir} is a file, not a directory. Pick another --out_dir.")

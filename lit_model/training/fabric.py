@@ -81,8 +81,6 @@ class StateIO(TorchCheckpointIO):
 
 def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fabric:
     """Build (not launch) the Fabric for these settings; ``fabric.precision_name`` holds the resolved precision."""
-    if not settings.timeout > 0:
-        raise UsageError(f"--timeout {settings.timeout}: give the collective timeout in seconds, more than 0 (default 1800).")
     timeout = datetime.timedelta(seconds=settings.timeout)
     accelerator = accelerator_type()
     precision = resolve_precision(precision, accelerator)
