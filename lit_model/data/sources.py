@@ -7,6 +7,7 @@ field names to the record shapes fine-tuning reads (instruction/input/output, or
 
 from __future__ import annotations
 
+import csv
 import difflib
 import json
 from dataclasses import dataclass
@@ -93,9 +94,9 @@ def map_record(record: Any, fields: dict[str, str], where: str) -> Any:
     if missing := sorted(theirs for theirs in fields.values() if theirs not in record):
         raise UserError(f"{where} has no field {', '.join(map(repr, missing))} (given with --data_fields); its fields "
                         f"are {sorted(record)}. Map those, e.g. {FIELDS_EXAMPLE}.")
-    found = {}
+    found, taken = {}, set(fields.values())  # a field --data_fields maps is not also guessed as another
     for ours, aliases in FIELDS.items():
-        key = fields.get(ours) or next((a for a in aliases if record.get(a) is not None), None)
+        key = fields.get(ours) or next((a for a in aliases if a not in taken and record.get(a) is not None), None)
         if key is not None and record.get(key) is not None:
             found[ours] = record[key]
     if "messages" in found and not {"instruction", "output"} <= set(fields):
@@ -150,11 +151,21 @@ def load_table(path: Path) -> Any:
         if path.is_dir():
             table = datasets.load_from_disk(str(path))
         else:
-            table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+            # CSV cells stay text (pandas would make an answer "3" an int); Parquet keeps its own types
+            options = {"features": _text_columns(path), "keep_default_na": False} if path.suffix == ".csv" else {}
+            table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", **options)
+    except (OSError, ValueError, csv.Error, datasets.exceptions.DatasetGenerationError) as error:
         raise UserError(f"{path} could not be read as a dataset ({type(error).__name__}: {error}). Fix or "
                         "replace the file.") from None
     return _train_split(table, str(path))
+
+
+def _text_columns(path: Path) -> Any:
+    """Every column of a CSV file as a string column (its header names them)."""
+    datasets = _datasets()
+    with path.open(newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def load_named(name: str, kind: Kind) -> Any:
