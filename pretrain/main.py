@@ -15,7 +15,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from lightning.fabric import Fabric
 
@@ -43,6 +43,7 @@ class PretrainArgs(TrainArgs):
         data: a named hub text dataset instead of --data_path: tinystories (needs `pip install datasets`)
     """
 
+    data_kind: ClassVar[str] = "text"  # what --data may name
     model_name: str = "lit-model-5m"
     model_config: Optional[Path] = None
     tokenizer_dir: Optional[Path] = None

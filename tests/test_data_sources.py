@@ -115,13 +115,15 @@ def test_finetune_on_a_named_dataset(hub: Path, checkpoint: Path, tmp_path: Path
     assert "Data: dolly (databricks/databricks-dolly-15k): 4 records, 3 train / 1 val samples" in proc.stdout
 
 
-FINETUNE = ("finetune/lora.py", "--out_dir", "{tmp}/out", "--max_steps", "1")
+FINETUNE = ("finetune/lora.py", "--checkpoint_dir", "{checkpoint}", "--out_dir", "{tmp}/out", "--max_steps", "1")
 
 
 @pytest.mark.parametrize("argv, code, fragment", [
     ((*FINETUNE, "--data", "alpaca", "--data_path", "{tmp}/d.jsonl"), 2, "both name the training data; pass one"),
     ((*FINETUNE, "--data", "alpaka"), 2, "--data alpaka is not a known dataset. Did you mean alpaca or alpaca_2k?"),
     ((*FINETUNE, "--data", "tinystories"), 2, "is plain text data; use it with pretrain/main.py"),
+    (("pretrain/main.py", "--out_dir", "{tmp}/out", "--data", "dolly"), 2,
+     "--data dolly is instruction data; use it with finetune/, or pick one of tinystories."),
     ((*FINETUNE, "--data_fields", "question"), 2, "must be OURS=THEIRS pairs"),
     ((*FINETUNE, "--data_fields", "prompt=q"), 2, "--data_fields maps prompt, which fine-tuning does not read"),
     ((*FINETUNE, "--data_path", "{tmp}/odd.parquet"), 1,
@@ -133,7 +135,7 @@ FINETUNE = ("finetune/lora.py", "--out_dir", "{tmp}/out", "--max_steps", "1")
 def test_bad_data_sources(argv: tuple[str, ...], code: int, fragment: str, checkpoint: Path, tmp_path: Path,
                           monkeypatch: pytest.MonkeyPatch) -> None:
     datasets.Dataset.from_list([{"q": "x", "a": "y"}] * 3).to_parquet(str(tmp_path / "odd.parquet"))
-    argv = (*(arg.format(tmp=tmp_path) for arg in argv), "--checkpoint_dir", str(checkpoint))
+    argv = tuple(arg.format(tmp=tmp_path, checkpoint=checkpoint) for arg in argv)
     proc = run_script_inprocess(*argv, cache=tmp_path / "cache", monkeypatch=monkeypatch)
     assert proc.returncode == code, proc.stderr
     assert fragment in " ".join(proc.stderr.split()), proc.stderr

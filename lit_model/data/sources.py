@@ -52,12 +52,12 @@ FIELDS_EXAMPLE = "--data_fields instruction=question,output=answer"
 
 
 # ---- flags -----------------------------------------------------------------------------------------------
-def check_data_flags(data: Optional[str], data_path: Optional[Path], data_fields: Optional[str] = None) -> None:
+def check_data_flags(data: Optional[str], data_path: Optional[Path], data_fields: Optional[str], kind: Kind) -> None:
     """--data, --data_path and --data_fields, checked with the other flags before anything starts."""
     if data is not None and data_path is not None:
         raise UsageError(f"--data {data} and --data_path {data_path} both name the training data; pass one of them.")
     if data is not None:
-        named(data)
+        check_kind(data, kind)
     parse_fields(data_fields)
 
 
@@ -69,6 +69,16 @@ def named(name: str) -> Named:
                          "pass a local file or directory with --data_path (.json, .jsonl, .parquet, .csv, or a "
                          "directory written by datasets' save_to_disk).")
     return NAMED[name]
+
+
+def check_kind(name: str, kind: Kind) -> Named:
+    """The named dataset, if it is data of this kind (instruction records to fine-tune on, or text)."""
+    source = named(name)
+    if source.kind != kind:
+        use = "finetune/" if source.kind == "instruct" else "pretrain/main.py"
+        raise UsageError(f"--data {name} is {'instruction' if source.kind == 'instruct' else 'plain text'} data; "
+                         f"use it with {use}, or pick one of {', '.join(n for n, s in NAMED.items() if s.kind == kind)}.")
+    return source
 
 
 def parse_fields(spec: Optional[str]) -> dict[str, str]:
@@ -171,11 +181,7 @@ def _text_columns(path: Path) -> Any:
 def load_named(name: str, kind: Kind) -> Any:
     """The named dataset's train split through ``datasets.load_dataset`` (downloaded once into its cache;
     HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 read the cache only)."""
-    source = named(name)
-    if source.kind != kind:
-        use = "finetune/" if source.kind == "instruct" else "pretrain/main.py"
-        raise UsageError(f"--data {name} is {'instruction' if source.kind == 'instruct' else 'plain text'} data; "
-                         f"use it with {use}, or pick one of {', '.join(n for n, s in NAMED.items() if s.kind == kind)}.")
+    source = check_kind(name, kind)
     datasets = _datasets()
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
 

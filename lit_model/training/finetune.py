@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,7 @@ class FinetuneArgs(TrainArgs):
             before its weights are downloaded
     """
 
+    data_kind: ClassVar[str] = "instruct"  # what --data may name
     checkpoint_dir: Path = DEFAULT_CHECKPOINT
     model_name: Optional[str] = None
     data: Optional[str] = None
