@@ -129,12 +129,14 @@ FINETUNE = ("finetune/lora.py", "--checkpoint_dir", "{checkpoint}", "--out_dir",
     ((*FINETUNE, "--data_path", "{tmp}/odd.parquet"), 1,
      "has keys ['a', 'q'], but a record needs string fields 'instruction' and 'output' (optionally 'input'), "
      "or a 'messages' list of {role, content}. Map the fields with --data_fields"),
+    ((*FINETUNE, "--data_path", "{tmp}/bad.parquet"), 1, "bad.parquet could not be read as a dataset (ArrowInvalid: "),
     ((*FINETUNE, "--data_path", "{tmp}/odd.parquet", "--data_fields", "instruction=question,output=a"), 1,
      "has no field 'question' (given with --data_fields); its fields are ['a', 'q']"),
 ])
 def test_bad_data_sources(argv: tuple[str, ...], code: int, fragment: str, checkpoint: Path, tmp_path: Path,
                           monkeypatch: pytest.MonkeyPatch) -> None:
     datasets.Dataset.from_list([{"q": "x", "a": "y"}] * 3).to_parquet(str(tmp_path / "odd.parquet"))
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     argv = tuple(arg.format(tmp=tmp_path, checkpoint=checkpoint) for arg in argv)
     proc = run_script_inprocess(*argv, cache=tmp_path / "cache", monkeypatch=monkeypatch)
     assert proc.returncode == code, proc.stderr

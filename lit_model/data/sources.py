@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
 from lit_model.data.cache import cache_root, cached
 from lit_model.errors import UsageError, UserError
 
@@ -183,8 +185,6 @@ def load_named(name: str, kind: Kind) -> Any:
     HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 read the cache only)."""
     source = check_kind(name, kind)
     datasets = _datasets()
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
-
     local = ("Download it where there is a network and pass the local copy (save_to_disk directory, .parquet or "
              ".jsonl) with --data_path.")
     try:
