@@ -33,7 +33,8 @@ setup(
         "optimizers": ["pytorch_optimizer>=3.0"],
         "plot": ["matplotlib"],
         "flash": ["flash-attn"],
-        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib"],
-        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib"],
+        "data": ["datasets>=3"],  # --data NAME, .parquet/.csv and save_to_disk directories
+        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3"],
+        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3"],
     },
 )

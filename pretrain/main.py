@@ -15,7 +15,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from lightning.fabric import Fabric
 
@@ -40,11 +40,14 @@ class PretrainArgs(TrainArgs):
         model_config: YAML of Config fields for a custom architecture (overrides model_name)
         tokenizer_dir: directory with tokenizer.json/tokenizer.model; default: a BPE trained on the stdlib
         sample_prompt: prompt for the sample generated at the end
+        data: a named hub text dataset instead of --data_path: tinystories (needs `pip install datasets`)
     """
 
+    data_kind: ClassVar[str] = "text"  # what --data may name
     model_name: str = "lit-model-5m"
     model_config: Optional[Path] = None
     tokenizer_dir: Optional[Path] = None
+    data: Optional[str] = None
     micro_batch_size: Union[int, Literal["auto"]] = 4  # divides the global batch over 1, 2 or 4 processes
     global_batch_size: int = 16
     max_steps: Optional[int] = 100  # ~2 minutes of the default model on 2 idle CPU cores
@@ -81,7 +84,7 @@ def train(fabric: Fabric, args: PretrainArgs) -> None:
             f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} embeds only "
             f"{config.padded_vocab_size}. Use a model config with vocab_size >= {tokenizer.vocab_size}."
         )
-    train_data, val_data, description = load_pretrain_data(args.data_path, tokenizer, seq_length)
+    train_data, val_data, description = load_pretrain_data(args.data_path, tokenizer, seq_length, data=args.data)
     fabric.print(f"Data: {description}")
 
     fabric.seed_everything(args.seed)

@@ -272,7 +272,7 @@ def run_in_process(method: str, argv: list[str], capsys) -> tuple[int, str]:
         ("adapter", ("--freeze_layers", "1"), 2, "applies to full fine-tuning"),
         ("lora", ("--override_max_seq_length", "8"), 1, "Raise --override_max_seq_length"),
         ("lora", ("--data_path", "BAD_LINE"), 1, "Line 3 of"),
-        ("lora", ("--data_path", "MISSING_OUTPUT"), 1, "has keys ['answer', 'instruction']"),
+        ("lora", ("--data_path", "MISSING_OUTPUT"), 1, "has keys ['instruction', 'reply']"),
         ("lora", ("--checkpoint_dir", "NO_TOKENIZER"), 1, "missing tokenizer.json or tokenizer.model"),
         ("lora", ("--model_name", "pythia-14m"), 2, "applies with --plan only"),
         ("lora", ("--plan", "json", "--checkpoint_dir", "NO_TOKENIZER/missing"), 2, "Pass --model_name"),
@@ -282,7 +282,7 @@ def test_bad_input_is_one_clear_message(ft, tmp_path, capsys, method, extra, cod
     bad_line = tmp_path / "bad.jsonl"
     bad_line.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "a", "output": "b"\n')
     missing = tmp_path / "missing.jsonl"
-    missing.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "answer": "b"}\n')
+    missing.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "reply": "b"}\n')
     no_tokenizer = tmp_path / "no-tokenizer"
     shutil.copytree(ft["base"], no_tokenizer)
     (no_tokenizer / "tokenizer.json").unlink()

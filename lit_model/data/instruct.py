@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lit_model.data.cache import cache_root, cached
+from lit_model.data.sources import TABLE_SUFFIXES, instruct_records, is_table, map_record
 from lit_model.data.text import GlobalBatchSampler, json_records, split_by_file, stdlib_sources
 from lit_model.errors import UsageError, UserError
 from lit_model.prompts import Alpaca, PromptStyle
@@ -38,20 +39,27 @@ PAD_MULTIPLE = 64
 
 
 # ---- reading records -----------------------------------------------------------------------------------
-def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(where, record)`` pairs of a .json file (a list of records) or a .jsonl file (one per line), or of
-    every such file in a directory (sorted)."""
-    path = Path(path).expanduser()
+def read_records(path: Path, fields: Optional[dict[str, str]] = None) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` pairs of a .json file (a list of records), a .jsonl file (one per line), a .parquet or
+    .csv file or a save_to_disk directory (through ``datasets``), or of every such file in a directory (sorted);
+    field names mapped to ours (``fields``: ours -> theirs, then the common names of ``sources.FIELDS``)."""
+    path, fields = Path(path).expanduser(), fields or {}
     if not path.exists():
         raise UserError(
-            f"The data path {path} does not exist. Pass a .json/.jsonl file (or a directory of them) with "
-            "--data_path, or leave it out to fine-tune on instructions made from the Python standard library."
+            f"The data path {path} does not exist. Pass a .json/.jsonl/.parquet/.csv file (or a directory of them) "
+            "with --data_path, or leave it out to fine-tune on instructions made from the Python standard library."
         )
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file()) if path.is_dir() else [path]
+    if is_table(path):
+        return instruct_records(None, path, fields)[0]
+    suffixes = (".json", ".jsonl") + TABLE_SUFFIXES
+    files = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file()) if path.is_dir() else [path]
     if not files:
-        raise UserError(f"The directory {path} holds no .json or .jsonl files. Point --data_path at your data.")
+        raise UserError(f"The directory {path} holds no .json or .jsonl files, nor .parquet or .csv files. Point "
+                        "--data_path at your data.")
     example = '{"instruction": "...", "output": "..."}'
-    return [item for file in files for item in json_records(file, example)]
+    return [item for file in files for item in (
+        instruct_records(None, file, fields)[0] if is_table(file) else
+        [(where, map_record(record, fields, where)) for where, record in json_records(file, example)])]
 
 
 def segments(record: Any, where: str, style: PromptStyle) -> list[tuple[str, bool]]:
@@ -69,7 +77,8 @@ def segments(record: Any, where: str, style: PromptStyle) -> list[tuple[str, boo
             found = f"a JSON {type(record).__name__}, not an object"
         raise UserError(
             f"{where} has {found}, but a record needs string fields 'instruction' and 'output' (optionally "
-            "'input'), or a 'messages' list of {role, content}. Rename the fields or fix the record."
+            "'input'), or a 'messages' list of {role, content}. Map the fields with --data_fields, e.g. "
+            "--data_fields instruction=question,output=answer, or fix the record."
         )
     extra = record.get("input") or ""
     if isinstance(style, Alpaca):
@@ -197,21 +206,26 @@ def build_dataset(records: list[tuple[str, Any]], tokenizer: Any, style: PromptS
 
 
 def load_instruct_data(data_path: Optional[Path], tokenizer: Any, style: PromptStyle, seq_length: int,
-                       mask_prompt: bool = True, val_fraction: float = 0.05, seed: int = 42) -> InstructData:
+                       mask_prompt: bool = True, val_fraction: float = 0.05, seed: int = 42,
+                       data: Optional[str] = None, fields: Optional[dict[str, str]] = None) -> InstructData:
+    """Train/val samples of a named dataset (``data``), a local file or directory, or (neither) the stdlib's."""
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val_split_fraction {val_fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
-    if data_path is None:
+    if data_path is None and data is None:
         train_records, val_records = stdlib_instructions(val_fraction)
         what = f"{len(train_records) + len(val_records)} instructions made from the Python standard library"
     else:
-        records = read_records(data_path)
+        if data is not None:
+            records, source = instruct_records(data, None, fields or {})
+        else:
+            records, source = read_records(data_path, fields), str(data_path)
         if len(records) < 2:
-            raise UserError(f"{data_path} holds {len(records)} record(s); a train/val split needs at least 2.")
+            raise UserError(f"{source} holds {len(records)} record(s); a train/val split needs at least 2.")
         order = np.random.default_rng(seed).permutation(len(records))  # a fixed split, whatever --seed is
         n_val = min(max(1, round(len(records) * val_fraction)), len(records) - 1)
         val_records = [records[i] for i in sorted(order[:n_val])]
         train_records = [records[i] for i in sorted(order[n_val:])]
-        what = f"{data_path}: {len(records)} records"
+        what = f"{source}: {len(records)} records"
     train, train_cut, train_dropped = build_dataset(train_records, tokenizer, style, seq_length, mask_prompt)
     val, val_cut, val_dropped = build_dataset(val_records, tokenizer, style, seq_length, mask_prompt)
     if len(train) == 0 or len(val) == 0:

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from lit_model.data.cache import (
     cache_root, cached, checked_directory, file_lock, warn_rebuild, write_directory_record,
 )
+from lit_model.data.sources import is_table, text_file
 from lit_model.errors import UsageError, UserError
 from lit_model.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe
 
@@ -346,10 +347,14 @@ def _data_files(directory: Path) -> list[Path]:
 
 
 def load_pretrain_data(data_path: Path | None, tokenizer: Tokenizer, seq_length: int,
-                       val_fraction: float = 0.05) -> tuple[PackedDataset, PackedDataset, str]:
-    """Train/val windows of ``seq_length`` tokens from the stdlib (``None``), one file, or a directory."""
+                       val_fraction: float = 0.05, data: str | None = None) -> tuple[PackedDataset, PackedDataset, str]:
+    """Train/val windows of ``seq_length`` tokens from the stdlib (neither ``data_path`` nor ``data``), one file,
+    a directory, or a named text dataset / .parquet / .csv / save_to_disk directory (through ``datasets``)."""
     if not 0 < val_fraction < 1:
         raise UsageError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
+    if data is not None or (data_path is not None and Path(data_path).expanduser().exists()
+                            and is_table(Path(data_path).expanduser())):
+        data_path = text_file(data, None if data_path is None else Path(data_path).expanduser())
     cache_dir = cache_root() / "tokens"
     if data_path is None:
         root = Path(sysconfig.get_paths()["stdlib"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from lit_model.data.sources import check_data_flags
 from lit_model.data.text import check_batch_sizes
 from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
@@ -146,6 +147,8 @@ def check_args(args: TrainArgs) -> None:
     fraction = getattr(args, "val_split_fraction", None)  # fine-tuning only
     if fraction is not None and not 0 < fraction < 1:
         raise UsageError(f"--val_split_fraction {fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
+    if (kind := getattr(args, "data_kind", None)) is not None:  # scripts that take --data
+        check_data_flags(args.data, args.data_path, getattr(args, "data_fields", None), kind)
     if args.max_steps is None and args.max_tokens is None:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
     if isinstance(args.freeze_layers, int) and args.freeze_layers < 0:

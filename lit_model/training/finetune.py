@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config, sequence_length
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
+from lit_model.data.sources import parse_fields
 from lit_model.errors import UsageError, UserError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
 from lit_model.model import GPT
@@ -41,8 +42,13 @@ class FinetuneArgs(TrainArgs):
     Args:
         checkpoint_dir: checkpoint to start from (weights, model_config.yaml, tokenizer); default: what
             `python pretrain/main.py` writes
-        data_path: .json/.jsonl instruction data (Alpaca keys or chat "messages"), or a directory of them;
-            omitted: instructions made from the Python standard library
+        data_path: .json/.jsonl/.parquet/.csv instruction data (Alpaca keys, common aliases such as
+            prompt/response or question/answer, or chat "messages"/"conversations"), a directory of them, or a
+            directory written by datasets' save_to_disk; omitted: instructions made from the Python standard library
+        data: a named hub dataset instead of --data_path: alpaca, alpaca_2k, dolly, lima (gated), longform
+            (downloaded once into the datasets cache; needs `pip install datasets`)
+        data_fields: map the data's field names to ours, OURS=THEIRS pairs: e.g.
+            instruction=question,output=answer (ours: instruction, input, output, messages)
         quantize: keep the frozen base weights in bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8 (lora.py: QLoRA)
         prompt_style: alpaca, chatml, llama-3, ...; default: the checkpoint's, or alpaca for a base model
         mask_prompt: compute the loss on the responses only (prompt tokens get target -100)
@@ -52,8 +58,11 @@ class FinetuneArgs(TrainArgs):
             before its weights are downloaded
     """
 
+    data_kind: ClassVar[str] = "instruct"  # what --data may name
     checkpoint_dir: Path = DEFAULT_CHECKPOINT
     model_name: Optional[str] = None
+    data: Optional[str] = None
+    data_fields: Optional[str] = None
     out_dir: Path = Path("out/finetune")
     quantize: Optional[Quantize] = None
     prompt_style: Optional[str] = None
@@ -139,7 +148,8 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     else:  # a base model's "default" style has no turn markers: instructions and answers would run together
         style = PromptStyle.from_checkpoint(checkpoint_dir, config)
         style = style if style.name != "default" else PromptStyle.from_name("alpaca")
-    data = load_instruct_data(args.data_path, tokenizer, style, seq_length, args.mask_prompt, args.val_split_fraction)
+    data = load_instruct_data(args.data_path, tokenizer, style, seq_length, args.mask_prompt, args.val_split_fraction,
+                              data=args.data, fields=parse_fields(args.data_fields))
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")

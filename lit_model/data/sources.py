@@ -1,0 +1,240 @@
+"""Data read through Hugging Face ``datasets``: named hub datasets (``--data alpaca``), local ``.parquet`` and
+``.csv`` files and directories written by ``Dataset.save_to_disk``; and the one table that maps common sources'
+field names to the record shapes fine-tuning reads (instruction/input/output, or chat messages).
+
+``datasets`` is imported only when such data is asked for, so the default data and JSON files do not need it.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+from lit_model.data.cache import cache_root, cached
+from lit_model.errors import UsageError, UserError
+
+TABLE_SUFFIXES = (".parquet", ".csv")
+Kind = Literal["instruct", "text"]
+
+
+@dataclass(frozen=True)
+class Named:
+    repo: str  # hub dataset id
+    kind: Kind
+    fields: tuple[tuple[str, str], ...] = ()  # (ours, theirs) where the table's guess would be wrong
+    gated: bool = False
+
+
+NAMED: dict[str, Named] = {
+    "alpaca": Named("tatsu-lab/alpaca", "instruct"),  # instruction, input, output (and text: the rendered prompt)
+    "alpaca_2k": Named("mhenrichsen/alpaca_2k_test", "instruct"),  # instruction, input, output
+    "dolly": Named("databricks/databricks-dolly-15k", "instruct"),  # instruction, context, response, category
+    "lima": Named("GAIR/lima", "instruct", gated=True),  # conversations: alternating user/assistant strings
+    "longform": Named("akoksal/LongForm", "instruct", fields=(("instruction", "input"),)),  # input, output
+    "tinystories": Named("roneneldan/TinyStories", "text"),  # text
+}
+
+# Our field -> the names sources use for it, tried in order (the one mapping table).
+FIELDS: dict[str, tuple[str, ...]] = {
+    "instruction": ("instruction", "prompt", "question", "query"),
+    "input": ("input", "context"),
+    "output": ("output", "response", "answer", "completion"),
+    "messages": ("messages", "conversations", "conversation"),
+    "text": ("text", "content", "story"),
+}
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "bot": "assistant", "model": "assistant"}
+FIELDS_EXAMPLE = "--data_fields instruction=question,output=answer"
+
+
+# ---- flags -----------------------------------------------------------------------------------------------
+def check_data_flags(data: Optional[str], data_path: Optional[Path], data_fields: Optional[str], kind: Kind) -> None:
+    """--data, --data_path and --data_fields, checked with the other flags before anything starts."""
+    if data is not None and data_path is not None:
+        raise UsageError(f"--data {data} and --data_path {data_path} both name the training data; pass one of them.")
+    if data is not None:
+        check_kind(data, kind)
+    parse_fields(data_fields)
+
+
+def named(name: str) -> Named:
+    if name not in NAMED:
+        close = difflib.get_close_matches(name.lower(), NAMED, n=3, cutoff=0.5)
+        hint = f"Did you mean {' or '.join(close)}? " if close else ""
+        raise UsageError(f"--data {name} is not a known dataset. {hint}Known: {', '.join(NAMED)}. For other data "
+                         "pass a local file or directory with --data_path (.json, .jsonl, .parquet, .csv, or a "
+                         "directory written by datasets' save_to_disk).")
+    return NAMED[name]
+
+
+def check_kind(name: str, kind: Kind) -> Named:
+    """The named dataset, if it is data of this kind (instruction records to fine-tune on, or text)."""
+    source = named(name)
+    if source.kind != kind:
+        use = "finetune/" if source.kind == "instruct" else "pretrain/main.py"
+        raise UsageError(f"--data {name} is {'instruction' if source.kind == 'instruct' else 'plain text'} data; "
+                         f"use it with {use}, or pick one of {', '.join(n for n, s in NAMED.items() if s.kind == kind)}.")
+    return source
+
+
+def parse_fields(spec: Optional[str]) -> dict[str, str]:
+    """``"instruction=question,output=answer"`` -> ``{"instruction": "question", "output": "answer"}``."""
+    if not spec:
+        return {}
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    if not pairs or any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise UsageError(f"--data_fields {spec!r} must be OURS=THEIRS pairs separated by commas, e.g. {FIELDS_EXAMPLE}.")
+    fields = {ours.strip(): theirs.strip() for ours, theirs in pairs}
+    if unknown := sorted(set(fields) - (set(FIELDS) - {"text"})):
+        raise UsageError(f"--data_fields maps {', '.join(unknown)}, which fine-tuning does not read; the fields are "
+                         f"{', '.join(f for f in FIELDS if f != 'text')}, e.g. {FIELDS_EXAMPLE}.")
+    return fields
+
+
+# ---- field mapping ---------------------------------------------------------------------------------------
+def map_record(record: Any, fields: dict[str, str], where: str) -> Any:
+    """The record with its fields renamed to ours (``fields`` first, then the table); a record the table
+    cannot map is returned as it is, and ``instruct.segments`` reports the fields it has."""
+    if not isinstance(record, dict):
+        return record
+    if missing := sorted(theirs for theirs in fields.values() if theirs not in record):
+        raise UserError(f"{where} has no field {', '.join(map(repr, missing))} (given with --data_fields); its fields "
+                        f"are {sorted(record)}. Map those, e.g. {FIELDS_EXAMPLE}.")
+    found, taken = {}, set(fields.values())  # a field --data_fields maps is not also guessed as another
+    for ours, aliases in FIELDS.items():
+        key = fields.get(ours) or next((a for a in aliases if a not in taken and record.get(a) is not None), None)
+        if key is not None and record.get(key) is not None:
+            found[ours] = record[key]
+    if "messages" in found and not {"instruction", "output"} <= set(fields):
+        return {"messages": _messages(found["messages"])}
+    if "instruction" in found and "output" in found:
+        return {key: found[key] for key in ("instruction", "input", "output") if key in found}
+    return record
+
+
+def _messages(turns: Any) -> Any:
+    """Chat turns as ``{"role", "content"}``: ShareGPT's ``{"from", "value"}`` with human/gpt roles, or plain
+    strings taking turns user/assistant (LIMA); anything else is returned for ``segments`` to report."""
+    if not isinstance(turns, list):
+        return turns
+    if all(isinstance(t, str) for t in turns):
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return turns
+        role = turn.get("role", turn.get("from"))
+        messages.append({"role": ROLES.get(role, role) if isinstance(role, str) else role,
+                         "content": turn.get("content", turn.get("value"))})
+    return messages
+
+
+# ---- loading through `datasets` --------------------------------------------------------------------------
+def is_table(path: Path) -> bool:
+    """A file or directory that needs ``datasets``: .parquet, .csv, or what ``save_to_disk`` wrote."""
+    return path.suffix in TABLE_SUFFIXES or (path.is_dir() and (path / "dataset_dict.json").is_file()) or (
+        path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+
+
+def _datasets() -> Any:
+    try:
+        import datasets  # only for this data: the default path and JSON files do not need it
+    except ImportError:
+        raise UserError("Reading named datasets, .parquet, .csv and save_to_disk directories needs the `datasets` "
+                        "package: pip install 'lit-model[data]' (or pip install datasets).") from None
+    return datasets
+
+
+def hub_repo(name: str) -> str:
+    """Where ``load_dataset`` finds a named dataset (tests point this at a local directory)."""
+    return named(name).repo
+
+
+def load_table(path: Path) -> Any:
+    """A local .parquet/.csv file or save_to_disk directory as a ``datasets.Dataset`` (its train split)."""
+    datasets = _datasets()
+    try:
+        if path.is_dir():
+            table = datasets.load_from_disk(str(path))
+        else:
+            # CSV cells stay text (pandas would make an answer "3" an int); Parquet keeps its own types
+            options = {"features": _text_columns(path), "keep_default_na": False} if path.suffix == ".csv" else {}
+            table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", **options)
+    except (OSError, ValueError, csv.Error, datasets.exceptions.DatasetGenerationError) as error:
+        raise UserError(f"{path} could not be read as a dataset ({type(error).__name__}: {error}). Fix or "
+                        "replace the file.") from None
+    return _train_split(table, str(path))
+
+
+def _text_columns(path: Path) -> Any:
+    """Every column of a CSV file as a string column (its header names them)."""
+    datasets = _datasets()
+    with path.open(newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def load_named(name: str, kind: Kind) -> Any:
+    """The named dataset's train split through ``datasets.load_dataset`` (downloaded once into its cache;
+    HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 read the cache only)."""
+    source = check_kind(name, kind)
+    datasets = _datasets()
+    local = ("Download it where there is a network and pass the local copy (save_to_disk directory, .parquet or "
+             ".jsonl) with --data_path.")
+    try:
+        table = datasets.load_dataset(hub_repo(name), split="train")
+    except GatedRepoError:
+        raise UserError(f"{source.repo} is gated: accept its terms on https://huggingface.co/datasets/{source.repo} "
+                        f"and log in (hf auth login, or set HF_TOKEN). Or: {local}") from None
+    except (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError) as error:
+        raise UserError(f"--data {name} could not be fetched from the Hugging Face hub ({source.repo}) and is not in "
+                        f"the datasets cache: no network or offline mode ({type(error).__name__}). {local}") from None
+    except datasets.exceptions.DatasetNotFoundError as error:
+        gated = " It is gated: accept its terms on the hub and log in (hf auth login)." if source.gated else ""
+        raise UserError(f"--data {name}: {error}.{gated} {local}") from None
+    return _train_split(table, source.repo)
+
+
+def _train_split(table: Any, what: str) -> Any:
+    if hasattr(table, "column_names") and isinstance(table.column_names, list):
+        return table
+    if "train" in table or len(table) == 1:
+        return table["train" if "train" in table else next(iter(table))]
+    raise UserError(f"{what} has splits {sorted(table)} but no 'train' split. Save the split to train on by itself.")
+
+
+def instruct_records(data: Optional[str], path: Optional[Path], fields: dict[str, str]) -> tuple[list[tuple[str, Any]], str]:
+    """``(where, mapped record)`` pairs of a named dataset or a table file/directory, and what it is."""
+    if data is not None:
+        table, what = load_named(data, "instruct"), f"{data} ({named(data).repo})"
+        fields = {**dict(named(data).fields), **fields}
+    else:
+        table, what = load_table(path), str(path)
+    return [(f"{what} row {i}", map_record(row, fields, f"{what} row {i}")) for i, row in enumerate(table)], what
+
+
+def text_file(data: Optional[str], path: Optional[Path]) -> Path:
+    """A named text dataset or a table as a JSON-lines file of ``{"text": ...}`` records in the cache, which
+    pretraining tokenizes like any .jsonl; rebuilt when ``datasets``' fingerprint of the data changes."""
+    table = load_named(data, "text") if data is not None else load_table(path)
+    column = next((c for c in FIELDS["text"] if c in table.column_names), None)
+    if column is None:
+        raise UserError(f"{data or path} has columns {table.column_names} but no text column "
+                        f"({', '.join(FIELDS['text'])}). Rename the text column to 'text'.")
+    stem = data or path.stem or "data"
+    # datasets' own fingerprint changes with the data (hub revision, or the local files)
+    out = cache_root() / "datasets" / f"{stem}-{table._fingerprint[:16]}.jsonl"
+
+    def build(write: Any) -> dict[str, int]:
+        for text in table[column]:
+            write((json.dumps({"text": text}, ensure_ascii=False) + "\n").encode())
+        return {"records": len(table)}
+
+    cached(out, build, valid=lambda record: isinstance(record.get("records"), int))
+    return out

@@ -1,0 +1,157 @@
+"""Data through `datasets`: .parquet/.csv/save_to_disk through --data_path, named hub datasets through --data
+(the real `load_dataset` path, pointed at local parquet files shaped like each source: no network), the one
+field-name mapping table, --data_fields, and the messages for what cannot work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_model import GPT, Config
+from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+from lit_model.data import sources
+from lit_model.data.instruct import read_records
+from lit_model.data.text import load_pretrain_data
+from lit_model.tokenizer import Tokenizer
+from conftest import run_script_inprocess
+
+datasets = pytest.importorskip("datasets")
+
+ALPACA = [{"instruction": f"Add {i} and 1.", "input": "", "output": f"{i + 1}", "text": "rendered"} for i in range(4)]
+# Rows shaped like each named source (its own field names) and what fine-tuning reads from the first one
+SOURCES = {
+    "alpaca": (ALPACA, {"instruction": "Add 0 and 1.", "input": "", "output": "1"}),
+    "alpaca_2k": ([{k: r[k] for k in ("instruction", "input", "output")} for r in ALPACA],
+                  {"instruction": "Add 0 and 1.", "input": "", "output": "1"}),
+    "dolly": ([{"instruction": f"Summarize {i}.", "context": "Some text.", "response": "Short.", "category": "summarization"}
+               for i in range(4)], {"instruction": "Summarize 0.", "input": "Some text.", "output": "Short."}),
+    "lima": ([{"conversations": [f"Hi {i}", "Hello!"], "source": "stackexchange"} for i in range(4)],
+             {"messages": [{"role": "user", "content": "Hi 0"}, {"role": "assistant", "content": "Hello!"}]}),
+    "longform": ([{"input": f"Write about {i}.", "output": "An essay.", "source": "C4", "subset": "c4"} for i in range(4)],
+                 {"instruction": "Write about 0.", "output": "An essay."}),
+}
+STORIES = [{"text": f"Once upon a time there was a cat number {i}. The cat was happy."} for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = GPT(Config.from_file(tiny_setup["config"]))
+    model.init_weights()
+    out_dir = tmp_path_factory.mktemp("sources-ckpt") / "tiny"
+    return save_checkpoint_dir(lit_state_dict(model, model.config), model.config, out_dir,
+                               tokenizer_dir=tiny_setup["tokenizer"])
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each named dataset as a local directory of parquet files (as a hub repo lays them out); only the repo id
+    -> location step is redirected, load_dataset runs as it would on the hub's files, with a private cache."""
+    root = tmp_path / "hub"
+    for name, (rows, _) in {**SOURCES, "tinystories": (STORIES, None)}.items():
+        (root / name / "data").mkdir(parents=True)
+        datasets.Dataset.from_list(rows).to_parquet(str(root / name / "data" / "train-00000-of-00001.parquet"))
+    monkeypatch.setattr(sources, "hub_repo", lambda name: str(root / name))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    return root
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_named_instruction_datasets_map_their_fields(name: str, hub: Path) -> None:
+    records, what = sources.instruct_records(name, None, {})
+    assert what == f"{name} ({sources.NAMED[name].repo})"
+    assert len(records) == 4
+    assert records[0] == (f"{what} row 0", SOURCES[name][1])
+
+
+def test_local_formats_read_the_same_records(tmp_path: Path) -> None:
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i + 1}"} for i in range(3)]
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.to_csv(str(tmp_path / "d.csv"), index=False)
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "saved_dict"))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = [{"instruction": f"What is {i} + 1?", "output": f"{i + 1}"} for i in range(3)]
+    for name in ("d.parquet", "d.csv", "saved", "saved_dict", "d.jsonl"):
+        assert [record for _, record in read_records(tmp_path / name)] == expected, name
+
+
+def test_mapping_table_and_data_fields() -> None:
+    share_gpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                   {"from": "gpt", "value": "Hello"}]}
+    assert sources.map_record(share_gpt, {}, "r") == {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}]}
+    assert sources.map_record({"prompt": "p", "response": "r", "id": 3}, {}, "r") == {"instruction": "p", "output": "r"}
+    assert sources.map_record({"q": "p", "a": "r"}, {}, "r") == {"q": "p", "a": "r"}  # left for segments to report
+    fields = sources.parse_fields("instruction=q, output=a")
+    assert fields == {"instruction": "q", "output": "a"}
+    assert sources.map_record({"q": "p", "a": "r"}, fields, "r") == {"instruction": "p", "output": "r"}
+
+
+def test_pretrain_text_from_named_dataset_and_parquet(hub: Path, tiny_setup: dict[str, Path], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIT_MODEL_CACHE", str(tmp_path / "cache"))
+    tokenizer = Tokenizer(tiny_setup["tokenizer"])
+    exported = sources.text_file("tinystories", None)
+    assert [json.loads(line) for line in exported.read_text().splitlines()] == STORIES
+    named = load_pretrain_data(None, tokenizer, 16, data="tinystories")
+    local = load_pretrain_data(hub / "tinystories" / "data" / "train-00000-of-00001.parquet", tokenizer, 16)
+    assert len(named[0]) == len(local[0]) > 0
+    assert torch.equal(named[0][0][0], local[0][0][0])
+
+
+@pytest.mark.slow  # ~5 s: one LoRA step end to end
+def test_finetune_on_a_named_dataset(hub: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = run_script_inprocess("finetune/lora.py", "--checkpoint_dir", checkpoint, "--out_dir", tmp_path / "out",
+                                "--data", "dolly", "--max_steps", "1", "--global_batch_size", "2",
+                                "--micro_batch_size", "2", "--rehearse", "false", "--prompt_style", "default", cache=tmp_path / "cache",
+                                monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    assert "Data: dolly (databricks/databricks-dolly-15k): 4 records, 3 train / 1 val samples" in proc.stdout
+
+
+FINETUNE = ("finetune/lora.py", "--checkpoint_dir", "{checkpoint}", "--out_dir", "{tmp}/out", "--max_steps", "1")
+
+
+@pytest.mark.parametrize("argv, code, fragment", [
+    ((*FINETUNE, "--data", "alpaca", "--data_path", "{tmp}/d.jsonl"), 2, "both name the training data; pass one"),
+    ((*FINETUNE, "--data", "alpaka"), 2, "--data alpaka is not a known dataset. Did you mean alpaca or alpaca_2k?"),
+    ((*FINETUNE, "--data", "tinystories"), 2, "is plain text data; use it with pretrain/main.py"),
+    (("pretrain/main.py", "--out_dir", "{tmp}/out", "--data", "dolly"), 2,
+     "--data dolly is instruction data; use it with finetune/, or pick one of tinystories."),
+    ((*FINETUNE, "--data_fields", "question"), 2, "must be OURS=THEIRS pairs"),
+    ((*FINETUNE, "--data_fields", "prompt=q"), 2, "--data_fields maps prompt, which fine-tuning does not read"),
+    ((*FINETUNE, "--data_path", "{tmp}/odd.parquet"), 1,
+     "has keys ['a', 'q'], but a record needs string fields 'instruction' and 'output' (optionally 'input'), "
+     "or a 'messages' list of {role, content}. Map the fields with --data_fields"),
+    ((*FINETUNE, "--data_path", "{tmp}/bad.parquet"), 1, "bad.parquet could not be read as a dataset (ArrowInvalid: "),
+    ((*FINETUNE, "--data_path", "{tmp}/odd.parquet", "--data_fields", "instruction=question,output=a"), 1,
+     "has no field 'question' (given with --data_fields); its fields are ['a', 'q']"),
+])
+def test_bad_data_sources(argv: tuple[str, ...], code: int, fragment: str, checkpoint: Path, tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets.Dataset.from_list([{"q": "x", "a": "y"}] * 3).to_parquet(str(tmp_path / "odd.parquet"))
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    argv = tuple(arg.format(tmp=tmp_path, checkpoint=checkpoint) for arg in argv)
+    proc = run_script_inprocess(*argv, cache=tmp_path / "cache", monkeypatch=monkeypatch)
+    assert proc.returncode == code, proc.stderr
+    assert fragment in " ".join(proc.stderr.split()), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_network_names_the_local_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    # offline mode: load_dataset looks in its (empty) cache only, exactly what it does without a network
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    with pytest.raises(sources.UserError, match=r"--data alpaca could not be fetched .* no network or offline mode "
+                                               r".* pass the local copy .* with --data_path"):
+        sources.instruct_records("alpaca", None, {})
