@@ -209,7 +209,7 @@ def test_truncation_is_reported_and_an_empty_result_is_an_error(tokenizer, tmp_p
     "content, needle",
     [
         ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": \n', "Line 2 of"),
-        ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "response": "b"}\n', "line 2 of .* has keys \\['instruction', 'response'\\]"),
+        ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "reply": "b"}\n', "line 2 of .* has keys \\['instruction', 'reply'\\]"),
         ('[{"instruction": "a", "output": "b"}, {"prompt": "a"}]', "record 1 of .* has keys \\['prompt'\\]"),
         ('{"messages": [{"role": "user", "content": "a"}]}\n{"instruction": "a", "output": "b"}\n', "no 'assistant' message"),
     ],
