@@ -26,7 +26,8 @@ from lit_model.cli import parse
 from lit_model.errors import run_cli
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
-from lit_model.training.fabric import launch
+from lit_model.run import Run
+from lit_model.training.fabric import launch, setup_fabric
 from lit_model.training.loop import check_out_dir
 
 
@@ -48,32 +49,31 @@ class AdapterArgs(finetune.FinetuneArgs):
 
 def main(args: AdapterArgs) -> None:
     check_args(args)
+    run = finetune.resolve(args, "adapter")
     if args.plan is not None:
-        return finetune.print_plan(args, "adapter")
+        return session.print_plan(run, args)
     check_out_dir(args.out_dir, args)
-    fabric = session.create_fabric(args)
-    launch(fabric, train, args)
+    fabric = setup_fabric(run)
+    launch(fabric, run, train, run, args)
     session.finish(fabric)
 
 
-def train(fabric: Fabric, args: AdapterArgs) -> None:
-    setup = finetune.prepare(fabric, args, "adapter")
+def train(fabric: Fabric, run: Run, args: AdapterArgs) -> None:
+    run, setup = finetune.prepare(fabric, run, args)
     fabric.seed_everything(args.seed)  # the same prefixes on every rank
-    model = finetune.load_model(fabric, args, setup)
+    model = finetune.load_model(fabric, run, setup)
+    adapter = run.adapter
     if any(isinstance(block.attn, AdapterAttention) for block in model.blocks):  # continue a saved adapter
-        adapter = AdapterConfig.from_dir(setup.checkpoint_dir)
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name.endswith((".adapter_prefix", ".adapter_gate")))
     else:
-        start = args.adapter_start_layer if args.adapter_start_layer is not None else setup.config.n_layer // 2
-        adapter = AdapterConfig(args.adapter_prompt_length, start)
         apply_adapter(model, adapter)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fabric.print(f"Adapter: {adapter.prompt_length} prefix vectors in blocks {adapter.start_layer}.."
-                 f"{setup.config.n_layer - 1}: {trainable:,} trainable parameters")
-    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
-    run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=True)
-    if run.stopped:  # saved and summarized by fit: no final/, no answer
+                 f"{run.config.n_layer - 1}: {trainable:,} trainable parameters")
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
+    progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=True)
+    if progress.stopped:  # saved and summarized by fit: no final/, no answer
         return
 
     final_dir = args.out_dir / "final"
@@ -88,7 +88,7 @@ def train(fabric: Fabric, args: AdapterArgs) -> None:
         derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES,
                               overwrite=True)  # this run's own final/ (check_out_dir)
     fabric.barrier()
-    finetune.finish(fabric, args, setup, run, final_dir, "adapter")
+    finetune.finish(fabric, run, args, setup, progress, final_dir)
 
 
 if __name__ == "__main__":

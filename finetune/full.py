@@ -21,7 +21,8 @@ from lit_model.cli import parse
 from lit_model.errors import UsageError, run_cli
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
-from lit_model.training.fabric import launch
+from lit_model.run import Run
+from lit_model.training.fabric import launch, setup_fabric
 from lit_model.training.loop import check_out_dir, save_final
 
 
@@ -42,26 +43,27 @@ def main(args: FullArgs) -> None:
             f"--quantize {args.quantize} stores frozen weights, but full fine-tuning trains every weight. Use "
             f"finetune/lora.py --quantize {args.quantize} (QLoRA), or drop --quantize."
         )
+    run = finetune.resolve(args, "full")
     if args.plan is not None:
-        return finetune.print_plan(args, "full")
+        return session.print_plan(run, args)
     check_out_dir(args.out_dir, args)
-    fabric = session.create_fabric(args)
-    launch(fabric, train, args)
+    fabric = setup_fabric(run)
+    launch(fabric, run, train, run, args)
     session.finish(fabric)
 
 
-def train(fabric: Fabric, args: FullArgs) -> None:
-    setup = finetune.prepare(fabric, args, "full")
+def train(fabric: Fabric, run: Run, args: FullArgs) -> None:
+    run, setup = finetune.prepare(fabric, run, args)
     fabric.seed_everything(args.seed)
-    model = finetune.load_model(fabric, args, setup).requires_grad_(True)
-    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)  # applies --freeze_layers
-    run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=False)
-    if run.stopped:  # saved and summarized by fit: no final/, no answer
+    model = finetune.load_model(fabric, run, setup).requires_grad_(True)
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)  # applies --freeze_layers
+    progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=False)
+    if progress.stopped:  # saved and summarized by fit: no final/, no answer
         return
 
     final_dir = args.out_dir / "final"
-    save_final(fabric, model, setup.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
-    finetune.finish(fabric, args, setup, run, final_dir, "full")
+    save_final(fabric, model, run.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
+    finetune.finish(fabric, run, args, setup, progress, final_dir)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from lit_model.errors import run_cli
 from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
 from lit_model.training import finetune, session
 from lit_model.training.args import check_args
-from lit_model.training.fabric import launch
+from lit_model.run import Run
+from lit_model.training.fabric import launch, setup_fabric
 from lit_model.training.loop import check_out_dir
 
 
@@ -58,25 +59,26 @@ class LoRAArgs(finetune.FinetuneArgs):
 
 def main(args: LoRAArgs) -> None:
     check_args(args)
-    lora = LoRAConfig.from_flags(args)  # bad LoRA flags fail before any process starts
+    run = finetune.resolve(args, "lora")  # bad LoRA flags fail before any process starts
     if args.plan is not None:
-        return finetune.print_plan(args, "lora")
+        return session.print_plan(run, args)
     check_out_dir(args.out_dir, args)
-    fabric = session.create_fabric(args)
-    launch(fabric, train, args, lora)
+    fabric = setup_fabric(run)
+    launch(fabric, run, train, run, args)
     session.finish(fabric)
 
 
-def train(fabric: Fabric, args: LoRAArgs, lora: LoRAConfig) -> None:
-    setup = finetune.prepare(fabric, args, "lora")
+def train(fabric: Fabric, run: Run, args: LoRAArgs) -> None:
+    run, setup = finetune.prepare(fabric, run, args)
     fabric.seed_everything(args.seed)  # the same adapter initialisation on every rank
-    model = finetune.load_model(fabric, args, setup)
+    model = finetune.load_model(fabric, run, setup)
+    lora = run.lora
     layers = apply_lora(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fabric.print(f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(layers)} layers: {trainable:,} trainable parameters")
-    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
-    run = finetune.train(fabric, args, setup, model, optimizer, trainable_only=True)
-    if run.stopped:  # saved and summarized by fit: no final/, no answer
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
+    progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=True)
+    if progress.stopped:  # saved and summarized by fit: no final/, no answer
         return
 
     final_dir = args.out_dir / "final"
@@ -85,7 +87,7 @@ def train(fabric: Fabric, args: LoRAArgs, lora: LoRAConfig) -> None:
         save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, finetune.DERIVED_FILES,
                                overwrite=True)  # this run's own final/ (check_out_dir)
     fabric.barrier()
-    finetune.finish(fabric, args, setup, run, final_dir, "lora" if args.quantize is None else f"qlora ({args.quantize})")
+    finetune.finish(fabric, run, args, setup, progress, final_dir)
 
 
 if __name__ == "__main__":

@@ -71,12 +71,11 @@ def resolve_generation_precision(
 ) -> Precision:
     """``planning``: for a device that need not be here (a CUDA plan assumes bfloat16 support) and without
     bitsandbytes installed, so only the --quantize name is checked."""
-    from lit_model.memory.spec import resolve_precision as resolve_planned_precision
     from lit_model.quantize import QUANTIZE_MODES, check_quantize
 
     if precision is None and quantize == "bnb.int8" and device_type == "cuda":
         precision = "16-true"  # LLM.int8() computes in float16 on CUDA
-    name = (resolve_planned_precision if planning else resolve_precision)(precision, device_type)
+    name = resolve_precision(precision, device_type, present=not planning)
     autocast = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
     if not planning:
         check_quantize(quantize, device_type, param_dtype(name), mixed=autocast is not None)

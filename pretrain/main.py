@@ -20,15 +20,15 @@ from typing import ClassVar, Literal, Optional, Union
 from lightning.fabric import Fabric
 
 from lit_model import GPT, Config
-from lit_model.config import sequence_length
 from lit_model.cli import parse
 from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_loss
 from lit_model.errors import UsageError, run_cli
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs, check_args
-from lit_model.training.fabric import launch
-from lit_model.training.loop import RunState, check_out_dir, fit, save_final, write_summary
+from lit_model.run import Run, resolve_run
+from lit_model.training.fabric import launch, setup_fabric
+from lit_model.training.loop import Progress, check_out_dir, fit, save_final, write_summary
 
 
 @dataclass
@@ -59,14 +59,14 @@ class PretrainArgs(TrainArgs):
 
 def main(args: PretrainArgs) -> None:
     check_args(args)
-    config = model_config(args)  # a bad --model_name or --model_config stops before any process starts
-    sequence_length(config, args.override_max_seq_length)
+    # a bad --model_name or --model_config stops before any process starts; the run is resolved here, once
+    run = resolve_run(args, model_config(args))
     if args.plan is not None:
-        session.print_plan(config, args)
+        session.print_plan(run, args)
         return
     check_out_dir(args.out_dir, args)
-    fabric = session.create_fabric(args)
-    launch(fabric, train, args)
+    fabric = setup_fabric(run)
+    launch(fabric, run, train, run, args)
     session.finish(fabric)
 
 
@@ -74,10 +74,9 @@ def model_config(args: PretrainArgs) -> Config:
     return Config.from_file(args.model_config) if args.model_config else Config.from_name(args.model_name)
 
 
-def train(fabric: Fabric, args: PretrainArgs) -> None:
-    config = model_config(args)
-    seq_length = sequence_length(config, args.override_max_seq_length)
-    session.resolve_micro_batch_size(fabric, args, config)
+def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
+    config, seq_length = run.config, run.seq_len
+    run = session.choose_micro_batch_size(fabric, run, args)
     tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise UsageError(
@@ -92,33 +91,31 @@ def train(fabric: Fabric, args: PretrainArgs) -> None:
     model.init_weights()
     model.max_seq_length = seq_length
     fabric.print(f"Model: {config.name}, {sum(p.numel() for p in model.parameters()):,} parameters")
-    model, optimizer = session.setup_model_and_optimizer(fabric, model, args)
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
 
-    run = RunState()
-    session.resume_if_asked(fabric, args, model, optimizer, run, config)
-    train_batches, sampler = session.train_batches(fabric, train_data, args, run.step)
-    val_batches = session.val_batches(fabric, val_data, args)
-    tokens_per_step = args.global_batch_size * seq_length
+    progress = Progress()
+    session.resume_if_asked(fabric, args, model, optimizer, progress, config)
+    train_batches = session.train_batches(fabric, train_data, run, args, progress.step)
+    val_batches = session.val_batches(fabric, val_data, run, args)
+    tokens_per_step = run.global_batch_size * seq_length
     max_steps = args.max_steps if args.max_tokens is None else math.ceil(args.max_tokens / tokens_per_step)
     if max_steps < 1:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
     fabric.print(
-        f"Training {max_steps} steps of {args.global_batch_size} x {seq_length} tokens "
-        f"(micro batch {args.micro_batch_size}, {sampler.accumulation_steps} accumulation steps, "
-        f"{fabric.world_size} process(es), {fabric.precision_name})"
+        f"Training {max_steps} steps of {run.global_batch_size} x {seq_length} tokens "
+        f"(micro batch {run.micro_batch_size}, {run.accumulation} accumulation steps, "
+        f"{run.world_size} process(es), {run.precision})"
     )
-    rehearsal_batch = session.longest_batch(fabric, train_data, args)
-    run = fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps, run,
-              config, rehearsal_batch=rehearsal_batch)
-    if run.stopped:  # saved and summarized by fit: no final/, no sample
+    rehearsal_batch = session.longest_batch(fabric, train_data, run)
+    progress, run = fit(fabric, run, model, optimizer, train_batches, val_batches, args, max_steps, progress,
+                        rehearsal_batch=rehearsal_batch)
+    if progress.stopped:  # saved and summarized by fit: no final/, no sample
         return
 
     final_dir = args.out_dir / "final"
     save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)
     baseline = unigram_loss(train_data.tokens, val_data.tokens, config.padded_vocab_size)
-    summary = write_summary(
-        fabric, args.out_dir, run, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)}
-    )
+    summary = write_summary(fabric, run, progress, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)})
     sample = session.sample_text(fabric, final_dir, tokenizer, args.sample_prompt)
     fabric.print(
         f"\nValidation loss {summary['val_loss']:.3f} vs unigram baseline {baseline:.3f} | "

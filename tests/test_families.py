@@ -13,7 +13,7 @@ import torch
 from lit_model.config import Config
 from lit_model.generation import forward_last, set_kv_cache
 from lit_model.memory.analytic import param_counts, training_phases
-from lit_model.memory.plan import make_spec
+from lit_model.run import resolve_run
 from lit_model.memory.trace import trace_training
 from lit_model.model import GPT
 
@@ -68,8 +68,8 @@ def test_analytic_planner_agrees_with_the_trace(family: str, precision: str, tra
     fields = {k: v for k, v in FEATURES[family].items() if k != "head_size"}
     if family == "gemma3":
         fields.update(sliding_window_size=64, n_layer=3)  # a window shorter than the 128 planned tokens
-    spec = make_spec(tiny(**fields), args(precision=precision, micro_batch_size=4, global_batch_size=4),
-                     device_type="cpu", trainable=trainable)
+    spec = resolve_run(args(precision=precision, micro_batch_size=4, global_batch_size=4), tiny(**fields), trainable,
+                       device_type="cpu")
     traced, closed = trace_training(spec).phases, training_phases(spec)
     # (the evaluation phase under bf16-mixed is 1.2 % off for every architecture, these switches or not)
     for phase, rel in (("train_step", 0.01), ("evaluation", 0.02)):

@@ -22,9 +22,10 @@ from lit_model.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, lit_state_dict, sa
 from lit_model.errors import UsageError, UserError
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
-from lit_model.training.fabric import DistributedSettings, StateIO, setup_fabric
+from lit_model.run import resolve_run
+from lit_model.training.fabric import StateIO, setup_fabric
 from lit_model.training.loop import (
-    CHECKPOINTS, LINEAGE_NAME, STATE_NAME, MetricsWriter, RunState, lineage, save_resumable, start_lineage,
+    CHECKPOINTS, LINEAGE_NAME, STATE_NAME, MetricsWriter, Progress, lineage, save_resumable, start_lineage,
 )
 
 CONFIG = Config(name="faults", block_size=16, vocab_size=32, n_layer=1, n_embd=8, n_head=2)
@@ -41,14 +42,14 @@ def step(n: int) -> str:
 @pytest.fixture()
 def run(tmp_path):
     """A real single-process Fabric, a tiny model with AdamW state, and a save function for any step."""
-    fabric = setup_fabric(DistributedSettings(), "32-true")
+    fabric = setup_fabric(resolve_run(TrainArgs(precision="32-true"), CONFIG))
     torch.manual_seed(0)
     model = GPT(CONFIG)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.zeros(1, 4, dtype=torch.long), targets=torch.zeros(1, 4, dtype=torch.long)).backward()
     optimizer.step()
-    progress = RunState()
+    progress = Progress()
     args = TrainArgs(out_dir=tmp_path / "out", keep_last=0, seed=7, global_batch_size=8)
     args.out_dir.mkdir()
 
@@ -147,7 +148,7 @@ def test_resume_auto_falls_back_past_damaged_checkpoints(run, capsys):
 def test_resume_loads_with_weights_only_and_refuses_another_data_order(run, tmp_path):
     fabric, args = run["fabric"], run["args"]
     run["save"](2, data_path=tmp_path / "corpus")
-    model, progress = GPT(CONFIG), RunState()
+    model, progress = GPT(CONFIG), Progress()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for change, flag in (({"seed": 8}, "--seed 8 (the checkpoint's run: 7)"),
                          ({"global_batch_size": 16}, "--global_batch_size 16 (the checkpoint's run: 8)"),
@@ -170,7 +171,7 @@ def test_a_damaged_checkpoint_without_manifest_is_a_message_not_a_traceback(run,
     model = GPT(CONFIG)
     with pytest.raises(UserError, match=rf"{path / STATE_NAME} could not be loaded \(.+\): it is damaged"):
         session.resume_if_asked(run["fabric"], with_args(args, resume="auto"), model, torch.optim.AdamW(model.parameters()),
-                                RunState(), CONFIG)
+                                Progress(), CONFIG)
     assert f"Note: {path} has no {MANIFEST_NAME}" in capsys.readouterr().err
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +14,8 @@ from lit_model.memory import (
     Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
 )
 from lit_model.memory.analytic import CATEGORIES, training_phases
-from lit_model.memory.spec import make_spec
+from lit_model.run import Run, resolve_run
+from lit_model.training.args import TrainArgs
 from lit_model.memory.trace import trace_training
 
 GB = 10**9
@@ -29,12 +29,17 @@ def tiny(**overrides) -> Config:
     return Config(**fields)
 
 
-def args(**overrides) -> SimpleNamespace:
-    """The memory-relevant TrainArgs fields (the planner also accepts a TrainArgs)."""
+def args(**overrides) -> TrainArgs:
+    """Training flags for a small plan (the planner resolves a script's flags as the script does)."""
     fields = dict(precision="bf16-true", micro_batch_size=2, global_batch_size=8, override_max_seq_length=128,
                   activation_checkpointing=False, optimizer="AdamW", loss_chunk_size=1024, devices=1, num_nodes=1)
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return TrainArgs(**fields)
+
+
+def resolved(config: Config, settings: TrainArgs, trainable: str = "full", device_type: str = "cuda",
+             quantize=None) -> Run:
+    return resolve_run(settings, config, trainable, device_type, present=False, quantize=quantize)
 
 
 def peak(config: Config, settings, **kwargs) -> int:
@@ -94,8 +99,7 @@ def test_every_suggestion_fits_when_applied():
         assert suggestion.peak_bytes <= plan.device_memory
         new_settings = suggestion.apply(settings)
         assert new_settings is not settings and settings.micro_batch_size == 8  # the original is untouched
-        replanned = plan_training(config, new_settings, device_memory=plan.device_memory, engine="analytic",
-                                  **{k: v for k, v in suggestion.plan_kwargs({}).items()})
+        replanned = plan_training(config, new_settings, device_memory=plan.device_memory, engine="analytic")
         assert replanned.fits, (suggestion.flags, replanned.peak_bytes, plan.device_memory)
         assert replanned.peak_bytes == suggestion.peak_bytes
         assert plan.replan(suggestion).fits
@@ -131,7 +135,7 @@ def test_lora_suggestions_include_quantization_and_offload_on_gpu():
     ],
 )
 def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
-    spec = make_spec(tiny(**config_kw), args(**settings_kw), device_type="cpu", **plan_kw)
+    spec = resolved(tiny(**config_kw), args(**settings_kw), device_type="cpu", **plan_kw)
     traced = trace_training(spec).phases
     closed = training_phases(spec)
     for phase in ("train_step", "evaluation"):
@@ -147,9 +151,9 @@ def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
 @pytest.mark.parametrize("trainable", ["full", "lora"])
 @pytest.mark.parametrize("ac", [False, True])
 def test_trace_agrees_with_analytic_lit_model_40m(precision, trainable, ac):
-    spec = make_spec(Config.from_name("lit-model-40m"), args(precision=precision, micro_batch_size=4, global_batch_size=4,
-                                                             override_max_seq_length=256, activation_checkpointing=ac),
-                     trainable=trainable, device_type="cpu")
+    spec = resolved(Config.from_name("lit-model-40m"), args(precision=precision, micro_batch_size=4, global_batch_size=4,
+                                                            override_max_seq_length=256, activation_checkpointing=ac),
+                    trainable=trainable, device_type="cpu")
     t = sum(trace_training(spec).phases["train_step"].values())
     a = sum(training_phases(spec)["train_step"].values())
     assert a == pytest.approx(t, rel=0.02)
@@ -214,13 +218,13 @@ def test_max_micro_batch_size():
     config = Config.from_name("lit-model-40m")
     settings = args(precision="bf16-true", global_batch_size=48, override_max_seq_length=512)
     budget = 2 * GB
-    best = max_micro_batch_size(config, settings, budget, margin=0.1, confirm_with_trace=False)
+    best = max_micro_batch_size(resolved(config, settings), budget, margin=0.1, confirm_with_trace=False)
     assert best >= 1 and 48 % best == 0
     limit = budget * 0.9
     assert peak(config, args(**{**vars(settings), "micro_batch_size": best})) <= limit
     bigger = min(m for m in range(best + 1, 49) if 48 % m == 0)
     assert peak(config, args(**{**vars(settings), "micro_batch_size": bigger})) > limit
-    assert max_micro_batch_size(config, settings, 100 * 10**6, confirm_with_trace=False) == 0
+    assert max_micro_batch_size(resolved(config, settings), 100 * 10**6, confirm_with_trace=False) == 0
     # "auto" in the settings is resolved by plan_training
     plan = plan_training(config, args(**{**vars(settings), "micro_batch_size": "auto"}), device_memory=budget, engine="analytic")
     assert plan.run["micro_batch_size"] == best
@@ -232,7 +236,7 @@ def test_max_micro_batch_size_confirmed_by_trace():
     p2, p4 = (plan_training(config, args(**{**vars(settings), "micro_batch_size": m}), device_type="cpu", engine="trace",
                             detect=False).peak_bytes for m in (2, 4))
     budget = int((p2 + p4) / 2 / 0.9)
-    assert max_micro_batch_size(config, settings, budget, device_type="cpu", confirm_with_trace=True) == 2
+    assert max_micro_batch_size(resolved(config, settings, device_type="cpu"), budget, confirm_with_trace=True) == 2
 
 
 # ---- generation -----------------------------------------------------------------------------------------

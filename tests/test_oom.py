@@ -182,6 +182,7 @@ def test_rehearsal_keeps_the_losses(tiny_setup, tmp_path):
 
 def test_auto_micro_batch_size_keeps_the_global_batch(tiny_setup, tmp_path):
     from lit_model.memory import max_micro_batch_size
+    from lit_model.run import resolve_run
     from lit_model.training.args import TrainArgs
 
     from lit_model.memory import plan_training
@@ -191,7 +192,7 @@ def test_auto_micro_batch_size_keeps_the_global_batch(tiny_setup, tmp_path):
                            suggest=False, detect=False).peak_bytes for m in (2, 4)]
     budget = str(int(sum(peaks) / 2 / 0.9))  # between micro batch 2 and 4, after the 10 % margin
     settings = TrainArgs(micro_batch_size="auto", global_batch_size=8)
-    expected = max_micro_batch_size(config, settings, budget, device_type="cpu", world_size=1)
+    expected = max_micro_batch_size(resolve_run(settings, config, device_type="cpu"), budget)
     assert expected == 2
     proc = pretrain(tiny_setup, tmp_path / "run", "--micro_batch_size", "auto", "--device_memory", budget)
     assert proc.returncode == 0, proc.stderr
@@ -223,11 +224,12 @@ def test_two_processes_recover_together(tiny_setup, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_auto_micro_batch_size_with_fsdp_on_two_processes(tiny_setup, tmp_path, monkeypatch):
     from lit_model.memory import max_micro_batch_size
+    from lit_model.run import resolve_run
     from lit_model.training.args import TrainArgs
 
     config = Config.from_file(tiny_setup["config"])
     settings = TrainArgs(micro_batch_size="auto", global_batch_size=8, devices=2, strategy="fsdp")
-    expected = max_micro_batch_size(config, settings, "1GB", device_type="cpu", world_size=2)
+    expected = max_micro_batch_size(resolve_run(settings, config, device_type="cpu"), "1GB")
     monkeypatch.setenv(SIMULATED_CAP_ENV, "3MB")  # and the rehearsal confirms it, halving what does not fit
     proc = pretrain(tiny_setup, tmp_path / "run", "--devices", "2", "--strategy", "fsdp", "--micro_batch_size", "auto",
                     "--device_memory", "1GB")

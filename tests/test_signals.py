@@ -215,13 +215,15 @@ def test_summary_is_strict_json_with_null_for_a_loss_never_measured(tiny_setup, 
     from lightning.fabric import Fabric
 
     from lit_model.training.args import TrainArgs
-    from lit_model.training.loop import RunState, write_summary
+    from lit_model.config import Config
+    from lit_model.run import resolve_run
+    from lit_model.training.loop import Progress, write_summary
 
     fabric = Fabric(accelerator="cpu", devices=1)
-    fabric.precision_name, fabric.strategy_name = "32-true", "single"
-    run = RunState()
-    run.last_train_loss = float("inf")
-    summary = write_summary(fabric, tmp_path, run, TrainArgs(out_dir=tmp_path), {"extra": 1})
+    args = TrainArgs(out_dir=tmp_path)
+    progress = Progress()
+    progress.last_train_loss = float("inf")
+    summary = write_summary(fabric, resolve_run(args, Config.from_name("lit-model-5m")), progress, args, {"extra": 1})
     text = (tmp_path / "summary.json").read_text()
     written = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in summary.json"))
     assert written["val_loss"] is None and written["train_loss"] is None and written["extra"] == 1

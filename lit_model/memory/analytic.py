@@ -22,7 +22,7 @@ from typing import Optional
 
 from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
-from lit_model.memory.spec import RunSpec
+from lit_model.run import Run
 from lit_model.ops import attends_in_halves, norms_by_hand
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
@@ -98,7 +98,7 @@ def param_counts(config: Config) -> ParamCounts:
                        n_layer=config.n_layer)
 
 
-def _frozen_blocks(spec: RunSpec) -> tuple[bool, int]:
+def _frozen_blocks(spec: Run) -> tuple[bool, int]:
     """(embedding frozen, number of leading blocks frozen) for ``--freeze_layers N`` (patterns: not modelled)."""
     if spec.trainable != "full":
         return True, spec.config.n_layer
@@ -119,7 +119,7 @@ class ModelBytes:
     root_params: int = 0  # bytes of embedding + final norm + head (FSDP root group)
 
 
-def model_bytes(spec: RunSpec) -> ModelBytes:
+def model_bytes(spec: Run) -> ModelBytes:
     config, d = spec.config, spec.param_bytes
     pc = param_counts(config)
     C, L = config.n_embd, config.n_layer
@@ -188,7 +188,7 @@ def model_bytes(spec: RunSpec) -> ModelBytes:
 
 
 # ---- optimizer ------------------------------------------------------------------------------------
-def optimizer_state_bytes(spec: RunSpec, tensors: list[int]) -> int:
+def optimizer_state_bytes(spec: Run, tensors: list[int]) -> int:
     """Persistent optimizer state for trainable tensors of these element counts."""
     d = spec.param_bytes
     name = spec.optimizer.lower()
@@ -220,7 +220,7 @@ class BlockActs:
     transient_per_token: float  # extra bytes in flight during this block's backward
 
 
-def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False,
+def _norm(spec: Run, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False,
           rows: int = 1) -> tuple[float, bool]:
     """Kept bytes per token of a norm over C channels (in ``rows`` groups normalised on their own: the heads of
     a per-head q/k norm) and whether its output requires grad.
@@ -241,7 +241,7 @@ def _norm(spec: RunSpec, d: int, x_rg: bool, w_train: bool, C: int, shared_input
     return kept, True
 
 
-def block_activations(spec: RunSpec, layer: int, x_rg: bool, block_trainable: bool, adapter: bool = False) -> BlockActs:
+def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, adapter: bool = False) -> BlockActs:
     """Bytes block ``layer`` keeps for backward, given whether its input requires grad.
 
     ``d`` is the residual stream's dtype (the parameters'), ``dm`` the matmul outputs' (the autocast dtype
@@ -433,7 +433,7 @@ class ActivationSummary:
     weight_cache: float = 0.0  # -mixed: further copies autocast caches until the end of the forward
 
 
-def activations(spec: RunSpec, batch: Optional[int] = None) -> ActivationSummary:
+def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
     config = spec.config
     B = batch if batch is not None else spec.micro_batch_size
     T = spec.seq_len
@@ -552,7 +552,7 @@ def _max_phase(candidates: list[dict[str, float]]) -> dict[str, int]:
     return {k: int(round(v)) for k, v in best.items()}
 
 
-def _sharding(spec: RunSpec) -> int:
+def _sharding(spec: Run) -> int:
     """How many ranks share one copy of the parameters/gradients/optimizer state."""
     if spec.strategy != "fsdp":
         return 1
@@ -561,7 +561,7 @@ def _sharding(spec: RunSpec) -> int:
     return spec.world_size
 
 
-def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
+def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     """Tensor bytes per rank at the peak of each phase, by category (no framework overhead)."""
     config = spec.config
     d = spec.param_bytes
@@ -671,6 +671,6 @@ def training_phases(spec: RunSpec) -> dict[str, dict[str, int]]:
     return {"train_step": train, "evaluation": evaluation, "checkpoint_save": save}
 
 
-def host_checkpoint_bytes(spec: RunSpec) -> int:
+def host_checkpoint_bytes(spec: Run) -> int:
     """Host (CPU) memory the final checkpoint needs on rank 0 of a GPU run: a full copy of the weights."""
     return param_counts(spec.config).total * spec.param_bytes

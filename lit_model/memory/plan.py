@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
 import torch
@@ -29,7 +29,8 @@ from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
-from lit_model.memory.spec import DTYPE_BYTES, RunSpec, make_spec
+from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.run import Run, changed_flags, render_flags, resolve_run
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
@@ -43,13 +44,14 @@ MAX_TRACE_PARAMETERS = 15e9  # bigger ones, and FSDP/offload, are planned analyt
 class Suggestion:
     """A set of flag changes, the predicted peak with them, and their predicted cost in step time."""
 
-    changes: dict[str, Any]  # attribute names of the training args -> new values
+    changes: dict[str, Any]  # flag names (the training args' attribute names) -> new values
     flags: list[str]  # the same as command-line flags
     peak_bytes: int
     speed_factor: float  # predicted step time relative to the current run (>1: slower)
     cost: float  # speed_factor x quality penalties: what the ranking uses
     by_category: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    run: Optional[Run] = field(default=None, repr=False, compare=False)  # the run with the changes made
 
     def apply(self, settings: Any) -> Any:
         """A copy of ``settings`` (TrainArgs or any object with these attributes) with the changes made."""
@@ -58,17 +60,8 @@ class Suggestion:
             setattr(new, name, value)
         return new
 
-    def plan_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``plan_training`` keyword arguments updated for the changes that are not settings attributes."""
-        kwargs = dict(kwargs)
-        if "quantize" in self.changes:
-            kwargs["quantize"] = self.changes["quantize"]
-        if "devices" in self.changes and kwargs.get("world_size") is not None:
-            kwargs["world_size"] = self.changes["devices"] * int(self.changes.get("num_nodes", 1))
-        return kwargs
-
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "run"}
 
 
 @dataclass
@@ -87,7 +80,7 @@ class Plan:
     run: dict[str, Any] = field(default_factory=dict)  # what was planned (model, precision, batch, ...)
     host_bytes: dict[str, int] = field(default_factory=dict)  # CPU memory outside the device (GPU runs)
     notes: list[str] = field(default_factory=list)
-    _inputs: Optional[tuple] = field(default=None, repr=False, compare=False)
+    planned: Optional[Run] = field(default=None, repr=False, compare=False)  # the run this plan is for
 
     @property
     def headroom_bytes(self) -> Optional[int]:
@@ -98,20 +91,14 @@ class Plan:
         """The peak without framework overhead: what torch.cuda.max_memory_allocated() would report."""
         return self.peak_bytes - self.by_category.get("overhead", 0)
 
-    def replan(self, suggestion: Suggestion, engine: Optional[str] = None) -> "Plan":
-        """Plan again with ``suggestion`` applied (same model, device and engine unless given)."""
-        if self._inputs is None:
-            raise ValueError("This plan does not keep its inputs.")
-        kind, config, settings, kwargs = self._inputs
-        kwargs = suggestion.plan_kwargs(kwargs)
-        if engine is not None:
-            kwargs["engine"] = engine
-        if kind != "training":
+    def replan(self, suggestion: Suggestion, engine: str = "auto") -> "Plan":
+        """Plan the suggested run (same device memory)."""
+        if suggestion.run is None:
             raise ValueError("Only training plans can be re-planned with a suggestion.")
-        return plan_training(config, suggestion.apply(settings), **kwargs)
+        return plan_run(suggestion.run, self.device_memory, engine=engine, detect=False)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name not in ("planned", "suggestions")}
         data["suggestions"] = [s.to_dict() for s in self.suggestions]
         data["headroom_bytes"] = self.headroom_bytes
         data["tensor_peak_bytes"] = self.tensor_peak_bytes
@@ -140,7 +127,7 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
     return int(OVERHEAD.cpu_process_baseline + _cpu_fragmentation() * transient)
 
 
-def _finish_phases(phases: dict[str, dict[str, int]], spec: RunSpec) -> dict[str, dict[str, int]]:
+def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
@@ -150,11 +137,11 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: RunSpec) -> dict[str
 
 
 # ---- engines ---------------------------------------------------------------------------------------------
-def _traceable(spec: RunSpec) -> bool:
+def _traceable(spec: Run) -> bool:
     return spec.strategy in ("single", "ddp") and not spec.cpu_offload
 
 
-def _tensor_phases(spec: RunSpec, engine: str, notes: list[str]) -> tuple[dict[str, dict[str, int]], str]:
+def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[dict[str, dict[str, int]], str]:
     """Tensor bytes per phase (no overhead) from the chosen engine; the checkpoint phase is always analytic."""
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
@@ -190,7 +177,7 @@ def _tensor_phases(spec: RunSpec, engine: str, notes: list[str]) -> tuple[dict[s
     return phases, "analytic"
 
 
-def _run_summary(spec: RunSpec) -> dict[str, Any]:
+def _run_summary(spec: Run) -> dict[str, Any]:
     config = spec.config
     summary = {
         "model": config.name,
@@ -215,7 +202,7 @@ def _run_summary(spec: RunSpec) -> dict[str, Any]:
     return summary
 
 
-def _assemble(spec: RunSpec, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
+def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
               notes: list[str]) -> Plan:
     phases = _finish_phases(phases, spec)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
@@ -228,7 +215,7 @@ def _assemble(spec: RunSpec, phases: dict[str, dict[str, int]], device_memory: O
     return Plan(
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
-        world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes,
+        world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
     )
 
 
@@ -242,8 +229,8 @@ def _resolve_memory(device_memory: Union[int, str, None], device_type: str, dete
     return detect_device_memory(device_type)
 
 
-def plan_spec(spec: RunSpec, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:
-    """Plan a resolved ``RunSpec`` (no suggestions): the inner loop of the suggestion search."""
+def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:
+    """Plan a resolved ``Run`` (no suggestions): the inner loop of the suggestion search."""
     notes: list[str] = []
     phases, used = _tensor_phases(spec, engine, notes)
     return _assemble(spec, phases, device_memory, used, notes)
@@ -252,9 +239,8 @@ def plan_spec(spec: RunSpec, device_memory: Optional[int] = None, engine: str = 
 # ---- public API ------------------------------------------------------------------------------------------
 def plan_training(
     config: Config,
-    settings: Any = None,
+    settings: Any,
     trainable: str = "full",
-    lora_r: Optional[int] = None,
     quantize: Optional[str] = None,
     device_memory: Union[int, str, None] = None,
     device_type: str = "cuda",
@@ -265,49 +251,50 @@ def plan_training(
     max_suggestions: int = 5,
     detect: bool = True,
 ) -> Plan:
-    """Predicted peak memory per rank of training ``config`` with ``settings`` (TrainArgs or any object with its
-    attribute names; missing ones take TrainArgs' defaults).
-
-    trainable: "full" (pretraining, finetune/full.py), "lora" or "adapter"; lora_r/quantize: default to
-    ``settings.lora_r`` / ``settings.quantize`` when those exist. device_memory: bytes or "24GB"; None detects
-    it when planning for this machine's device type (``detect``), else the plan has no verdict (fits=True).
-    device_type: "cuda" plans for a GPU (the default precision is then bf16-true), "cpu" for this machine.
-    world_size: default devices x num_nodes from ``settings``. engine: "trace" (exact, seconds), "analytic"
-    (closed form, milliseconds) or "auto" (trace when the run is traceable: one rank's model unsharded).
-    """
-    kwargs = dict(trainable=trainable, lora_r=lora_r, quantize=quantize, device_memory=device_memory,
-                  device_type=device_type, world_size=world_size, engine=engine, suggest=suggest,
-                  max_suggestions=max_suggestions, detect=detect)
+    """Predicted peak memory per rank of training ``config`` with ``settings`` (a script's parsed flags: a
+    TrainArgs), resolved by ``lit_model.run.resolve_run`` as the script resolves them, for a device that need
+    not be this machine's. The other arguments are ``plan_run``'s and ``resolve_run``'s."""
     if device_type not in ("cuda", "cpu"):
         raise UsageError(f"device_type={device_type!r}: plan for 'cuda' or 'cpu'.")
-    memory = _resolve_memory(device_memory, device_type, detect)
-    micro = getattr(settings, "micro_batch_size", None) if settings is not None else None
-    spec = make_spec(config, settings, trainable, lora_r, quantize, device_type, world_size,
-                     micro_batch_size=1 if micro == "auto" else None)
+    run = resolve_run(settings, config, trainable, device_type, present=False, world_size=world_size, quantize=quantize)
+    return plan_run(run, device_memory, engine=engine, suggest=suggest, max_suggestions=max_suggestions, detect=detect)
+
+
+def plan_run(
+    run: Run,
+    device_memory: Union[int, str, None] = None,
+    *,
+    engine: str = "auto",
+    suggest: bool = True,
+    max_suggestions: int = 5,
+    detect: bool = True,
+) -> Plan:
+    """Predicted peak memory per rank of a resolved run. device_memory: bytes or "24GB"; None detects it when
+    planning for this machine's device type (``detect``), else the plan has no verdict (fits=True). engine:
+    "trace" (exact, seconds), "analytic" (closed form, milliseconds) or "auto" (trace when the run is traceable:
+    one rank's model unsharded). ``--micro_batch_size auto`` is planned with the micro batch it would pick."""
+    memory = _resolve_memory(device_memory, run.device_type, detect)
     notes: list[str] = []
-    if micro == "auto":
-        best = max_micro_batch_size(config, settings, memory, trainable=trainable, lora_r=lora_r, quantize=quantize,
-                                    device_type=device_type, world_size=world_size,
-                                    confirm_with_trace=False if engine == "analytic" else None) if memory else 1
-        spec = spec.replace(micro_batch_size=max(best, 1))
+    if run.micro_batch_auto:
+        best = max_micro_batch_size(run, memory, confirm_with_trace=False if engine == "analytic" else None) if memory else 1
+        run = run.replace(micro_batch_size=max(best, 1), micro_batch_auto=False)
         notes.append(f"--micro_batch_size auto: {max(best, 1)} (the largest that fits with a 10 % margin)"
                      if best else "--micro_batch_size auto: not even 1 fits; planned with 1.")
-    phases, used = _tensor_phases(spec, engine, notes)
-    plan = _assemble(spec, phases, memory, used, notes)
+    phases, used = _tensor_phases(run, engine, notes)
+    plan = _assemble(run, phases, memory, used, notes)
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
-    if spec.device_type == "cuda":
+    if run.device_type == "cuda":
         plan.notes.append("GPU overhead (CUDA context, workspaces, allocator fragmentation) is an uncalibrated estimate.")
-    if spec.strategy == "fsdp" and spec.device_type == "cuda":
+    if run.strategy == "fsdp" and run.device_type == "cuda":
         plan.notes.append(
             f"The final checkpoint gathers the full weights into rank 0's CPU memory: "
             f"{format_bytes(plan.host_bytes.get('checkpoint_save_rank0', 0))} of host RAM."
         )
     if suggest and memory is not None and not plan.fits:
-        plan.suggestions = suggest_changes(spec, memory, max_suggestions)
+        plan.suggestions = suggest_changes(run, memory, max_suggestions)
         if not plan.suggestions:
             plan.notes.append("No combination of up to 3 flag changes fits this device.")
-    plan._inputs = ("training", config, settings, kwargs)
     return plan
 
 
@@ -323,26 +310,20 @@ def check_plan_fits(plan: Plan) -> None:
 
 
 def max_micro_batch_size(
-    config: Config,
-    settings: Any = None,
+    run: Run,
     budget_bytes: Union[int, str, None] = None,
     margin: float = 0.1,
-    trainable: str = "full",
-    lora_r: Optional[int] = None,
-    quantize: Optional[str] = None,
-    device_type: str = "cuda",
-    world_size: Optional[int] = None,
     confirm_with_trace: Optional[bool] = None,
 ) -> int:
     """The largest micro batch whose predicted peak is at most ``budget_bytes * (1 - margin)`` and that divides
     the per-rank batch (``global_batch_size / world_size``), so gradient accumulation keeps the global batch.
     0 when not even 1 fits. Binary search on the analytic model; confirmed with the exact trace when that is
     cheap (``confirm_with_trace=None``: models under 2B parameters that the trace can run)."""
-    budget = _resolve_memory(budget_bytes, device_type, detect=True)
+    budget = _resolve_memory(budget_bytes, run.device_type, detect=True)
     if budget is None:
         raise UsageError("max_micro_batch_size needs a memory budget: pass budget_bytes (e.g. '24GB').")
     limit = budget * (1.0 - margin)
-    base = make_spec(config, settings, trainable, lora_r, quantize, device_type, world_size, micro_batch_size=1)
+    base = run.replace(micro_batch_size=1, micro_batch_auto=False)
     per_rank = base.per_rank_batch
     candidates = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
@@ -359,7 +340,7 @@ def max_micro_batch_size(
     if best < 0:
         return 0
     if confirm_with_trace is None:
-        confirm_with_trace = _traceable(base) and analytic.param_counts(config).total < 2e9
+        confirm_with_trace = _traceable(base) and analytic.param_counts(run.config).total < 2e9
     if confirm_with_trace:
         while best >= 0 and peak(candidates[best], "trace") > limit:
             best -= 1
@@ -370,8 +351,7 @@ def max_micro_batch_size(
 @dataclass
 class _Option:
     key: str  # one option per key in a combination
-    changes: dict[str, Any]
-    spec_changes: dict[str, Any]
+    changes: dict[str, Any]  # Run fields -> new values
     speed: float
     penalty: float = 1.0
     note: str = ""
@@ -381,75 +361,56 @@ def _speed(name: str, device_type: str) -> float:
     return SPEED[name]["cuda" if device_type == "cuda" else "cpu"]
 
 
-def _options(spec: RunSpec) -> list[_Option]:
-    dev = spec.device_type
+def _options(run: Run) -> list[_Option]:
+    dev = run.device_type
     options: list[_Option] = []
-    if spec.ac_interval != 1:
-        changes: dict[str, Any] = {"activation_checkpointing": True}
-        if spec.ac_interval > 1:
-            changes["activation_checkpointing_interval"] = 1
-        options.append(_Option("activation_checkpointing", changes, {"ac_interval": 1}, _speed("activation_checkpointing", dev)))
-    if spec.precision in ("32-true", "bf16-mixed", "16-mixed"):
-        speed = _speed("precision_bf16_true_from_32" if spec.precision == "32-true" else "precision_bf16_true_from_mixed", dev)
-        options.append(_Option("precision", {"precision": "bf16-true"}, {"precision": "bf16-true"}, speed,
-                               QUALITY_PENALTY["precision"], "weights and optimizer state in bfloat16"))
-    per_rank = spec.per_rank_batch
-    smaller = [m for m in range(spec.micro_batch_size - 1, 0, -1) if per_rank % m == 0][:4]
+    if run.ac_interval != 1:
+        options.append(_Option("activation_checkpointing", {"ac_interval": 1}, _speed("activation_checkpointing", dev)))
+    if run.precision in ("32-true", "bf16-mixed", "16-mixed"):
+        speed = _speed("precision_bf16_true_from_32" if run.precision == "32-true" else "precision_bf16_true_from_mixed", dev)
+        options.append(_Option("precision", {"precision": "bf16-true"}, speed, QUALITY_PENALTY["precision"],
+                               "weights and optimizer state in bfloat16"))
+    per_rank = run.per_rank_batch
+    smaller = [m for m in range(run.micro_batch_size - 1, 0, -1) if per_rank % m == 0][:4]
     for m in smaller:
-        halvings = math.log2(spec.micro_batch_size / m)
-        options.append(_Option("micro_batch_size", {"micro_batch_size": m}, {"micro_batch_size": m},
-                               _speed("halve_micro_batch", dev) ** halvings,
-                               note=f"{per_rank // m} accumulation steps keep the global batch of {spec.global_batch_size}"))
-    if spec.optimizer.lower() in ("adamw", "pagedadamw8bit") and spec.optimizer != "AdamW8bit":
-        options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, {"optimizer": "AdamW8bit"},
-                               _speed("optimizer_8bit", dev), QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
-    if spec.trainable in ("lora", "adapter") and spec.quantize is None:
-        options.append(_Option("quantize", {"quantize": "bnb.nf4"}, {"quantize": "bnb.nf4"}, _speed("quantize_nf4", dev),
+        halvings = math.log2(run.micro_batch_size / m)
+        options.append(_Option("micro_batch_size", {"micro_batch_size": m}, _speed("halve_micro_batch", dev) ** halvings,
+                               note=f"{per_rank // m} accumulation steps keep the global batch of {run.global_batch_size}"))
+    if run.optimizer.lower() in ("adamw", "pagedadamw8bit") and run.optimizer != "AdamW8bit":
+        options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, _speed("optimizer_8bit", dev),
+                               QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
+    if run.trainable in ("lora", "adapter") and run.quantize is None:
+        options.append(_Option("quantize", {"quantize": "bnb.nf4"}, _speed("quantize_nf4", dev),
                                QUALITY_PENALTY["quantize"], "frozen base weights in 4 bits (QLoRA); needs bitsandbytes"))
-    if spec.loss_chunk_size == 0 or spec.loss_chunk_size > DEFAULT_LOSS_CHUNK_SIZE:
-        chunk = {"loss_chunk_size": DEFAULT_LOSS_CHUNK_SIZE}
-        options.append(_Option("loss_chunk_size", chunk, chunk, 1.0,
+    if run.loss_chunk_size == 0 or run.loss_chunk_size > DEFAULT_LOSS_CHUNK_SIZE:
+        options.append(_Option("loss_chunk_size", {"loss_chunk_size": DEFAULT_LOSS_CHUNK_SIZE}, 1.0,
                                note=f"the default: logits of {DEFAULT_LOSS_CHUNK_SIZE} tokens at a time"))
     if dev == "cuda":  # on the CPU, "offloading" and more processes use the same RAM
-        if not spec.cpu_offload:
-            options.append(_Option("cpu_offload", {"cpu_offload": True},
-                                   {"cpu_offload": True, "strategy": "fsdp"}, _speed("cpu_offload", dev),
+        if not run.cpu_offload:
+            options.append(_Option("cpu_offload", {"cpu_offload": True, "strategy": "fsdp"}, _speed("cpu_offload", dev),
                                    note="parameters, gradients and optimizer state in CPU memory (FSDP)"))
-        if spec.world_size > 1 and spec.strategy != "fsdp":
-            options.append(_Option("strategy", {"strategy": "fsdp"}, {"strategy": "fsdp"}, _speed("fsdp_per_doubling", dev),
-                                   note=f"parameters, gradients and optimizer state sharded over the {spec.world_size} GPUs"))
-        for n in DEVICE_COUNTS:
-            if n > spec.world_size and spec.global_batch_size % (n * spec.micro_batch_size) == 0:
+        if run.world_size > 1 and run.strategy != "fsdp":
+            options.append(_Option("strategy", {"strategy": "fsdp"}, _speed("fsdp_per_doubling", dev),
+                                   note=f"parameters, gradients and optimizer state sharded over the {run.world_size} GPUs"))
+        for n in DEVICE_COUNTS:  # GPUs per node
+            total = n * run.num_nodes
+            if n > run.devices and run.global_batch_size % (total * run.micro_batch_size) == 0:
                 options.append(_Option(
-                    "devices", {"devices": n // spec.num_nodes if n % spec.num_nodes == 0 else n, "strategy": "fsdp"},
-                    {"world_size": n * spec.num_nodes, "strategy": "fsdp"},
-                    _speed("fsdp_per_doubling", dev) ** math.log2(n / spec.world_size), QUALITY_PENALTY["devices"],
-                    f"needs {n} GPUs; parameters, gradients and optimizer state sharded over them"))
-    T = spec.seq_len
-    for t in (T // 2, T // 4):
+                    "devices", {"devices": n, "strategy": "fsdp"},
+                    _speed("fsdp_per_doubling", dev) ** math.log2(total / run.world_size), QUALITY_PENALTY["devices"],
+                    f"needs {total} GPUs; parameters, gradients and optimizer state sharded over them"))
+    for t in (run.seq_len // 2, run.seq_len // 4):
         if t >= 64:
-            options.append(_Option("override_max_seq_length", {"override_max_seq_length": t}, {"seq_len": t},
-                                   _speed("crop_sequence", dev),
+            options.append(_Option("override_max_seq_length", {"seq_len": t}, _speed("crop_sequence", dev),
                                    QUALITY_PENALTY["override_max_seq_length"], f"samples longer than {t} tokens are cut"))
     return options
 
 
-def _flags(changes: dict[str, Any]) -> list[str]:
-    flags = []
-    for name, value in changes.items():
-        if value is True:
-            flags.append(f"--{name}")
-        elif value is False:
-            flags.append(f"--{name} false")
-        else:
-            flags.append(f"--{name} {value}")
-    return flags
-
-
-def suggest_changes(spec: RunSpec, device_memory: int, limit: int = 5, max_changes: int = 3) -> list[Suggestion]:
+def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: int = 3) -> list[Suggestion]:
     """The cheapest combinations of up to ``max_changes`` flag changes whose analytic plan fits, ranked by
-    predicted slowdown (times a penalty for changes that alter what is trained; see calibration.py)."""
-    options = _options(spec)
+    predicted slowdown (times a penalty for changes that alter what is trained; see calibration.py). Each is a
+    changed run; its flags are the difference of the two runs."""
+    options = _options(run)
     budget = device_memory * (1.0 - SUGGESTION_MARGIN)
     fitting: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
     for size in range(1, max_changes + 1):
@@ -457,17 +418,14 @@ def suggest_changes(spec: RunSpec, device_memory: int, limit: int = 5, max_chang
             keys = [options[i].key for i in combo]
             if len(set(keys)) < len(keys):
                 continue
-            spec_changes: dict[str, Any] = {}
+            changes: dict[str, Any] = {}
             speed, penalty = 1.0, 1.0
             for i in combo:
-                spec_changes.update(options[i].spec_changes)
+                changes.update(options[i].changes)
                 speed *= options[i].speed
                 penalty *= options[i].penalty
-            candidate = spec.replace(**spec_changes)
-            if candidate.strategy == "fsdp" and candidate.world_size == 1 and not candidate.cpu_offload:
-                candidate = candidate.replace(strategy="single")
             try:
-                plan = plan_spec(candidate, device_memory, "analytic")
+                plan = plan_spec(run.replace(**changes), device_memory, "analytic")
             except UsageError:
                 continue
             if plan.peak_bytes <= budget:
@@ -483,15 +441,12 @@ def suggest_changes(spec: RunSpec, device_memory: int, limit: int = 5, max_chang
             break
     suggestions = []
     for cost, _, combo, plan, speed in chosen:
-        changes: dict[str, Any] = {}
-        notes = []
-        for i in combo:
-            changes.update(options[i].changes)
-            if options[i].note:
-                notes.append(options[i].note)
-        suggestions.append(Suggestion(changes=changes, flags=_flags(changes), peak_bytes=plan.peak_bytes,
+        changed = plan.planned
+        flags = changed_flags(run, changed)
+        notes = [options[i].note for i in combo if options[i].note]
+        suggestions.append(Suggestion(changes=flags, flags=render_flags(flags), peak_bytes=plan.peak_bytes,
                                       speed_factor=round(speed, 3), cost=round(cost, 3), by_category=plan.by_category,
-                                      notes=notes))
+                                      notes=notes, run=changed))
     return suggestions
 
 
@@ -514,9 +469,7 @@ def plan_generation(
 
     kv_dtype = dtype
     if isinstance(dtype, str) or dtype is None:
-        from lit_model.memory.spec import PRECISION_DTYPES, resolve_precision
-
-        precision = resolve_precision(dtype, device_type)
+        precision = resolve_precision(dtype, device_type, present=False)
         dtype, compute_dtype = PRECISION_DTYPES[precision]
         kv_dtype = compute_dtype or dtype  # -mixed: generation keeps the cache in the autocast dtype
     d = DTYPE_BYTES[dtype]
@@ -554,8 +507,8 @@ def plan_generation(
     decode = {c: 0 for c in CATEGORIES}
     decode.update(parameters=params, quantization=quant_state, kv_cache=kv, activations=B * (3 * I + 3 * C) * d + total * (1 + d),
                   logits_loss=logits)
-    spec = RunSpec(config=config, precision="bf16-true", micro_batch_size=B, seq_len=total, global_batch_size=B,
-                   device_type=device_type)
+    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=1, num_nodes=1, strategy="single",
+               micro_batch_size=B, global_batch_size=B, seq_len=total)
     memory = _resolve_memory(device_memory, device_type, detect)
     plan = _assemble(spec, {"prefill": prefill, "decode": decode}, memory, "analytic", [])
     plan.run = {"model": config.name, "parameters": pc.total, "dtype": str(dtype).replace("torch.", ""),
@@ -566,7 +519,6 @@ def plan_generation(
     if memory is not None and not plan.fits:
         plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
                                                    memory, device_type)
-    plan._inputs = ("generation", config, None, {})
     return plan
 
 
@@ -585,7 +537,7 @@ def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, d
         b = changes.get("num_samples", batch_size)
         p = plan_generation(config, prompt_length, max_new_tokens, b, dt, q, memory, device_type, detect=False)
         if p.fits:
-            out.append(Suggestion(changes=changes, flags=_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
+            out.append(Suggestion(changes=changes, flags=render_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
                                   cost=speed, by_category=p.by_category))
     return sorted(out, key=lambda s: s.cost)
 

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_map_only
 
 from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
-from lit_model.memory.spec import RunSpec
+from lit_model.run import Run
 from lit_model.ops import take_paths_of
 from lit_model.training.optimizers import needs_create_graph
 
@@ -150,7 +150,7 @@ class _Sim8bitAdam(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
 
 
-def _build_optimizer(model: nn.Module, spec: RunSpec, notes: list[str]) -> torch.optim.Optimizer:
+def _build_optimizer(model: nn.Module, spec: Run, notes: list[str]) -> torch.optim.Optimizer:
     from lit_model.training.optimizers import build_optimizer
 
     name = spec.optimizer
@@ -181,7 +181,7 @@ def _cuda_dropout():
         F.dropout = original
 
 
-def _apply_lora(model: nn.Module, spec: RunSpec) -> None:
+def _apply_lora(model: nn.Module, spec: Run) -> None:
     """The project's LoRA (``lit_model.lora``) when it is there, else the stand-in with the same tensors."""
     try:
         from lit_model.lora import LoRAConfig
@@ -211,7 +211,7 @@ def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
     }
 
 
-def trace_training(spec: RunSpec, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
+def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
     """Peak tensor bytes of one rank of a single-device (or DDP) run, per phase and category."""
     if spec.strategy == "fsdp":
         raise NotImplementedError("FSDP sharding is planned analytically")

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from lit_model.data.sources import check_data_flags
-from lit_model.data.text import check_batch_sizes
 from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory.units import parse_memory
-from lit_model.training.fabric import DistributedSettings, resolve_devices
+from lit_model.training.fabric import DistributedSettings
 from lit_model.training.optimizers import check_optimizer
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
@@ -155,11 +154,6 @@ def check_args(args: TrainArgs) -> None:
         raise UsageError(f"--freeze_layers {args.freeze_layers} must be at least 0 (the number of frozen blocks).")
     if isinstance(args.freeze_layers, list) and not args.freeze_layers:
         raise UsageError("--freeze_layers [] names no parameter: give patterns such as '[blocks.[0-3].*]', or drop it.")
-    # A plan may be for GPUs this machine does not have; a run needs them here
-    devices = args.devices if args.plan is not None and args.devices != "auto" else resolve_devices(args.devices)
-    world_size = devices * args.num_nodes
-    micro = 1 if args.micro_batch_size == "auto" else args.micro_batch_size  # auto picks a divisor of the batch
-    check_batch_sizes(args.global_batch_size, micro, world_size)
     check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
     if args.device_memory is not None:
         parse_memory(args.device_memory)

@@ -19,9 +19,9 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lit_model.errors import STOPS, UsageError, UserError
+from lit_model.errors import STOPS, UserError
 from lit_model.model import GPT
-from lit_model.precision import resolve_precision
+from lit_model.run import Run
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 
@@ -48,20 +48,6 @@ def accelerator_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_devices(devices: Union[int, str]) -> int:
-    if devices == "auto":
-        return torch.cuda.device_count() if torch.cuda.is_available() else 1
-    devices = int(devices)
-    if devices < 1:
-        raise UsageError(f"--devices must be at least 1 (got {devices}).")
-    if torch.cuda.is_available() and devices > torch.cuda.device_count():
-        raise UsageError(
-            f"--devices {devices} asks for more GPUs than this machine has ({torch.cuda.device_count()}). "
-            "Use --num_nodes to spread over machines, or lower --devices."
-        )
-    return devices
-
-
 class StateIO(TorchCheckpointIO):
     """Fabric's writer and reader of the resumable state on one process or DDP (FSDP writes its shards with
     PyTorch DCP). Lightning's default serializes the whole state into memory and stages it in $TMPDIR; this
@@ -79,57 +65,33 @@ class StateIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def setup_fabric(settings: DistributedSettings, precision: Optional[str]) -> Fabric:
-    """Build (not launch) the Fabric for these settings; ``fabric.precision_name`` holds the resolved precision."""
-    timeout = datetime.timedelta(seconds=settings.timeout)
-    accelerator = accelerator_type()
-    precision = resolve_precision(precision, accelerator)
-    devices = resolve_devices(settings.devices)
-    world_size = devices * settings.num_nodes
-    strategy = settings.strategy
-    if strategy == "auto":
-        # Offload needs FSDP's machinery even on one device; several processes replicate with DDP.
-        strategy = "fsdp" if settings.cpu_offload else ("ddp" if world_size > 1 else "single")
-    if settings.cpu_offload and strategy != "fsdp":
-        raise UsageError(
-            f"--cpu_offload works through FSDP, not --strategy {strategy}. Use --strategy fsdp (or auto) "
-            "with --cpu_offload, or drop --cpu_offload."
-        )
-    if settings.sharding_strategy == "HYBRID_SHARD" and settings.num_nodes < 2:
-        raise UsageError(
-            "--sharding_strategy HYBRID_SHARD shards within a node and replicates across nodes, so it needs "
-            "--num_nodes >= 2. Use FULL_SHARD or SHARD_GRAD_OP on one node."
-        )
-    backend = "nccl" if accelerator == "cuda" else "gloo"
-    if accelerator == "cpu" and devices > 1 and "OMP_NUM_THREADS" not in os.environ:
+def setup_fabric(run: Run) -> Fabric:
+    """Build (not launch) the Fabric for this run."""
+    backend = "nccl" if run.device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=run.timeout)
+    if run.device_type == "cpu" and run.devices > 1 and "OMP_NUM_THREADS" not in os.environ:
         # The processes share the cores: more threads than cores makes every step many times slower.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // devices))
-    if strategy == "single":
-        fabric_strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if accelerator == "cuda" else "cpu"))
-    elif strategy == "ddp":
-        fabric_strategy = DDPStrategy(process_group_backend=backend, timeout=timeout)
-    elif strategy == "fsdp":
-        fabric_strategy = ModelParallelStrategy(
-            parallelize_fn=lambda model, mesh: shard_model(model, mesh, settings, accelerator),
-            data_parallel_size=world_size,
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // run.devices))
+    if run.strategy == "single":
+        strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if run.device_type == "cuda" else "cpu"))
+    elif run.strategy == "ddp":
+        strategy = DDPStrategy(process_group_backend=backend, timeout=timeout)
+    else:
+        strategy = ModelParallelStrategy(
+            parallelize_fn=lambda model, mesh: shard_model(model, mesh, run),
+            data_parallel_size=run.world_size,
             tensor_parallel_size=1,
             process_group_backend=backend,
             timeout=timeout,
         )
-    else:
-        raise UsageError(f"Unknown --strategy {strategy!r}: use auto, ddp or fsdp.")
-    fabric = Fabric(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=settings.num_nodes,
-        strategy=fabric_strategy,
-        precision=precision,
-        plugins=[] if strategy == "fsdp" else [StateIO()],  # FSDP writes and reads its shards with DCP
+    return Fabric(
+        accelerator=run.device_type,
+        devices=run.devices,
+        num_nodes=run.num_nodes,
+        strategy=strategy,
+        precision=run.precision,
+        plugins=[] if run.strategy == "fsdp" else [StateIO()],  # FSDP writes and reads its shards with DCP
     )
-    fabric.precision_name = precision
-    fabric.strategy_name = strategy
-    fabric.timeout_s = settings.timeout
-    return fabric
 
 
 # What gloo and NCCL say when a collective waited past the timeout, or when a peer left while it waited
@@ -142,7 +104,7 @@ class CollectiveTimeout(UserError):
     every_rank = True
 
 
-def launch(fabric: Fabric, function: Callable[..., Any], *args: Any) -> Any:
+def launch(fabric: Fabric, run: Run, function: Callable[..., Any], *args: Any) -> Any:
     """``fabric.launch(function, *args)`` on every rank; a collective that timed out (or lost its peer) ends the
     rank with one paragraph instead of a traceback."""
     STOPS.where = "before training started: nothing was saved"  # until the fit loop defers stops
@@ -163,29 +125,30 @@ def launch(fabric: Fabric, function: Callable[..., Any], *args: Any) -> Any:
             f"Rank {rank} of {world_size} waited for the other processes (in a collective operation or the start-up "
             f"rendezvous) until it failed "
             f"({reason}): {others} stopped answering (stopped, hung or died) or left. "
-            f"The wait is bounded by --timeout ({fabric.timeout_s:g} s). Check that every process runs (and why one "
+            f"The wait is bounded by --timeout ({run.timeout:g} s). Check that every process runs (and why one "
             "stopped), then continue from the newest checkpoint with --resume auto; raise --timeout if a rank "
             "legitimately needs longer (e.g. writing a large checkpoint)."
         ) from None
 
 
-def shard_model(model: nn.Module, mesh, settings: DistributedSettings, accelerator: str) -> nn.Module:
+def shard_model(model: nn.Module, mesh, run: Run) -> nn.Module:
     """FSDP2: one shard group per transformer block, then the root (embedding, final norm, head)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    if settings.sharding_strategy == "HYBRID_SHARD":
+    accelerator = run.device_type
+    if run.sharding_strategy == "HYBRID_SHARD":
         from torch.distributed.device_mesh import init_device_mesh
 
-        per_node = mesh.size() // settings.num_nodes
-        mesh = init_device_mesh(accelerator, (settings.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+        per_node = mesh.size() // run.num_nodes
+        mesh = init_device_mesh(accelerator, (run.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = mesh["data_parallel"]
     kwargs = {
         "mesh": mesh,
         # SHARD_GRAD_OP keeps gathered parameters between forward and backward: less communication, more memory.
-        "reshard_after_forward": settings.sharding_strategy != "SHARD_GRAD_OP",
+        "reshard_after_forward": run.sharding_strategy != "SHARD_GRAD_OP",
     }
-    if settings.cpu_offload:
+    if run.cpu_offload:
         # Pinned host memory needs a GPU; without one plain pageable memory still works (tests on CPU).
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator == "cuda")
     blocks = list(model.blocks)
@@ -198,19 +161,18 @@ def shard_model(model: nn.Module, mesh, settings: DistributedSettings, accelerat
     for module in model.modules():
         if getattr(module, "quant_state", None) is not None:
             module.quant_state.to(device)
-    if settings.forward_prefetch or settings.backward_prefetch:
+    if run.forward_prefetch or run.backward_prefetch:
         for current, following in zip(blocks, blocks[1:]):
-            if settings.forward_prefetch:
+            if run.forward_prefetch:
                 current.set_modules_to_forward_prefetch([following])
-            if settings.backward_prefetch:
+            if run.backward_prefetch:
                 following.set_modules_to_backward_prefetch([current])
     return model
 
 
-def configure_model(model: GPT, settings: DistributedSettings) -> GPT:
-    """Apply the per-model levers that are not Fabric's business (activation checkpointing)."""
-    if settings.activation_checkpointing:
-        if settings.activation_checkpointing_interval < 1:
-            raise UsageError("--activation_checkpointing_interval must be >= 1 (1 = every block).")
-        model.activation_checkpointing_interval = settings.activation_checkpointing_interval
+def configure_model(model: GPT, run: Run) -> GPT:
+    """Apply the per-model levers that are not Fabric's business (activation checkpointing, the loss chunk)."""
+    if run.ac_interval:
+        model.activation_checkpointing_interval = run.ac_interval
+    model.loss_chunk_size = run.loss_chunk_size
     return model

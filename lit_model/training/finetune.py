@@ -14,20 +14,20 @@ import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
 
-from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
 from lit_model.checkpoint import check_checkpoint_dir
-from lit_model.config import Config, sequence_length
+from lit_model.config import Config
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.data.sources import parse_fields
 from lit_model.errors import UsageError, UserError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
 from lit_model.model import GPT
-from lit_model.precision import param_dtype
 from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
+from lit_model.run import Run, Trainable, resolve_run
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
-from lit_model.training.loop import STATE_NAME, RunState, fit, unwrap, write_summary
+from lit_model.training.loop import STATE_NAME, Progress, fit, unwrap, write_summary
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")
 # What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from
@@ -85,47 +85,38 @@ class FinetuneArgs(TrainArgs):
 @dataclass
 class Setup:
     checkpoint_dir: Path
-    config: Config
     tokenizer: Tokenizer
     style: PromptStyle
     data: InstructData
-    seq_length: int
-    method: str  # full, lora or adapter
 
 
-def print_plan(args: FinetuneArgs, method: str) -> None:
+def plan_config(args: FinetuneArgs) -> Config:
     """``--plan``: the architecture from --model_name or the checkpoint's config; no weights are read."""
     if args.model_name is not None:
-        config = Config.from_name(args.model_name)
-    elif (args.checkpoint_dir / "model_config.yaml").is_file():
-        config = Config.from_checkpoint(args.checkpoint_dir)
-    else:
-        raise UsageError(
-            f"--plan needs the model's architecture, but {args.checkpoint_dir} has no model_config.yaml. Pass "
-            "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
-        )
-    session.print_plan(config, args, trainable=method)
+        return Config.from_name(args.model_name)
+    if (args.checkpoint_dir / "model_config.yaml").is_file():
+        return Config.from_checkpoint(args.checkpoint_dir)
+    raise UsageError(
+        f"--plan needs the model's architecture, but {args.checkpoint_dir} has no model_config.yaml. Pass "
+        "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
+    )
 
 
-def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
-    """Check the flags and the checkpoint, then load the data; every rank does the same and fails alike."""
+def resolve(args: FinetuneArgs, method: Trainable) -> Run:
+    """The run, resolved once in the script's main: every flag checked against the checkpoint and the device
+    before any process starts (a plan reads the architecture only)."""
     from lit_model.quantize import check_quantize
 
+    if args.freeze_layers is not None and method != "full":
+        raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
+                         "only its own parameters. Drop --freeze_layers.")
+    if args.plan is not None:
+        return resolve_run(args, plan_config(args), method)
     if args.model_name is not None:
         raise UsageError(
             f"--model_name {args.model_name} applies with --plan only: fine-tuning starts from the weights in "
             "--checkpoint_dir (convert a Hugging Face download with `python -m lit_model.convert hf_to_lit`)."
         )
-    check_quantize(args.quantize, fabric.device.type, param_dtype(fabric.precision_name), "mixed" in fabric.precision_name)
-    if args.quantize == "bnb.int8" and fabric.strategy_name == "fsdp":
-        raise UsageError(
-            "--quantize bnb.int8 cannot be sharded: bitsandbytes keeps LLM.int8()'s row scales on the weight object, "
-            "which FSDP replaces with its shards. With --strategy fsdp use a 4-bit mode (bnb.nf4, bnb.nf4-dq, "
-            "bnb.fp4: FSDP shards their packed weights), or keep bnb.int8 with --strategy ddp or one device."
-        )
-    if args.freeze_layers is not None and method != "full":
-        raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
-                         "only its own parameters. Drop --freeze_layers.")
     if args.checkpoint_dir == DEFAULT_CHECKPOINT and not DEFAULT_CHECKPOINT.is_dir():
         raise UserError(
             f"No --checkpoint_dir given and the default {DEFAULT_CHECKPOINT} does not exist yet. Make it with "
@@ -133,46 +124,62 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
             "(e.g. one converted with `python -m lit_model.convert hf_to_lit`)."
         )
     checkpoint_dir = check_checkpoint_dir(args.checkpoint_dir, need_tokenizer=True)
-    if (checkpoint_dir / ADAPTER_CONFIG).is_file() and method != "adapter":
+    continues_adapter = (checkpoint_dir / ADAPTER_CONFIG).is_file()
+    if continues_adapter and method != "adapter":
         raise UsageError(
             f"{checkpoint_dir} holds a LLaMA-Adapter fine-tune ({ADAPTER_CONFIG}), whose prefixes cannot be merged "
             f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py, "
             "or start from its base checkpoint."
         )
-    config = Config.from_checkpoint(checkpoint_dir)
-    seq_length = sequence_length(config, args.override_max_seq_length)
-    session.resolve_micro_batch_size(fabric, args, config, method)
+    run = resolve_run(args, Config.from_checkpoint(checkpoint_dir), method)
+    check_quantize(run.quantize, run.device_type, run.param_dtype, run.autocast_dtype is not None)
+    if run.quantize == "bnb.int8" and run.strategy == "fsdp":
+        raise UsageError(
+            "--quantize bnb.int8 cannot be sharded: bitsandbytes keeps LLM.int8()'s row scales on the weight object, "
+            "which FSDP replaces with its shards. With --strategy fsdp use a 4-bit mode (bnb.nf4, bnb.nf4-dq, "
+            "bnb.fp4: FSDP shards their packed weights), or keep bnb.int8 with --strategy ddp or one device."
+        )
+    if continues_adapter:  # its prefixes are continued as they were saved
+        run = run.replace(adapter=AdapterConfig.from_dir(checkpoint_dir))
+    if run.adapter is not None:
+        run.adapter.check(run.config.n_layer)
+    return run
+
+
+def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
+    """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
+    run = session.choose_micro_batch_size(fabric, run, args)
+    checkpoint_dir = Path(args.checkpoint_dir)  # checked by resolve
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:
         style = PromptStyle.from_name(args.prompt_style)
     else:  # a base model's "default" style has no turn markers: instructions and answers would run together
-        style = PromptStyle.from_checkpoint(checkpoint_dir, config)
+        style = PromptStyle.from_checkpoint(checkpoint_dir, run.config)
         style = style if style.name != "default" else PromptStyle.from_name("alpaca")
-    data = load_instruct_data(args.data_path, tokenizer, style, seq_length, args.mask_prompt, args.val_split_fraction,
+    data = load_instruct_data(args.data_path, tokenizer, style, run.seq_len, args.mask_prompt, args.val_split_fraction,
                               data=args.data, fields=parse_fields(args.data_fields))
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
-    return Setup(checkpoint_dir, config, tokenizer, style, data, seq_length, method)
+    return run, Setup(checkpoint_dir, tokenizer, style, data)
 
 
-def load_model(fabric: Fabric, args: FinetuneArgs, setup: Setup) -> GPT:
+def load_model(fabric: Fabric, run: Run, setup: Setup) -> GPT:
     """The checkpoint's model in the precision's dtype, frozen, in train mode: on this process's device (each
     part quantized there as it is read), or on the CPU for FSDP, which shards it from there."""
     from lit_model.generation import load_model as load_checkpoint_model
 
-    device = torch.device("cpu") if fabric.strategy_name == "fsdp" else fabric.device
-    dtype = param_dtype(fabric.precision_name)
-    model = load_checkpoint_model(setup.checkpoint_dir, [device], dtype, args.quantize, max_seq_length=setup.seq_length)
+    device = torch.device("cpu") if run.strategy == "fsdp" else fabric.device
+    model = load_checkpoint_model(setup.checkpoint_dir, [device], run.param_dtype, run.quantize, max_seq_length=run.seq_len)
     for module in model.modules():
         if getattr(module, "support_avx512bf16_for_cpu", False):
             # bitsandbytes repacks 4-bit weights in place for CPU inference when it sees an eval-mode forward
             # without gradients (our validation): keep the one layout that training and FSDP's shards use
             module.support_avx512bf16_for_cpu = False
     with torch.device("meta"):  # counted before quantization packs the weights
-        n_parameters = sum(p.numel() for p in GPT(setup.config).parameters())
-    fabric.print(f"Model: {setup.config.name} from {setup.checkpoint_dir}, {n_parameters:,} parameters"
-                 f"{f', frozen base weights in {args.quantize}' if args.quantize else ''}")
+        n_parameters = sum(p.numel() for p in GPT(run.config).parameters())
+    fabric.print(f"Model: {run.config.name} from {setup.checkpoint_dir}, {n_parameters:,} parameters"
+                 f"{f', frozen base weights in {run.quantize}' if run.quantize else ''}")
     return model.train()
 
 
@@ -187,34 +194,35 @@ def _strip_wrappers(name: str) -> str:
     return name
 
 
-def train(fabric: Fabric, args: FinetuneArgs, setup: Setup, model: nn.Module, optimizer: Any, trainable_only: bool) -> RunState:
+def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.Module, optimizer: Any,
+          trainable_only: bool) -> tuple[Progress, Run]:
     """Resume if asked, then fit. ``trainable_only``: the resumable checkpoints hold only the trainable
     parameters and their optimizer state (the frozen base comes from ``--checkpoint_dir``). FSDP saves its
     sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
-    data, run = setup.data, RunState()
+    data, progress = setup.data, Progress()
     save_filter, check = None, None
-    if trainable_only and fabric.strategy_name != "fsdp":
+    if trainable_only and run.strategy != "fsdp":
         names = trainable_names(model)
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
         check = partial(check_resumable, model=model, names=names)
-    session.resume_if_asked(fabric, args, model, optimizer, run, setup.config, strict=save_filter is None, check=check)
-    pad = partial(collate, max_length=setup.seq_length)
-    train_batches, sampler = session.train_batches(fabric, data.train, args, run.step, pad, data.train.lengths)
-    val_batches = session.val_batches(fabric, data.val, args, pad)
+    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
+    pad = partial(collate, max_length=run.seq_len)
+    train_batches = session.train_batches(fabric, data.train, run, args, progress.step, pad, data.train.lengths)
+    val_batches = session.val_batches(fabric, data.val, run, args, pad)
     tokens_per_sample = data.train.target_tokens / len(data.train)
     max_steps = args.max_steps
     if args.max_tokens is not None:
-        max_steps = math.ceil(args.max_tokens / (args.global_batch_size * tokens_per_sample))
+        max_steps = math.ceil(args.max_tokens / (run.global_batch_size * tokens_per_sample))
     if not max_steps or max_steps < 1:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
     fabric.print(
-        f"Training {max_steps} steps of {args.global_batch_size} samples (~{tokens_per_sample:.0f} response tokens "
-        f"each; micro batch {args.micro_batch_size}, {sampler.accumulation_steps} accumulation steps, "
-        f"{fabric.world_size} process(es), {fabric.precision_name})"
+        f"Training {max_steps} steps of {run.global_batch_size} samples (~{tokens_per_sample:.0f} response tokens "
+        f"each; micro batch {run.micro_batch_size}, {run.accumulation} accumulation steps, "
+        f"{run.world_size} process(es), {run.precision})"
     )
-    rehearsal_batch = session.longest_batch(fabric, data.train, args, pad, data.train.lengths)
-    return fit(fabric, model, optimizer, train_batches, val_batches, args, max_steps, sampler.accumulation_steps,
-               run, setup.config, save_filter=save_filter, rehearsal_batch=rehearsal_batch, trainable=setup.method)
+    rehearsal_batch = session.longest_batch(fabric, data.train, run, pad, data.train.lengths)
+    return fit(fabric, run, model, optimizer, train_batches, val_batches, args, max_steps, progress,
+               save_filter=save_filter, rehearsal_batch=rehearsal_batch)
 
 
 def check_resumable(path: Path, model: nn.Module, names: set[str]) -> None:
@@ -242,9 +250,10 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def finish(fabric: Fabric, args: FinetuneArgs, setup: Setup, run: RunState, final_dir: Path, what: str) -> None:
+def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress: Progress, final_dir: Path) -> None:
     """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
-    summary = write_summary(fabric, args.out_dir, run, args, {"final_dir": str(final_dir), "method": what})
+    what = run.trainable if run.quantize is None or run.trainable != "lora" else f"qlora ({run.quantize})"
+    summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what})
     answer = session.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
     fabric.print(
         f"\nValidation loss {summary['val_loss']:.3f} | {summary['tokens_per_sec']:,.0f} tok/s | peak memory "

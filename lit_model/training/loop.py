@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_model.checkpoint import MANIFEST_NAME, verify_checkpoint_dir, write_manifest
@@ -36,6 +36,7 @@ from lit_model.config import Config
 from lit_model.errors import STOPS, UsageError, UserError
 from lit_model.files import atomic_open, atomic_write, fsync_directory
 from lit_model.memory.units import peak_rss_bytes
+from lit_model.run import Run
 from lit_model.training.args import TrainArgs
 from lit_model.training.optimizers import lr_at, set_lr
 from lit_model.training.recovery import (
@@ -94,7 +95,7 @@ def release_cached_memory(device: torch.device) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back to the OS
 
 
-class RunState:
+class Progress:
     """Progress of a run. A plain class, not a dataclass: Fabric copies dataclasses while unwrapping the
     state it saves and loads, so a dataclass would not be restored in place."""
 
@@ -517,146 +518,143 @@ def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, t
 # ---- the loop ------------------------------------------------------------------------------------
 def fit(
     fabric: Fabric,
+    run: Run,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_batches: Iterator[Any],
     val_batches: list[Any],
     args: TrainArgs,
     max_steps: int,
-    accumulation: int,
-    run: RunState,
-    config: Config,
+    progress: Progress,
     save_filter: Optional[dict[str, Any]] = None,
     rehearsal_batch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    trainable: str = "full",
-) -> RunState:
-    """Train until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
+) -> tuple[Progress, Run]:
+    """Train ``run`` until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
     ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``). With ``--rehearse``,
-    ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. ``trainable`` (full, lora,
-    adapter) is what an out-of-memory report plans with.
+    ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. Returns the progress and the
+    run as it ended: with the smaller micro batch that out-of-memory recovery fell back to, if it did.
 
     A SIGTERM/SIGINT during the loop stops it within a micro batch or an evaluation batch (see TrainStep and
     evaluate for how the ranks agree): a step that was not complete is abandoned, an evaluation cut short is
     redone by the resumed run, and the last completed step is saved. The run then writes a summary marked
-    ``"stopped": true``, prints the command that continues it and returns with ``run.stopped`` set: the caller
+    ``"stopped": true``, prints the command that continues it and returns with ``progress.stopped`` set: the caller
     writes no final/."""
     from lit_model.training.optimizers import hessian_step
 
-    out_dir = args.out_dir
+    config, out_dir = run.config, args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     start_memory_history(fabric.device)
 
     def report(micro_batch_size: int, where: str, message: str) -> str:
-        return out_of_memory_report(config, args, trainable, fabric.device, fabric.world_size, micro_batch_size,
-                                    where, message, out_dir)
+        return out_of_memory_report(run.replace(micro_batch_size=micro_batch_size), args, fabric.device, where, message)
 
-    train_step = TrainStep(fabric, model, optimizer, int(args.micro_batch_size), args.oom_recovery, report)
+    train_step = TrainStep(fabric, model, optimizer, run.micro_batch_size, args.oom_recovery, report)
     # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
-    state = {"model": model, "optimizer": optimizer, "run": run}
+    state = {"model": model, "optimizer": optimizer, "run": progress}
     if args.rehearse and rehearsal_batch is not None:
         rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter)
-    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, run.step)
+    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, progress.step)
     window_start, window_tokens = time.perf_counter(), 0
-    fit_start = time.perf_counter() - run.fit_seconds
-    steps_at_start = run.step
+    fit_start = time.perf_counter() - progress.fit_seconds
+    steps_at_start = progress.step
     saved: Optional[tuple[int, Path]] = None  # the step and path of the checkpoint this run wrote last
     stopped = False
     # The rate step run.step ran with: what the row of an evaluation redone on resume reports.
-    lr = lr_at(max(run.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
+    lr = lr_at(max(progress.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
     with STOPS.deferred():
-        while run.step < max_steps or run.evaluation_due:
-            if not run.evaluation_due:  # else: resumed from a stop during this step's evaluation
-                torch.manual_seed(args.seed + 1_000_003 * run.step + 7919 * fabric.global_rank)
-                lr = lr_at(run.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
+        while progress.step < max_steps or progress.evaluation_due:
+            if not progress.evaluation_due:  # else: resumed from a stop during this step's evaluation
+                torch.manual_seed(args.seed + 1_000_003 * progress.step + 7919 * fabric.global_rank)
+                lr = lr_at(progress.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
                 set_lr(optimizer, lr)
                 try:
-                    step_loss, step_tokens = train_step([next(train_batches) for _ in range(accumulation)],
-                                                        f"at step {run.step + 1}")
+                    step_loss, step_tokens = train_step([next(train_batches) for _ in range(run.accumulation)],
+                                                        f"at step {progress.step + 1}")
                 except StepStopped:  # nothing of this step was applied
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
                     break
-                if args.grad_clip > 0:
-                    fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
+                if run.grad_clip > 0:
+                    fabric.clip_gradients(model, optimizer, max_norm=run.grad_clip, error_if_nonfinite=False)
                 if train_step.create_graph:
                     hessian_step(optimizer)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                run.step += 1
+                progress.step += 1
 
                 reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
-                run.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
-                run.tokens += int(reduced[1].item())
+                progress.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
+                progress.tokens += int(reduced[1].item())
                 window_tokens += int(reduced[1].item())
-                if not math.isfinite(run.last_train_loss):
+                if not math.isfinite(progress.last_train_loss):
                     raise UserError(
-                        f"The training loss became {run.last_train_loss} at step {run.step}. Lower --learning_rate, "
+                        f"The training loss became {progress.last_train_loss} at step {progress.step}. Lower --learning_rate, "
                         "keep --grad_clip on, or use --precision bf16-true/32-true instead of 16-true; resume from the "
                         f"last checkpoint in {out_dir / CHECKPOINTS} with --resume auto."
                     )
-                if args.empty_cache_interval and run.step % args.empty_cache_interval == 0:
+                if args.empty_cache_interval and progress.step % args.empty_cache_interval == 0:
                     release_cached_memory(fabric.device)
 
-            is_last = run.step >= max_steps
+            is_last = progress.step >= max_steps
             row: dict[str, Any] = {}
-            if run.step % args.eval_interval == 0 or is_last or run.evaluation_due:
+            if progress.step % args.eval_interval == 0 or is_last or progress.evaluation_due:
                 val_loss = evaluate(fabric, model, val_batches)
-                run.evaluation_due = val_loss is None
-                if run.evaluation_due:
+                progress.evaluation_due = val_loss is None
+                if progress.evaluation_due:
                     stopped = True
                     break
-                run.last_val_loss = val_loss
-                row["val_loss"] = f"{run.last_val_loss:.4f}"
-            if run.step % args.log_interval == 0 or is_last or "val_loss" in row:
+                progress.last_val_loss = val_loss
+                row["val_loss"] = f"{progress.last_val_loss:.4f}"
+            if progress.step % args.log_interval == 0 or is_last or "val_loss" in row:
                 now = time.perf_counter()
-                run.fit_seconds = now - fit_start
+                progress.fit_seconds = now - fit_start
                 tokens_per_sec = window_tokens / max(now - window_start, 1e-9)
                 peak = fabric.all_reduce(torch.tensor(peak_memory_bytes(fabric.device), device=fabric.device), reduce_op="max")
                 row.update(
-                    step=run.step, tokens=run.tokens, train_loss=f"{run.last_train_loss:.4f}", learning_rate=f"{lr:.3e}",
+                    step=progress.step, tokens=progress.tokens, train_loss=f"{progress.last_train_loss:.4f}", learning_rate=f"{lr:.3e}",
                     tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
                 )
                 metrics.write(row)
-                done = run.step - steps_at_start
-                eta = (max_steps - run.step) * run.fit_seconds / max(done, 1) if done else 0
-                val = f" | val {run.last_val_loss:.4f}" if "val_loss" in row else ""
+                done = progress.step - steps_at_start
+                eta = (max_steps - progress.step) * progress.fit_seconds / max(done, 1) if done else 0
+                val = f" | val {progress.last_val_loss:.4f}" if "val_loss" in row else ""
                 fabric.print(
-                    f"step {run.step}/{max_steps} | loss {run.last_train_loss:.4f}{val} | {tokens_per_sec:,.0f} tok/s | "
+                    f"step {progress.step}/{max_steps} | loss {progress.last_train_loss:.4f}{val} | {tokens_per_sec:,.0f} tok/s | "
                     f"peak {format_bytes(peak.item())} | ETA {format_duration(eta)}",
                     flush=True,
                 )
                 window_start, window_tokens = now, 0
             stopped = any_rank(fabric, stop_requested())
-            if (args.save_interval and run.step % args.save_interval == 0) or is_last or stopped:
-                run.fit_seconds = time.perf_counter() - fit_start
+            if (args.save_interval and progress.step % args.save_interval == 0) or is_last or stopped:
+                progress.fit_seconds = time.perf_counter() - fit_start
                 with STOPS.patience():  # the other ranks wait while rank 0 writes: let the save finish
-                    saved = run.step, save_resumable(fabric, args, state, config, run.step, save_filter)
+                    saved = progress.step, save_resumable(fabric, args, state, config, progress.step, save_filter)
             if stopped:
                 break
-        run.fit_seconds = time.perf_counter() - fit_start
-        args.micro_batch_size = train_step.micro_batch_size  # what the summary reports, after any out-of-memory split
+        progress.fit_seconds = time.perf_counter() - fit_start
+        run = run.replace(micro_batch_size=train_step.micro_batch_size)  # after any out-of-memory split
         if stopped:
-            stop_run(fabric, run, args, max_steps, state, config, save_filter, saved)
+            stop_run(fabric, run, progress, args, max_steps, state, save_filter, saved)
     if not stopped:  # a signal from here on ends the process at once: training is over and saved
         STOPS.where = (f"after training, before final/ was complete: the last checkpoint is in {out_dir / CHECKPOINTS}; "
                        "the same command with --resume auto writes final/")
-    return run
+    return progress, run
 
 
-def stop_run(fabric: Fabric, run: RunState, args: TrainArgs, max_steps: int, state: dict[str, Any], config: Config,
+def stop_run(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs, max_steps: int, state: dict[str, Any],
              save_filter: Optional[dict[str, Any]], saved: Optional[tuple[int, Path]]) -> None:
     """After a stop: the last completed step's checkpoint (unless this run just wrote it), a summary marked stopped,
-    and the command that continues the run. ``run.stopped`` is set after the save, so no checkpoint holds it."""
-    if saved is None or saved[0] != run.step:
+    and the command that continues the run. ``progress.stopped`` is set after the save, so no checkpoint holds it."""
+    if saved is None or saved[0] != progress.step:
         with STOPS.patience():
-            saved = run.step, save_resumable(fabric, args, state, config, run.step, save_filter)
-    run.stopped = True
+            saved = progress.step, save_resumable(fabric, args, state, run.config, progress.step, save_filter)
+    progress.stopped = True
     command = resume_command(sys.argv)
-    write_summary(fabric, args.out_dir, run, args, {"stopped": True, "resume_command": command})
-    redo = " (its evaluation is redone on resume)" if run.evaluation_due else ""
+    write_summary(fabric, run, progress, args, {"stopped": True, "resume_command": command})
+    redo = " (its evaluation is redone on resume)" if progress.evaluation_due else ""
     fabric.print(
-        f"Stopped by signal {STOPS.signal_name if stop_requested() else '(on another rank)'} at step {run.step}/{max_steps}"
+        f"Stopped by signal {STOPS.signal_name if stop_requested() else '(on another rank)'} at step {progress.step}/{max_steps}"
         f"{redo}; saved {saved[1]}; no final/ written. Continue with the same command plus --resume auto:\n  {command}",
         flush=True,
     )
@@ -675,29 +673,29 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["python", argv[0], *kept, "--resume", "auto"])
 
 
-def write_summary(fabric: Fabric, out_dir: Path, run: RunState, args: TrainArgs, extra: dict[str, Any]) -> dict[str, Any]:
+def write_summary(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs, extra: dict[str, Any]) -> dict[str, Any]:
     peak = torch.tensor(peak_memory_bytes(fabric.device), device=fabric.device, dtype=torch.float64)
     peak_max = fabric.all_reduce(peak, reduce_op="max").item()
     peak_sum = fabric.all_reduce(peak, reduce_op="sum").item()
     summary = {
-        "tokens_per_sec": run.tokens / max(run.fit_seconds, 1e-9),
+        "tokens_per_sec": progress.tokens / max(progress.fit_seconds, 1e-9),
         "peak_memory_bytes": int(peak_max),
         "peak_memory_bytes_all_ranks": int(peak_sum),
-        "train_loss": run.last_train_loss,
-        "val_loss": run.last_val_loss,
-        "steps": run.step,
-        "tokens": run.tokens,
-        "wall_time_s": run.fit_seconds,
-        "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": args.global_batch_size,
-        "precision": fabric.precision_name,
-        "devices": fabric.world_size,
-        "strategy": fabric.strategy_name,
+        "train_loss": progress.last_train_loss,
+        "val_loss": progress.last_val_loss,
+        "steps": progress.step,
+        "tokens": progress.tokens,
+        "wall_time_s": progress.fit_seconds,
+        "micro_batch_size": run.micro_batch_size,
+        "global_batch_size": run.global_batch_size,
+        "precision": run.precision,
+        "devices": run.world_size,
+        "strategy": run.strategy,
         **extra,
     }
     if fabric.global_rank == 0:  # strict JSON: a loss that is not a number (never evaluated, diverged) is null
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
-        atomic_write(out_dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
+        atomic_write(args.out_dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
     return summary
 
 
@@ -710,7 +708,7 @@ def save_final(fabric: Fabric, model: nn.Module, config: Config, final_dir: Path
     from lit_model.checkpoint import save_checkpoint_dir
 
     module = getattr(model, "module", model)
-    if fabric.strategy_name == "fsdp":
+    if isinstance(fabric.strategy, ModelParallelStrategy):  # FSDP
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state_dict = get_model_state_dict(module, options=options)
     else:

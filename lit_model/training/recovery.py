@@ -22,6 +22,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model.data.instruct import IGNORE_INDEX
+from lit_model.run import Run
 
 SIMULATED_CAP_ENV = "LIT_MODEL_SIMULATED_MEMORY_CAP"
 
@@ -120,27 +121,20 @@ def write_snapshot(device: torch.device, out_dir: Path) -> Optional[Path]:
     return path
 
 
-def out_of_memory_report(config: Any, args: Any, trainable: str, device: torch.device, world_size: int,
-                         micro_batch_size: int, where: str, message: str, out_dir: Path) -> str:
-    """What took the memory (the planner's categories for this run), the three cheapest fixes with their
-    predicted peaks, and a memory snapshot on GPU: one paragraph."""
-    from dataclasses import replace
-
-    from lit_model.memory.plan import SUGGESTION_MARGIN, plan_training, suggest_changes
-    from lit_model.memory.spec import make_spec
+def out_of_memory_report(run: Run, args: Any, device: torch.device, where: str, message: str) -> str:
+    """What took the memory (the planner's categories for ``run``, the micro batch that failed), the three
+    cheapest fixes with their predicted peaks, and a memory snapshot on GPU: one paragraph."""
+    from lit_model.memory.plan import SUGGESTION_MARGIN, plan_run, suggest_changes
     from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
     from lit_model.training.loop import lineage  # loop imports this module: import at call time
 
-    settings = replace(args, micro_batch_size=micro_batch_size)
-    device_type = "cuda" if device.type == "cuda" else "cpu"
-    common = dict(trainable=trainable, device_type=device_type, world_size=world_size, engine="analytic", detect=False)
-    plan = plan_training(config, settings, suggest=False, **common)
-    memory = parse_memory(args.device_memory) if args.device_memory else detect_device_memory(device_type, device.index or 0)
+    out_dir, micro_batch_size = args.out_dir, run.micro_batch_size
+    plan = plan_run(run, engine="analytic", suggest=False, detect=False)
+    memory = parse_memory(args.device_memory) if args.device_memory else detect_device_memory(run.device_type, device.index or 0)
     # It ran out, so the real budget is below this run's peak even where the plan thought it fits: ask for a
     # quarter less tensor memory (the framework overhead stays).
     budget = min(memory, int((plan.peak_bytes - plan.tensor_peak_bytes // 4) / (1 - SUGGESTION_MARGIN)))
-    spec = make_spec(config, settings, trainable, device_type=device_type, world_size=world_size)
-    fixes = suggest_changes(spec, budget, limit=3)
+    fixes = suggest_changes(run, budget, limit=3)
     categories = ", ".join(f"{name} {format_bytes(size)}" for name, size in sorted(plan.by_category.items(), key=lambda kv: -kv[1]) if size)
     fix_text = "; ".join(f"{i + 1}) {' '.join(s.flags)} (predicted peak {format_bytes(s.peak_bytes)}, speed x{s.speed_factor})"
                          for i, s in enumerate(fixes)) or "none of up to 3 flag changes fits: use more devices"

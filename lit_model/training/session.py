@@ -18,56 +18,50 @@ from torch.utils.data import DataLoader, Dataset
 from lit_model.config import Config
 from lit_model.errors import UserError
 from lit_model.model import GPT
-from lit_model.precision import param_dtype
 from lit_model.training.args import TrainArgs
-from lit_model.training.fabric import configure_model, setup_fabric
-from lit_model.training.loop import RunState, freeze_layers, start_lineage, STATE_NAME
+from lit_model.run import Run
+from lit_model.training.fabric import configure_model
+from lit_model.training.loop import Progress, freeze_layers, start_lineage, STATE_NAME
 from lit_model.training.optimizers import build_optimizer
 
 
-def create_fabric(args: TrainArgs) -> Fabric:
-    return setup_fabric(args, args.precision)
-
-
-def print_plan(config: Config, args: TrainArgs, trainable: str = "full") -> None:
+def print_plan(run: Run, args: TrainArgs) -> None:
     """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights;
     ``--plan_plot`` also draws it. Exit status 1 when it does not fit and no suggestion makes it fit."""
-    from lit_model.memory import check_plan_fits, plan_training, plot_plan
+    from lit_model.memory import check_plan_fits, plan_run, plot_plan
 
-    device_type = "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
-    plan = plan_training(config, args, trainable=trainable, device_memory=args.device_memory, device_type=device_type)
+    plan = plan_run(run, args.device_memory)
     print(plan.to_json() if args.plan == "json" else plan.to_text())
     if args.plan_plot is not None:
         print(f"Plot: {plot_plan(plan, args.plan_plot)}", file=sys.stderr)
     check_plan_fits(plan)
 
 
-def resolve_micro_batch_size(fabric: Fabric, args: TrainArgs, config: Config, trainable: str = "full") -> None:
-    """``--micro_batch_size auto``: the largest micro batch that divides the per-rank batch and whose predicted
-    peak fits this device with a 10 % margin, so gradient accumulation keeps the global batch. Every rank takes
-    the smallest any rank found; the rehearsal then confirms it with a real step on the longest batch."""
-    if args.micro_batch_size != "auto":
-        return
+def choose_micro_batch_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
+    """``--micro_batch_size auto``: the run with the largest micro batch that divides the per-rank batch and whose
+    predicted peak fits this device with a 10 % margin, so gradient accumulation keeps the global batch. Every
+    rank takes the smallest any rank found; the rehearsal then confirms it with a real step on the longest batch."""
+    if not run.micro_batch_auto:
+        return run
     from lit_model.memory import detect_device_memory, format_bytes, max_micro_batch_size, parse_memory
 
-    device_type = "cuda" if fabric.device.type == "cuda" else "cpu"
     if args.device_memory:
         budget = parse_memory(args.device_memory)
     else:
-        budget = detect_device_memory(device_type, fabric.device.index or 0)
-        if device_type == "cpu":  # the processes on one machine share its memory
-            budget //= max(1, fabric.world_size // args.num_nodes)
-    found = max_micro_batch_size(config, args, budget, trainable=trainable, device_type=device_type, world_size=fabric.world_size)
-    found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item()) if fabric.world_size > 1 else found
+        budget = detect_device_memory(run.device_type, fabric.device.index or 0)
+        if run.device_type == "cpu":  # the processes on one machine share its memory
+            budget //= run.devices
+    found = max_micro_batch_size(run, budget)
+    found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item()) if run.world_size > 1 else found
     if found == 0:
         raise UserError(
             f"--micro_batch_size auto: not even a micro batch of 1 is predicted to fit in {format_bytes(budget)} per "
             "process. Run the same command with --plan text to see what takes the memory and which flag changes "
             "make it fit."
         )
-    args.micro_batch_size = found
     fabric.print(f"--micro_batch_size auto: {found} (the largest predicted to fit {format_bytes(budget)} with a 10 % margin; "
-                 f"global batch {args.global_batch_size})")
+                 f"global batch {run.global_batch_size})")
+    return run.replace(micro_batch_size=found, micro_batch_auto=False)
 
 
 def finish(fabric: Fabric) -> None:
@@ -80,28 +74,27 @@ def finish(fabric: Fabric) -> None:
         os._exit(0)
 
 
-def setup_model_and_optimizer(fabric: Fabric, model: GPT, args: TrainArgs) -> tuple[nn.Module, Any]:
-    frozen = freeze_layers(model, args.freeze_layers)
+def setup_model_and_optimizer(fabric: Fabric, model: GPT, run: Run, args: TrainArgs) -> tuple[nn.Module, Any]:
+    frozen = freeze_layers(model, run.freeze_layers)
     if frozen:
         fabric.print(f"Frozen: {frozen:,} parameters ({args.freeze_layers})")
-    configure_model(model, args)
-    model.loss_chunk_size = args.loss_chunk_size
-    if args.compile:
+    configure_model(model, run)
+    if run.compile:
         model = torch.compile(model)
     model = fabric.setup(model)
     optimizer = build_optimizer(
         model,
-        args.optimizer,
+        run.optimizer,
         learning_rate=args.learning_rate,
         weight_decay=args.weight_decay,
-        device_type=fabric.device.type,
-        param_dtype=param_dtype(fabric.precision_name),
+        device_type=run.device_type,
+        param_dtype=run.param_dtype,
     )
     return model, fabric.setup_optimizers(optimizer)
 
 
 def resume_if_asked(
-    fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, run: RunState, config: Config, strict: bool = True,
+    fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, progress: Progress, config: Config, strict: bool = True,
     check: Optional[Callable[[Path], None]] = None,
 ) -> None:
     """Resume the checkpoint ``--resume`` names (verified, and checked against this run's config, data order and
@@ -119,7 +112,7 @@ def resume_if_asked(
     if outcome is None:
         return
     path = Path(outcome)
-    state = {"model": model, "optimizer": optimizer, "run": run}
+    state = {"model": model, "optimizer": optimizer, "run": progress}
     # Every file was verified against its manifest, the sharded state's DCP metadata included, so nothing read here
     # is a pickle someone planted; the rest loads with weights_only=True
     try:
@@ -131,26 +124,26 @@ def resume_if_asked(
         raise UserError(f"{path / STATE_NAME} could not be loaded ({str(error).splitlines()[0] if str(error) else repr(error)}): "
                         "it is damaged, or its run differs from this one. Resume another checkpoint with --resume PATH, "
                         "or start over with --overwrite or another --out_dir.") from None
-    if state["run"] is not run:  # a sharded (FSDP) checkpoint hands the progress back instead of restoring it
-        run.load_state_dict(state["run"])
-    fabric.print(f"Resumed from {path} at step {run.step} ({run.tokens:,} tokens).")
+    if state["run"] is not progress:  # a sharded (FSDP) checkpoint hands the progress back instead of restoring it
+        progress.load_state_dict(state["run"])
+    fabric.print(f"Resumed from {path} at step {progress.step} ({progress.tokens:,} tokens).")
 
 
 def train_batches(
-    fabric: Fabric, dataset: Dataset, args: TrainArgs, start_step: int,
+    fabric: Fabric, dataset: Dataset, run: Run, args: TrainArgs, start_step: int,
     collate_fn: Optional[Callable] = None, lengths: Optional[Sequence[int]] = None,
-) -> tuple[Iterator[Any], Any]:
+) -> Iterator[Any]:
     """An endless iterator of this rank's micro batches, starting at optimizer step ``start_step``.
     With ``lengths`` (samples of different lengths) each step's samples are grouped by length."""
     from lit_model.data.instruct import LengthGroupedSampler
     from lit_model.data.text import GlobalBatchSampler
 
-    settings = (args.global_batch_size, args.micro_batch_size, fabric.global_rank, fabric.world_size)
+    settings = (run.global_batch_size, run.micro_batch_size, fabric.global_rank, run.world_size)
     if lengths is None:
         sampler = GlobalBatchSampler(len(dataset), *settings, seed=args.seed, start_step=start_step)
     else:
         sampler = LengthGroupedSampler(lengths, *settings, seed=args.seed, start_step=start_step)
-    workers = 2 if fabric.device.type == "cuda" else 0  # on CPU the cores are busy training
+    workers = 2 if run.device_type == "cuda" else 0  # on CPU the cores are busy training
     # The loader draws its workers' base seed when iteration starts (in the first step): from its own generator,
     # not the global RNG that the loop reseeds per step for dropout, or a resumed run's dropout would differ
     loader = DataLoader(
@@ -158,7 +151,7 @@ def train_batches(
         collate_fn=collate_fn, generator=torch.Generator().manual_seed(args.seed),
     )
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
-    return iter(loader), sampler
+    return iter(loader)
 
 
 def _collate(items: list[Any], collate_fn: Optional[Callable], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -166,12 +159,12 @@ def _collate(items: list[Any], collate_fn: Optional[Callable], device: torch.dev
     return tuple(part.to(device) for part in batch)
 
 
-def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: Optional[Callable] = None) -> list[Any]:
+def val_batches(fabric: Fabric, dataset: Dataset, run: Run, args: TrainArgs, collate_fn: Optional[Callable] = None) -> list[Any]:
     """The same fixed evaluation windows for any world size, split evenly so every rank runs the same
     number of batches (no rank waits for another). ``collate_fn`` (default: stack) makes a batch of samples."""
-    batch_size = args.eval_batch_size or args.micro_batch_size
+    batch_size = run.eval_batch
     total = min(args.eval_iters * batch_size, len(dataset))
-    per_rank = max(1, total // fabric.world_size)
+    per_rank = max(1, total // run.world_size)
     first = fabric.global_rank * per_rank
     indices = [(first + i) % len(dataset) for i in range(per_rank)]
     return [
@@ -180,10 +173,10 @@ def val_batches(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: O
     ]
 
 
-def longest_batch(fabric: Fabric, dataset: Dataset, args: TrainArgs, collate_fn: Optional[Callable] = None,
+def longest_batch(fabric: Fabric, dataset: Dataset, run: Run, collate_fn: Optional[Callable] = None,
                   lengths: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, ...]:
     """A micro batch of the longest samples (any, when all have one length): the rehearsal's worst case."""
-    count = min(int(args.micro_batch_size), len(dataset))
+    count = min(run.micro_batch_size, len(dataset))
     chosen = range(count) if lengths is None else heapq.nlargest(count, range(len(dataset)), key=lengths.__getitem__)
     return _collate([dataset[i] for i in chosen], collate_fn, fabric.device)
 

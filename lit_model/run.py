@@ -1,0 +1,279 @@
+"""``Run``: one training run's settings, resolved once from the flags, the model config and the machine.
+
+Every script resolves its flags here, once, before anything starts; the Fabric setup, the model setup, the
+data loaders, the planner, ``--micro_batch_size auto``, out-of-memory recovery and the summary all read the
+resulting ``Run``. It is frozen: a later decision (the micro batch that ``auto`` picks, the smaller one that
+recovery falls back to, a planner suggestion) is a new ``Run`` made with ``dataclasses.replace``, and a
+suggestion reaches the user as the difference of two runs, rendered as flags by ``changed_flags``.
+
+The flags that need no resolution (learning rate, intervals, out_dir, seed) stay in the parsed arguments,
+which nothing writes after parsing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from lit_model.adapter import AdapterConfig
+from lit_model.config import Config, sequence_length
+from lit_model.data.text import check_batch_sizes
+from lit_model.errors import UsageError
+from lit_model.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
+from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+
+Trainable = Literal["full", "lora", "adapter"]
+TRAINABLE = ("full", "lora", "adapter")
+QUANTIZE = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
+STRATEGIES = ("single", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Run:
+    config: Config
+    precision: str  # one of lit_model.precision.PRECISIONS, resolved for the device
+    device_type: str  # "cuda" or "cpu"
+    devices: int  # processes per node
+    num_nodes: int
+    strategy: str  # single | ddp | fsdp
+    micro_batch_size: int  # with micro_batch_auto: 1 until the processes run and pick it
+    global_batch_size: int
+    seq_len: int  # the longest sequence a step sees
+    sharding_strategy: str = "FULL_SHARD"
+    cpu_offload: bool = False
+    forward_prefetch: bool = True
+    backward_prefetch: bool = True
+    timeout: float = 1800.0
+    micro_batch_auto: bool = False
+    trainable: str = "full"
+    lora: Optional[LoRAConfig] = None  # with trainable == "lora"
+    adapter: Optional[AdapterConfig] = None  # with trainable == "adapter"
+    quantize: Optional[str] = None
+    freeze_layers: Optional[Union[int, tuple[str, ...]]] = None
+    ac_interval: int = 0  # 0: no activation checkpointing; k: every k-th block
+    loss_chunk_size: int = 128
+    optimizer: str = "AdamW"
+    eval_batch_size: Optional[int] = None
+    grad_clip: float = 1.0
+    compile: bool = False
+
+    # ---- derived ----
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return PRECISION_DTYPES[self.precision][0]
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        return PRECISION_DTYPES[self.precision][1]
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of a matmul output element: the autocast dtype under -mixed, else the parameter dtype."""
+        return DTYPE_BYTES[self.autocast_dtype or self.param_dtype]
+
+    @property
+    def per_rank_batch(self) -> int:
+        return max(1, self.global_batch_size // self.world_size)
+
+    @property
+    def accumulation(self) -> int:
+        return max(1, self.per_rank_batch // self.micro_batch_size)
+
+    @property
+    def eval_batch(self) -> int:
+        return self.eval_batch_size or self.micro_batch_size
+
+    @property
+    def lora_r(self) -> int:
+        return (self.lora or LoRAConfig()).r
+
+    @property
+    def lora_alpha(self) -> float:
+        return (self.lora or LoRAConfig()).alpha
+
+    @property
+    def lora_dropout(self) -> float:
+        return (self.lora or LoRAConfig()).dropout
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        lora = self.lora or LoRAConfig()
+        return tuple(flag for flag in LORA_TARGET_FLAGS if getattr(lora, flag))
+
+    @property
+    def adapter_prompt_length(self) -> int:
+        return (self.adapter or AdapterConfig()).prompt_length
+
+    @property
+    def adapter_start_layer(self) -> int:
+        return self.adapter.start_layer if self.adapter is not None else self.config.n_layer // 2
+
+    def replace(self, **changes: Any) -> "Run":
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_devices(devices: Union[int, str], device_type: str, present: bool = True) -> int:
+    """``--devices``: "auto" is every GPU here (1 on the CPU). ``present``: the run is for this machine, so its
+    GPUs must exist (a plan may be for GPUs elsewhere)."""
+    cuda_here = device_type == "cuda" and torch.cuda.is_available()
+    if devices == "auto":
+        return torch.cuda.device_count() if cuda_here else 1
+    devices = int(devices)
+    if devices < 1:
+        raise UsageError(f"--devices must be at least 1 (got {devices}).")
+    if present and cuda_here and devices > torch.cuda.device_count():
+        raise UsageError(
+            f"--devices {devices} asks for more GPUs than this machine has ({torch.cuda.device_count()}). "
+            "Use --num_nodes to spread over machines, or lower --devices."
+        )
+    return devices
+
+
+def resolve_strategy(strategy: str, world_size: int, cpu_offload: bool, sharding_strategy: str, num_nodes: int) -> str:
+    if strategy == "auto":
+        # Offload needs FSDP's machinery even on one device; several processes replicate with DDP.
+        strategy = "fsdp" if cpu_offload else ("ddp" if world_size > 1 else "single")
+    if strategy == "ddp" and world_size == 1:
+        strategy = "single"
+    if strategy not in STRATEGIES:
+        raise UsageError(f"Unknown --strategy {strategy!r}: use auto, ddp or fsdp.")
+    if cpu_offload and strategy != "fsdp":
+        raise UsageError(
+            f"--cpu_offload works through FSDP, not --strategy {strategy}. Use --strategy fsdp (or auto) "
+            "with --cpu_offload, or drop --cpu_offload."
+        )
+    if sharding_strategy == "HYBRID_SHARD" and num_nodes < 2:
+        raise UsageError(
+            "--sharding_strategy HYBRID_SHARD shards within a node and replicates across nodes, so it needs "
+            "--num_nodes >= 2. Use FULL_SHARD or SHARD_GRAD_OP on one node."
+        )
+    return strategy
+
+
+def resolve_run(
+    args: Any,
+    config: Config,
+    trainable: Trainable = "full",
+    device_type: Optional[str] = None,
+    present: Optional[bool] = None,
+    world_size: Optional[int] = None,
+    quantize: Optional[str] = None,
+) -> Run:
+    """The one place a training run's flags are resolved. ``args``: the script's parsed flags (a TrainArgs).
+    ``device_type``: where it runs; default: a GPU if there is one, or if ``--plan`` names a ``--device_memory``.
+    ``present``: the run is for this machine (default: unless it is a ``--plan``); a plan may be for GPUs that
+    are not here, and assumes ones with bfloat16. ``world_size`` and ``quantize`` override the flags (the
+    planner's what-ifs)."""
+    if trainable not in TRAINABLE:
+        raise UsageError(f"trainable={trainable!r}: use one of {TRAINABLE}.")
+    planning = getattr(args, "plan", None) is not None
+    present = not planning if present is None else present
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() or (planning and args.device_memory) else "cpu"
+    quantize = quantize if quantize is not None else getattr(args, "quantize", None)
+    if quantize is not None and quantize not in QUANTIZE:
+        raise UsageError(f"Unknown --quantize {quantize!r}. Choose one of: {', '.join(QUANTIZE)}, or leave it out.")
+    if quantize is not None and trainable == "full":
+        raise UsageError(
+            f"--quantize {quantize} freezes the base weights in low precision, so it works with LoRA/adapter "
+            "fine-tuning (finetune/lora.py, finetune/adapter.py), not with full fine-tuning or pretraining."
+        )
+    precision = resolve_precision(args.precision, device_type, present)
+    devices = resolve_devices(args.devices, device_type, present)
+    num_nodes = int(args.num_nodes)
+    if world_size is not None:  # a what-if for another number of processes, on one node
+        devices, num_nodes = world_size, 1
+    strategy = resolve_strategy(args.strategy, devices * num_nodes, args.cpu_offload, args.sharding_strategy, num_nodes)
+    auto = args.micro_batch_size == "auto"
+    micro = 1 if auto else int(args.micro_batch_size)
+    check_batch_sizes(args.global_batch_size, micro, devices * num_nodes)  # what the sampler would refuse
+    if args.activation_checkpointing and args.activation_checkpointing_interval < 1:
+        raise UsageError("--activation_checkpointing_interval must be >= 1 (1 = every block).")
+    lora = LoRAConfig.from_flags(args) if trainable == "lora" else None
+    adapter = None
+    if trainable == "adapter":
+        start = getattr(args, "adapter_start_layer", None)
+        adapter = AdapterConfig(getattr(args, "adapter_prompt_length", AdapterConfig.prompt_length),
+                                config.n_layer // 2 if start is None else int(start))  # default: the upper half
+    freeze = args.freeze_layers
+    return Run(
+        config=config,
+        precision=precision,
+        device_type=device_type,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        micro_batch_size=micro,
+        global_batch_size=int(args.global_batch_size),
+        seq_len=sequence_length(config, args.override_max_seq_length),
+        sharding_strategy=args.sharding_strategy,
+        cpu_offload=bool(args.cpu_offload),
+        forward_prefetch=bool(args.forward_prefetch),
+        backward_prefetch=bool(args.backward_prefetch),
+        timeout=float(args.timeout),
+        micro_batch_auto=auto,
+        trainable=trainable,
+        lora=lora,
+        adapter=adapter,
+        quantize=quantize,
+        freeze_layers=tuple(freeze) if isinstance(freeze, list) else freeze,
+        ac_interval=int(args.activation_checkpointing_interval) if args.activation_checkpointing else 0,
+        loss_chunk_size=int(args.loss_chunk_size),
+        optimizer=args.optimizer,
+        eval_batch_size=args.eval_batch_size,
+        grad_clip=float(args.grad_clip),
+        compile=bool(args.compile),
+    )
+
+
+# Run field -> how the user says it; fields not here are not flags of their own
+FLAG_OF = {
+    "precision": "precision", "micro_batch_size": "micro_batch_size", "global_batch_size": "global_batch_size",
+    "cpu_offload": "cpu_offload", "optimizer": "optimizer", "quantize": "quantize", "loss_chunk_size": "loss_chunk_size",
+    "sharding_strategy": "sharding_strategy",
+}
+
+
+def changed_flags(old: Run, new: Run) -> dict[str, Any]:
+    """The flags that turn ``old`` into ``new`` (the one rendering of a run's difference as flags)."""
+    flags: dict[str, Any] = {}
+    for field, flag in FLAG_OF.items():
+        if getattr(new, field) != getattr(old, field):
+            flags[flag] = getattr(new, field)
+    if new.ac_interval != old.ac_interval:
+        flags["activation_checkpointing"] = new.ac_interval > 0
+        if new.ac_interval > 1 or old.ac_interval > 1:
+            flags["activation_checkpointing_interval"] = max(new.ac_interval, 1)
+    if new.world_size != old.world_size:
+        flags["devices"] = new.devices
+        if new.num_nodes != old.num_nodes:
+            flags["num_nodes"] = new.num_nodes
+    if new.strategy != old.strategy and not (new.strategy == "fsdp" and new.cpu_offload and not old.cpu_offload):
+        flags["strategy"] = new.strategy if new.strategy != "single" else "auto"
+    if new.seq_len != old.seq_len:
+        flags["override_max_seq_length"] = new.seq_len
+    return flags
+
+
+def render_flags(flags: dict[str, Any]) -> list[str]:
+    """``{"cpu_offload": True, "micro_batch_size": 2}`` -> ``["--cpu_offload", "--micro_batch_size 2"]``."""
+    rendered = []
+    for name, value in flags.items():
+        if value is True:
+            rendered.append(f"--{name}")
+        elif value is False:
+            rendered.append(f"--{name} false")
+        else:
+            rendered.append(f"--{name} {value}")
+    return rendered
