@@ -15,11 +15,11 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 
 from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config, sequence_length
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.data.sources import parse_fields
-from lit_model.errors import UsageError, UserError
+from lit_model.download import resolve_checkpoint
+from lit_model.errors import UsageError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
 from lit_model.model import GPT
 from lit_model.precision import param_dtype
@@ -42,6 +42,9 @@ class FinetuneArgs(TrainArgs):
     Args:
         checkpoint_dir: checkpoint to start from (weights, model_config.yaml, tokenizer); default: what
             `python pretrain/main.py` writes
+        model_name: ORG/NAME (or its registry name) of a model `lit-model download ORG/NAME` wrote to
+            checkpoints/ORG/NAME, in place of --checkpoint_dir; with --plan also a model not downloaded yet
+            (its architecture from the config registry)
         data_path: .json/.jsonl/.parquet/.csv instruction data (Alpaca keys, common aliases such as
             prompt/response or question/answer, or chat "messages"/"conversations"), a directory of them, or a
             directory written by datasets' save_to_disk; omitted: instructions made from the Python standard library
@@ -54,8 +57,6 @@ class FinetuneArgs(TrainArgs):
         mask_prompt: compute the loss on the responses only (prompt tokens get target -100)
         val_split_fraction: share of the records held out for validation
         sample_instruction: instruction answered at the end (default: the first validation sample's)
-        model_name: with --plan: a name from the config registry in place of --checkpoint_dir, to plan a run
-            before its weights are downloaded
     """
 
     data_kind: ClassVar[str] = "instruct"  # what --data may name
@@ -94,16 +95,9 @@ class Setup:
 
 
 def print_plan(args: FinetuneArgs, method: str) -> None:
-    """``--plan``: the architecture from --model_name or the checkpoint's config; no weights are read."""
-    if args.model_name is not None:
-        config = Config.from_name(args.model_name)
-    elif (args.checkpoint_dir / "model_config.yaml").is_file():
-        config = Config.from_checkpoint(args.checkpoint_dir)
-    else:
-        raise UsageError(
-            f"--plan needs the model's architecture, but {args.checkpoint_dir} has no model_config.yaml. Pass "
-            "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
-        )
+    """``--plan``: the architecture from the checkpoint's config, or the registry's for a model not downloaded
+    yet; no weights are read."""
+    _, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT, plan=True)
     session.print_plan(config, args, trainable=method)
 
 
@@ -111,11 +105,6 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     """Check the flags and the checkpoint, then load the data; every rank does the same and fails alike."""
     from lit_model.quantize import check_quantize
 
-    if args.model_name is not None:
-        raise UsageError(
-            f"--model_name {args.model_name} applies with --plan only: fine-tuning starts from the weights in "
-            "--checkpoint_dir (convert a Hugging Face download with `python -m lit_model.convert hf_to_lit`)."
-        )
     check_quantize(args.quantize, fabric.device.type, param_dtype(fabric.precision_name), "mixed" in fabric.precision_name)
     if args.quantize == "bnb.int8" and fabric.strategy_name == "fsdp":
         raise UsageError(
@@ -126,20 +115,13 @@ def prepare(fabric: Fabric, args: FinetuneArgs, method: str) -> Setup:
     if args.freeze_layers is not None and method != "full":
         raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
                          "only its own parameters. Drop --freeze_layers.")
-    if args.checkpoint_dir == DEFAULT_CHECKPOINT and not DEFAULT_CHECKPOINT.is_dir():
-        raise UserError(
-            f"No --checkpoint_dir given and the default {DEFAULT_CHECKPOINT} does not exist yet. Make it with "
-            "`python pretrain/main.py` (a few minutes on a CPU), or pass --checkpoint_dir with a checkpoint "
-            "(e.g. one converted with `python -m lit_model.convert hf_to_lit`)."
-        )
-    checkpoint_dir = check_checkpoint_dir(args.checkpoint_dir, need_tokenizer=True)
+    checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT, plan=False)
     if (checkpoint_dir / ADAPTER_CONFIG).is_file() and method != "adapter":
         raise UsageError(
             f"{checkpoint_dir} holds a LLaMA-Adapter fine-tune ({ADAPTER_CONFIG}), whose prefixes cannot be merged "
             f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py, "
             "or start from its base checkpoint."
         )
-    config = Config.from_checkpoint(checkpoint_dir)
     seq_length = sequence_length(config, args.override_max_seq_length)
     session.resolve_micro_batch_size(fabric, args, config, method)
     tokenizer = Tokenizer(checkpoint_dir)
