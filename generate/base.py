@@ -1,7 +1,7 @@
 """Continue a prompt with a checkpoint's model: the text streams to stdout, a speed/memory line to stderr.
 
     python generate/base.py --checkpoint_dir out/pretrain/final --prompt "def fib(n):"
-    python generate/base.py --checkpoint_dir checkpoints/Llama-3.2-1B --quantize bnb.nf4 --num_samples 3
+    python generate/base.py --model_name meta-llama/Llama-3.2-1B --quantize bnb.nf4 --num_samples 3
     python generate/base.py --model_name Llama-2-7b-hf --device_memory 8GB --plan text   # will it fit?
 """
 

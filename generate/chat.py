@@ -1,6 +1,6 @@
 """Chat with a checkpoint's model in its family's prompt style; the conversation stays in the KV cache.
 
-    python generate/chat.py --checkpoint_dir checkpoints/Qwen2.5-0.5B-Instruct
+    python generate/chat.py --model_name Qwen/Qwen2.5-0.5B-Instruct   # after lit-model download Qwen/Qwen2.5-0.5B-Instruct
     printf 'Hi!\\nAnd then?\\n/exit\\n' | python generate/chat.py --checkpoint_dir DIR   # reads lines until EOF
 
 Type /reset to start a new conversation and /exit (or end the input) to quit.

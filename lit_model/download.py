@@ -6,7 +6,8 @@ Only the files the conversion reads are fetched: config.json, the tokenizer file
 safetensors shards, or the ``.bin`` shards of a repository without safetensors). ``huggingface_hub`` does the
 transfer, so its cache (``HF_HOME`` / ``HF_HUB_CACHE``), resumption of interrupted downloads, progress bars,
 ``HF_TOKEN`` and offline mode (``HF_HUB_OFFLINE=1``: only what the cache holds) all apply. The checkpoint is
-written to ``checkpoints/ORG/NAME`` unless ``--checkpoint_dir`` says otherwise.
+written to ``checkpoints/ORG/NAME`` unless ``--checkpoint_dir`` says otherwise, where ``--model_name ORG/NAME`` of
+the finetune and generate scripts finds it (``resolve_checkpoint``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional
 
 from jsonargparse import CLI
 
+from lit_model.checkpoint import CONFIG_NAME, check_checkpoint_dir
 from lit_model.cli import bare_bool_flags
 from lit_model.config import Config, known_names
 from lit_model.convert import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, SUPPORTED_TYPES, hf_to_lit
@@ -83,9 +85,87 @@ def download(
         for path in snapshot.iterdir():
             (named / path.name).symlink_to(path.resolve())
         hf_to_lit(str(named), str(out_dir), overwrite=overwrite, dtype=dtype)
+    model = f"--model_name {repo_id}" if out_dir == DEFAULT_ROOT / org / name else f"--checkpoint_dir {out_dir}"
     print(f"Saved a lit-model checkpoint of {repo_id} to {out_dir} (the downloaded files stay in {snapshot}).\n"
-          f"Next: lit-model chat --checkpoint_dir {out_dir}, or lit-model finetune lora --checkpoint_dir {out_dir}")
+          f"Next: lit-model chat {model}, or lit-model finetune lora {model} --data_path DATA")
     return out_dir
+
+
+def resolve_checkpoint(
+    model_name: Optional[str], checkpoint_dir: Path, default_dir: Path, plan: bool
+) -> tuple[Optional[Path], Config]:
+    """The checkpoint directory a finetune or generate run reads, and its config: ``--checkpoint_dir``, or for
+    ``--model_name ORG/NAME`` (or a registry name, published as ORG/NAME) what ``lit-model download ORG/NAME``
+    wrote to checkpoints/ORG/NAME. Without ``plan`` the checkpoint is verified (tokenizer included). With
+    ``plan`` only its config is read, and a model not downloaded yet is planned from the registry (the
+    directory is then None)."""
+    directory: Optional[Path] = Path(checkpoint_dir)
+    if model_name is not None:
+        if directory != default_dir:
+            raise UsageError(
+                f"--model_name {model_name} and --checkpoint_dir {checkpoint_dir} both name the model to start from; "
+                "pass one of them (--model_name ORG/NAME reads checkpoints/ORG/NAME, where `lit-model download "
+                "ORG/NAME` writes it; --checkpoint_dir reads a checkpoint anywhere else)."
+            )
+        directory = _downloaded(model_name, plan)
+        if directory is None:
+            return None, _registry_config(model_name)
+    if plan:
+        if not (directory / CONFIG_NAME).is_file():
+            raise UsageError(
+                f"--plan needs the model's architecture, but {directory} has no {CONFIG_NAME}. Pass --model_name "
+                "(`lit-model config` lists the known names) to plan before the weights are there."
+            )
+        return directory, Config.from_checkpoint(directory)
+    if model_name is None and directory == default_dir and not directory.is_dir():
+        raise UserError(
+            f"No --checkpoint_dir given and the default {default_dir} does not exist yet. Make it with "
+            "`python pretrain/main.py` (a few minutes on a CPU), download a model with `lit-model download ORG/NAME` "
+            "and pass --model_name ORG/NAME, or pass --checkpoint_dir with a checkpoint."
+        )
+    directory = check_checkpoint_dir(directory, need_tokenizer=True)
+    return directory, Config.from_checkpoint(directory)
+
+
+def _downloaded(model_name: str, plan: bool) -> Optional[Path]:
+    """checkpoints/ORG/NAME for a repository id or a published registry name; None when it is not there and
+    ``plan`` (the registry then has the architecture), a message naming the download when it is needed."""
+    if "/" in model_name:
+        org, name = _split_repo_id(model_name)
+    else:
+        config = Config.from_name(model_name)
+        if not config.hf_org:
+            if plan:
+                return None
+            raise UsageError(
+                f"--model_name {model_name} is an architecture with no published weights to download (it plans with "
+                "--plan). Pass --checkpoint_dir with a checkpoint of it, e.g. out/pretrain/final."
+            )
+        org, name = config.hf_org, config.name
+    directory = DEFAULT_ROOT / org / name
+    if directory.is_dir() or plan:
+        return directory if directory.is_dir() else None
+    raise UserError(
+        f"--model_name {model_name}: {org}/{name} is not downloaded ({directory} does not exist). Download it with "
+        f"`lit-model download {org}/{name}` (run here, it writes {directory}), or pass --checkpoint_dir with a "
+        "checkpoint elsewhere instead of --model_name."
+    )
+
+
+def _registry_config(model_name: str) -> Config:
+    """The architecture to plan a model not downloaded yet; a repository the registry does not know is refused
+    with the download that would give its config."""
+    try:
+        return Config.from_name(model_name)
+    except UsageError:
+        if "/" not in model_name:
+            raise
+        raise UsageError(
+            f"--model_name {model_name} is neither downloaded ({DEFAULT_ROOT / model_name} does not exist) nor in "
+            f"the config registry, so there is no architecture to plan from.{_close_repo_ids(model_name)} Download "
+            f"it with `lit-model download {model_name}` and plan again (its config is then read), or pass "
+            "--checkpoint_dir with a checkpoint of it."
+        ) from None
 
 
 def _split_repo_id(repo_id: str) -> tuple[str, str]:

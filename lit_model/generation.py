@@ -18,13 +18,15 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
-from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
+from lit_model.download import resolve_checkpoint
 from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
 from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
 from lit_model.tokenizer import Tokenizer
+
+DEFAULT_CHECKPOINT = Path("out/pretrain/final")  # what `python pretrain/main.py` writes
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup: devices, precision, lengths, loading
@@ -597,6 +599,9 @@ class GenerationArgs:
 
     Args:
         checkpoint_dir: checkpoint directory (weights, model_config.yaml, tokenizer)
+        model_name: ORG/NAME (or its registry name) of a model `lit-model download ORG/NAME` wrote to
+            checkpoints/ORG/NAME, in place of --checkpoint_dir; with --plan also a model not downloaded yet
+            (its architecture from the config registry)
         temperature: sampling temperature; 0 is greedy decoding
         top_k: sample only among the k most likely tokens (omit for no limit)
         top_p: nucleus sampling: only among the most likely tokens that cover this probability (1: off)
@@ -609,11 +614,10 @@ class GenerationArgs:
         prompt_style: how to wrap the prompt (default, alpaca, chatml, llama-3, ...); default: the checkpoint's
         plan: text or json: print the predicted peak memory of this generation and exit without reading weights;
             exit status 1 when it does not fit the device and no suggested flag change makes it fit, else 0
-        model_name: with --plan: a name from the config registry in place of --checkpoint_dir
         device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB (default: this machine)
     """
 
-    checkpoint_dir: Path = Path("out/pretrain/final")
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT
     temperature: float = 0.8
     top_k: Optional[int] = 50
     top_p: float = 1.0
@@ -704,13 +708,12 @@ def check_generation_args(args: GenerationArgs) -> None:
     if args.quantize is not None and args.quantize not in QUANTIZE_MODES:
         raise UsageError(f"Unknown --quantize {args.quantize!r}. Choose one of: {', '.join(QUANTIZE_MODES)}, or drop it.")
     if args.plan is None:
-        plan_only = ("--model_name", args.model_name), ("--device_memory", args.device_memory), (
-            "--prompt_length", getattr(args, "prompt_length", None))
+        plan_only = ("--device_memory", args.device_memory), ("--prompt_length", getattr(args, "prompt_length", None))
         for flag, value in plan_only:
             if value is not None:
                 raise UsageError(
                     f"{flag} {value} applies with --plan only (to plan a generation before its weights are here). "
-                    "Generating reads the model from --checkpoint_dir and counts the prompt's tokens."
+                    "Generating reads the model from its checkpoint and counts the prompt's tokens."
                 )
     elif args.device_memory is not None:
         parse_memory(args.device_memory)
@@ -719,27 +722,19 @@ def check_generation_args(args: GenerationArgs) -> None:
 def prepare_generation(args: GenerationArgs) -> GenerationSetup:
     """Check the flags, then read the config, tokenizer and prompt style (never the weights). With ``--plan``
     the device is the one planned for (a CUDA GPU with ``--device_memory``, else this machine's), and
-    ``--model_name`` may stand for the checkpoint: its config comes from the registry."""
+    a model not downloaded yet (``--model_name``) is planned from the registry's config."""
     check_generation_args(args)
-    checkpoint_dir: Optional[Path] = Path(args.checkpoint_dir)
+    checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
+                                                plan=args.plan is not None)
     if args.plan is None:
-        checkpoint_dir = check_checkpoint_dir(checkpoint_dir, need_tokenizer=True)
         devices = resolve_devices(args.devices)
         device_type = devices[0].type
-        config, tokenizer = Config.from_checkpoint(checkpoint_dir), Tokenizer(checkpoint_dir)
+        tokenizer: Optional[Tokenizer] = Tokenizer(checkpoint_dir)
     else:
         devices, device_type = [], "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
-        if args.model_name is not None:
-            checkpoint_dir, config, tokenizer = None, Config.from_name(args.model_name), None
-        elif (checkpoint_dir / "model_config.yaml").is_file():
-            config = Config.from_checkpoint(checkpoint_dir)
-            has_tokenizer = any((checkpoint_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))
-            tokenizer = Tokenizer(checkpoint_dir) if has_tokenizer else None
-        else:
-            raise UsageError(
-                f"--plan needs the model's architecture, but {checkpoint_dir} has no model_config.yaml. Pass "
-                "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
-            )
+        has_tokenizer = checkpoint_dir is not None and any(
+            (checkpoint_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))
+        tokenizer = Tokenizer(checkpoint_dir) if has_tokenizer else None
     precision = resolve_generation_precision(args.precision, device_type, args.quantize, planning=args.plan is not None)
     if args.prompt_style:
         style = PromptStyle.from_name(args.prompt_style)

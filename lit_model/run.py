@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -59,6 +60,7 @@ class Run:
     eval_batch_size: Optional[int] = None
     grad_clip: float = 1.0
     compile: bool = False
+    checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
 
     # ---- derived ----
     @property
@@ -169,12 +171,13 @@ def resolve_run(
     present: Optional[bool] = None,
     world_size: Optional[int] = None,
     quantize: Optional[str] = None,
+    checkpoint_dir: Optional[Path] = None,
 ) -> Run:
     """The one place a training run's flags are resolved. ``args``: the script's parsed flags (a TrainArgs).
     ``device_type``: where it runs; default: a GPU if there is one, or if ``--plan`` names a ``--device_memory``.
     ``present``: the run is for this machine (default: unless it is a ``--plan``); a plan may be for GPUs that
     are not here, and assumes ones with bfloat16. ``world_size`` and ``quantize`` override the flags (the
-    planner's what-ifs)."""
+    planner's what-ifs). ``checkpoint_dir``: the checkpoint a fine-tune starts from, already verified."""
     if trainable not in TRAINABLE:
         raise UsageError(f"trainable={trainable!r}: use one of {TRAINABLE}.")
     planning = getattr(args, "plan", None) is not None
@@ -234,6 +237,7 @@ def resolve_run(
         eval_batch_size=args.eval_batch_size,
         grad_clip=float(args.grad_clip),
         compile=bool(args.compile),
+        checkpoint_dir=checkpoint_dir,
     )
 
 

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import io
+import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import unquote, urlparse
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -98,3 +105,127 @@ def run_script_inprocess(script: str, *args: str, cache: Path | None = None, mon
 def read_metrics(out_dir: Path) -> list[dict[str, str]]:
     with open(out_dir / "metrics.csv", newline="") as f:
         return list(csv.DictReader(f))
+
+
+# ---- a Hugging Face Hub on 127.0.0.1 (tests/test_download.py, tests/test_recipe.py) ---------------------------
+HUB_REPO = "tiny-org/tiny-llama"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_setup, tmp_path_factory) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A tiny HF Llama saved by transformers with the tiny tokenizer, files a real repository would hold but
+    conversion does not need, and (input ids, the HF model's logits on them)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF's init leaves norms at 1: randomize so a misplaced norm would show
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    repo = tmp_path_factory.mktemp("repo") / "tiny-llama"
+    model.save_pretrained(repo)
+    for path in tiny_setup["tokenizer"].iterdir():
+        shutil.copy(path, repo / path.name)
+    (repo / "pytorch_model.bin").write_bytes(b"not needed: the safetensors are there")
+    (repo / "original").mkdir()
+    (repo / "original" / "consolidated.00.pth").write_bytes(b"not needed either")
+    (repo / "README.md").write_text("# tiny\n")
+    idx = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(idx).logits
+    return repo, idx, logits
+
+
+class Hub(ThreadingHTTPServer):
+    """The Hub endpoints huggingface_hub's snapshot_download and hf_hub_download call, for repositories given
+    as local directories. ``gated`` repositories refuse their files without a token (as the Hub does)."""
+
+    daemon_threads = True
+
+    def __init__(self, repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> None:
+        super().__init__(("127.0.0.1", 0), HubHandler)
+        self.repos, self.gated = repos, gated
+        self.fetched: list[str] = []  # files served with GET, in order
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class HubHandler(BaseHTTPRequestHandler):
+    server: Hub
+
+    def log_message(self, *args: object) -> None:  # keep pytest's output clean
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(send_body=False)
+
+    def do_GET(self) -> None:
+        self._answer(send_body=True)
+
+    def _answer(self, send_body: bool) -> None:
+        parts = unquote(urlparse(self.path).path).strip("/").split("/")
+        if parts[:2] == ["api", "models"]:
+            repo_id, rest = "/".join(parts[2:4]), parts[4:]
+        else:
+            repo_id, rest = "/".join(parts[:2]), parts[2:]
+        root = self.server.repos.get(repo_id)
+        if root is None:
+            return self._send(401, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, send_body)
+        files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        if parts[0] == "api" and rest[:1] == ["revision"]:
+            info = {"id": repo_id, "modelId": repo_id, "sha": HUB_COMMIT, "private": False,
+                    "gated": "manual" if repo_id in self.server.gated else False,
+                    "siblings": [{"rfilename": f} for f in files]}
+            return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, send_body)
+        if parts[0] == "api" and rest[:1] == ["tree"]:
+            tree = [{"type": "file", "path": f, "size": (root / f).stat().st_size, "oid": sha1_file(root / f)}
+                    for f in files]
+            return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, send_body)
+        if rest[:1] == ["resolve"]:
+            if repo_id in self.server.gated and "authorization" not in {k.lower() for k in self.headers}:
+                return self._send(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"}, send_body)
+            name = "/".join(rest[2:])
+            if name not in files:
+                return self._send(404, b'{"error": "Entry not found"}', {"X-Error-Code": "EntryNotFound"}, send_body)
+            if send_body:
+                self.server.fetched.append(name)
+            body = (root / name).read_bytes()
+            etag = f'"{sha1_file(root / name)}"'
+            return self._send(200, body, {"X-Repo-Commit": HUB_COMMIT, "ETag": etag, "X-Linked-Etag": etag}, send_body)
+        self._send(404, b"{}", {}, send_body)
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str], send_body: bool) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+
+def sha1_file(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def serve():
+    """Start a Hub on 127.0.0.1 for the given repositories; stopped at teardown."""
+    servers: list[Hub] = []
+
+    def start(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Hub:
+        server = Hub(repos, gated)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

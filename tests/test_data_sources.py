@@ -5,6 +5,7 @@ field-name mapping table, --data_fields, and the messages for what cannot work."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from lit_model import GPT, Config
 from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
 from lit_model.data import sources
 from lit_model.data.instruct import read_records
-from lit_model.data.text import load_pretrain_data
+from lit_model.data.text import load_pretrain_data, tokenize_files
+from lit_model.errors import UserError
 from lit_model.tokenizer import Tokenizer
 from conftest import run_script_inprocess
 
@@ -103,6 +105,28 @@ def test_pretrain_text_from_named_dataset_and_parquet(hub: Path, tiny_setup: dic
     local = load_pretrain_data(hub / "tinystories" / "data" / "train-00000-of-00001.parquet", tokenizer, 16)
     assert len(named[0]) == len(local[0]) > 0
     assert torch.equal(named[0][0][0], local[0][0][0])
+
+
+def test_pretrain_reads_every_table_in_a_directory(tiny_setup: dict[str, Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--data_path DIR: its .parquet and .csv files (through `datasets`) next to .jsonl, every record's text once."""
+    monkeypatch.setenv("LIT_MODEL_CACHE", str(tmp_path / "cache"))
+    tokenizer = Tokenizer(tiny_setup["tokenizer"])
+    corpus = tmp_path / "corpus"
+    (corpus / "more").mkdir(parents=True)
+    datasets.Dataset.from_list(STORIES[:15]).to_parquet(str(corpus / "a.parquet"))
+    datasets.Dataset.from_list(STORIES[15:30]).to_csv(str(corpus / "more" / "b.csv"), index=False)
+    (corpus / "c.jsonl").write_text("".join(json.dumps(story) + "\n" for story in STORIES[30:]))
+    train, val, description = load_pretrain_data(corpus, tokenizer, 16, val_fraction=0.3)
+    everything = tmp_path / "all.jsonl"
+    everything.write_text("".join(json.dumps(story) + "\n" for story in STORIES))
+    expected = tokenize_files([everything], tokenizer, tmp_path / "tokens", "all")
+    assert len(train.tokens) + len(val.tokens) == len(expected) and len(val) > 0
+    assert re.search(r"(\d) train / (\d) val files", description).group(1, 2) in (("2", "1"), ("1", "2"))
+
+    (corpus / "more" / "b.csv").write_text("title,body\nA,B\n")
+    with pytest.raises(UserError, match=r"b\.csv has columns \['title', 'body'\] but no text column"):
+        load_pretrain_data(corpus, tokenizer, 16, val_fraction=0.3)
 
 
 @pytest.mark.slow  # ~5 s: one LoRA step end to end

@@ -316,7 +316,7 @@ def test_sampler_rejects_invalid_sizes() -> None:
 
 def test_load_pretrain_data_file_and_directory(tokenizer: Tokenizer, tmp_path: Path) -> None:
     files = write_corpus(tmp_path / "corpus", encoding="utf-8")
-    (tmp_path / "corpus" / "ignored.csv").write_text("a,b\n" * 1000)
+    (tmp_path / "corpus" / "ignored.dat").write_text("a,b\n" * 1000)
     (tmp_path / "corpus" / ".hidden").mkdir()
     (tmp_path / "corpus" / ".hidden" / "x.txt").write_text("hidden " * 1000)
     train, val, description = load_pretrain_data(tmp_path / "corpus", tokenizer, seq_length=16, val_fraction=0.3)
@@ -340,8 +340,8 @@ def test_load_pretrain_data_errors(tokenizer: Tokenizer, tmp_path: Path) -> None
     with pytest.raises(UserError, match="does not exist.*--data_path"):
         load_pretrain_data(tmp_path / "missing", tokenizer, seq_length=8)
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "table.csv").write_text("a,b\n")
-    with pytest.raises(UserError, match=r"no usable files.*\*\.txt.*\*\.jsonl"):
+    (tmp_path / "empty" / "table.dat").write_text("a,b\n")
+    with pytest.raises(UserError, match=r"no usable files.*\*\.txt.*\*\.jsonl.*\*\.parquet, \*\.csv"):
         load_pretrain_data(tmp_path / "empty", tokenizer, seq_length=8)
     (tmp_path / "short.txt").write_text("x = 1\n")
     with pytest.raises(UserError, match=r"has \d+ tokens, fewer than one window of seq_length \+ 1 = 4097.*"

@@ -4,16 +4,12 @@ conversion, checked by logit parity with the Hugging Face model. Nothing reaches
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 import torch
@@ -22,131 +18,12 @@ transformers = pytest.importorskip("transformers")
 hub_constants = pytest.importorskip("huggingface_hub.constants")
 hub_http = pytest.importorskip("huggingface_hub.utils._http")
 
-from lit_model.download import download  # noqa: E402
+from conftest import HUB_COMMIT as COMMIT, HUB_REPO as REPO, sha1_file as _sha1  # noqa: E402
+from lit_model.download import download, resolve_checkpoint  # noqa: E402
 from lit_model.errors import UsageError, UserError  # noqa: E402
 from lit_model.model import GPT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO = "tiny-org/tiny-llama"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tiny_setup, tmp_path_factory) -> tuple[Path, torch.Tensor, torch.Tensor]:
-    """A tiny HF Llama saved by transformers with the tiny tokenizer, files a real repository would hold but
-    conversion does not need, and (input ids, the HF model's logits on them)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # HF's init leaves norms at 1: randomize so a misplaced norm would show
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    repo = tmp_path_factory.mktemp("repo") / "tiny-llama"
-    model.save_pretrained(repo)
-    for path in tiny_setup["tokenizer"].iterdir():
-        shutil.copy(path, repo / path.name)
-    (repo / "pytorch_model.bin").write_bytes(b"not needed: the safetensors are there")
-    (repo / "original").mkdir()
-    (repo / "original" / "consolidated.00.pth").write_bytes(b"not needed either")
-    (repo / "README.md").write_text("# tiny\n")
-    idx = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(idx).logits
-    return repo, idx, logits
-
-
-class Hub(ThreadingHTTPServer):
-    """The Hub endpoints huggingface_hub's snapshot_download and hf_hub_download call, for repositories given
-    as local directories. ``gated`` repositories refuse their files without a token (as the Hub does)."""
-
-    daemon_threads = True
-
-    def __init__(self, repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> None:
-        super().__init__(("127.0.0.1", 0), HubHandler)
-        self.repos, self.gated = repos, gated
-        self.fetched: list[str] = []  # files served with GET, in order
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class HubHandler(BaseHTTPRequestHandler):
-    server: Hub
-
-    def log_message(self, *args: object) -> None:  # keep pytest's output clean
-        pass
-
-    def do_HEAD(self) -> None:
-        self._answer(send_body=False)
-
-    def do_GET(self) -> None:
-        self._answer(send_body=True)
-
-    def _answer(self, send_body: bool) -> None:
-        parts = unquote(urlparse(self.path).path).strip("/").split("/")
-        if parts[:2] == ["api", "models"]:
-            repo_id, rest = "/".join(parts[2:4]), parts[4:]
-        else:
-            repo_id, rest = "/".join(parts[:2]), parts[2:]
-        root = self.server.repos.get(repo_id)
-        if root is None:
-            return self._send(401, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, send_body)
-        files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        if parts[0] == "api" and rest[:1] == ["revision"]:
-            info = {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": False,
-                    "gated": "manual" if repo_id in self.server.gated else False,
-                    "siblings": [{"rfilename": f} for f in files]}
-            return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, send_body)
-        if parts[0] == "api" and rest[:1] == ["tree"]:
-            tree = [{"type": "file", "path": f, "size": (root / f).stat().st_size, "oid": _sha1(root / f)}
-                    for f in files]
-            return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, send_body)
-        if rest[:1] == ["resolve"]:
-            if repo_id in self.server.gated and "authorization" not in {k.lower() for k in self.headers}:
-                return self._send(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"}, send_body)
-            name = "/".join(rest[2:])
-            if name not in files:
-                return self._send(404, b'{"error": "Entry not found"}', {"X-Error-Code": "EntryNotFound"}, send_body)
-            if send_body:
-                self.server.fetched.append(name)
-            body = (root / name).read_bytes()
-            etag = f'"{_sha1(root / name)}"'
-            return self._send(200, body, {"X-Repo-Commit": COMMIT, "ETag": etag, "X-Linked-Etag": etag}, send_body)
-        self._send(404, b"{}", {}, send_body)
-
-    def _send(self, status: int, body: bytes, headers: dict[str, str], send_body: bool) -> None:
-        self.send_response(status)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if send_body:
-            self.wfile.write(body)
-
-
-def _sha1(path: Path) -> str:
-    return hashlib.sha1(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture
-def serve():
-    """Start a Hub on 127.0.0.1 for the given repositories; stopped at teardown."""
-    servers: list[Hub] = []
-
-    def start(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Hub:
-        server = Hub(repos, gated)
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
@@ -277,6 +154,42 @@ def test_no_network(hub_env, tmp_path, monkeypatch) -> None:
     with pytest.raises(UserError, match="could not be reached.*python -m lit_model.convert hf_to_lit --hf_dir"):
         download(REPO, checkpoint_dir=tmp_path / "x")
     assert waits  # the connection was tried, and retried, before giving up
+
+
+def test_model_name_resolves_to_the_download(tiny_hf, serve, hub_env, tmp_path, monkeypatch, capsys) -> None:
+    """--model_name ORG/NAME reads what `lit-model download ORG/NAME` wrote; one that is not there, and both
+    flags at once, are refused with the fix; --plan falls back to the registry."""
+    repo, _, _ = tiny_hf
+    hub_env(serve({REPO: repo}).url)
+    monkeypatch.chdir(tmp_path)
+    default = Path("out/pretrain/final")
+    with pytest.raises(UserError, match=f"`lit-model download {REPO}`.*--checkpoint_dir"):
+        resolve_checkpoint(REPO, default, default, plan=False)
+    with pytest.raises(UsageError, match=f"neither downloaded.*`lit-model download {REPO}`"):
+        resolve_checkpoint(REPO, default, default, plan=True)
+
+    out = download(REPO)
+    assert f"lit-model chat --model_name {REPO}" in capsys.readouterr().out
+    for plan in (False, True):
+        directory, config = resolve_checkpoint(REPO, default, default, plan=plan)
+        assert directory == out == Path("checkpoints", REPO) and config.name == "tiny-llama"
+    assert resolve_checkpoint(None, out, default, plan=False)[0] == out
+    with pytest.raises(UsageError, match="pass one of them"):
+        resolve_checkpoint(REPO, out, default, plan=False)
+
+    # not downloaded: planned from the registry under its repository id or its name; generating needs it
+    assert resolve_checkpoint("Qwen/Qwen2.5-0.5B-Instruct", default, default, plan=True) == (
+        None, resolve_checkpoint("Qwen2.5-0.5B-Instruct", default, default, plan=True)[1])
+    assert resolve_checkpoint("Qwen2.5-0.5B-Instruct", default, default, plan=True)[1].n_layer == 24
+    with pytest.raises(UserError, match="`lit-model download Qwen/Qwen2.5-0.5B-Instruct`"):
+        resolve_checkpoint("Qwen2.5-0.5B-Instruct", default, default, plan=False)
+    assert resolve_checkpoint("lit-model-5m", default, default, plan=True)[0] is None
+    with pytest.raises(UsageError, match="no published weights.*--checkpoint_dir"):
+        resolve_checkpoint("lit-model-5m", default, default, plan=False)
+    with pytest.raises(UsageError, match="not a Hugging Face repository id"):
+        resolve_checkpoint("a/b/c", default, default, plan=False)
+    with pytest.raises(UserError, match="default out/pretrain/final does not exist yet.*--model_name ORG/NAME"):
+        resolve_checkpoint(None, default, default, plan=False)
 
 
 @pytest.mark.slow

@@ -274,7 +274,10 @@ def run_in_process(method: str, argv: list[str], capsys) -> tuple[int, str]:
         ("lora", ("--data_path", "BAD_LINE"), 1, "Line 3 of"),
         ("lora", ("--data_path", "MISSING_OUTPUT"), 1, "has keys ['instruction', 'reply']"),
         ("lora", ("--checkpoint_dir", "NO_TOKENIZER"), 1, "missing tokenizer.json or tokenizer.model"),
-        ("lora", ("--model_name", "pythia-14m"), 2, "applies with --plan only"),
+        ("lora", ("--model_name", "pythia-14m", "--checkpoint_dir", "NO_TOKENIZER"), 2, "pass one of them"),
+        # --checkpoint_dir back at its default: as if only --model_name were given
+        ("lora", ("--model_name", "pythia-14m", "--checkpoint_dir", "out/pretrain/final"), 1,
+         "`lit-model download EleutherAI/pythia-14m`"),
         ("lora", ("--plan", "json", "--checkpoint_dir", "NO_TOKENIZER/missing"), 2, "Pass --model_name"),
     ],
 )

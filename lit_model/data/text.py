@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from lit_model.data.cache import (
     cache_root, cached, checked_directory, file_lock, warn_rebuild, write_directory_record,
 )
-from lit_model.data.sources import is_table, text_file
+from lit_model.data.sources import TABLE_SUFFIXES, is_table, text_file
 from lit_model.errors import UsageError, UserError
 from lit_model.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe
 
@@ -341,7 +341,7 @@ class GlobalBatchSampler:
 
 
 def _data_files(directory: Path) -> list[Path]:
-    suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
+    suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + TABLE_SUFFIXES
     return sorted(p for p in directory.rglob("*") if p.suffix in suffixes and p.is_file()
                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
 
@@ -349,7 +349,8 @@ def _data_files(directory: Path) -> list[Path]:
 def load_pretrain_data(data_path: Path | None, tokenizer: Tokenizer, seq_length: int,
                        val_fraction: float = 0.05, data: str | None = None) -> tuple[PackedDataset, PackedDataset, str]:
     """Train/val windows of ``seq_length`` tokens from the stdlib (neither ``data_path`` nor ``data``), one file,
-    a directory, or a named text dataset / .parquet / .csv / save_to_disk directory (through ``datasets``)."""
+    a directory (its .parquet/.csv files too), or a named text dataset / .parquet / .csv / save_to_disk directory
+    (tables through ``datasets``: their text column as a JSON-lines file in the cache)."""
     if not 0 < val_fraction < 1:
         raise UsageError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
     if data is not None or (data_path is not None and Path(data_path).expanduser().exists()
@@ -372,10 +373,11 @@ def load_pretrain_data(data_path: Path | None, tokenizer: Tokenizer, seq_length:
             files = _data_files(data_path)
             if not files:
                 raise UserError(f"The directory {data_path} has no usable files: pretraining reads "
-                                f"{', '.join('*' + s for s in TEXT_SUFFIXES + JSON_SUFFIXES)} files (searched "
-                                'recursively; JSON records need a "text" field). Add such files or point '
-                                "--data_path at another directory.")
-            train_files, val_files = split_by_file(files, val_fraction, root=data_path)
+                                f"{', '.join('*' + s for s in TEXT_SUFFIXES + JSON_SUFFIXES + TABLE_SUFFIXES)} "
+                                'files (searched recursively; JSON records and tables need a "text" field). Add '
+                                "such files or point --data_path at another directory.")
+            split = split_by_file(files, val_fraction, root=data_path)  # by the table's path, not its export's
+            train_files, val_files = ([text_file(None, p) if is_table(p) else p for p in part] for part in split)
         else:
             train_files, val_files = [data_path], []
     train = tokenize_files(train_files, tokenizer, cache_dir, f"{name}-train", errors)

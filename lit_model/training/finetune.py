@@ -15,11 +15,11 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 
 from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
-from lit_model.checkpoint import check_checkpoint_dir
 from lit_model.config import Config
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.data.sources import parse_fields
-from lit_model.errors import UsageError, UserError
+from lit_model.download import resolve_checkpoint
+from lit_model.errors import UsageError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
 from lit_model.model import GPT
 from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
@@ -42,6 +42,9 @@ class FinetuneArgs(TrainArgs):
     Args:
         checkpoint_dir: checkpoint to start from (weights, model_config.yaml, tokenizer); default: what
             `python pretrain/main.py` writes
+        model_name: ORG/NAME (or its registry name) of a model `lit-model download ORG/NAME` wrote to
+            checkpoints/ORG/NAME, in place of --checkpoint_dir; with --plan also a model not downloaded yet
+            (its architecture from the config registry)
         data_path: .json/.jsonl/.parquet/.csv instruction data (Alpaca keys, common aliases such as
             prompt/response or question/answer, or chat "messages"/"conversations"), a directory of them, or a
             directory written by datasets' save_to_disk; omitted: instructions made from the Python standard library
@@ -54,8 +57,6 @@ class FinetuneArgs(TrainArgs):
         mask_prompt: compute the loss on the responses only (prompt tokens get target -100)
         val_split_fraction: share of the records held out for validation
         sample_instruction: instruction answered at the end (default: the first validation sample's)
-        model_name: with --plan: a name from the config registry in place of --checkpoint_dir, to plan a run
-            before its weights are downloaded
     """
 
     data_kind: ClassVar[str] = "instruct"  # what --data may name
@@ -90,16 +91,6 @@ class Setup:
     data: InstructData
 
 
-def plan_config(args: FinetuneArgs) -> Config:
-    """``--plan``: the architecture from --model_name or the checkpoint's config; no weights are read."""
-    if args.model_name is not None:
-        return Config.from_name(args.model_name)
-    if (args.checkpoint_dir / "model_config.yaml").is_file():
-        return Config.from_checkpoint(args.checkpoint_dir)
-    raise UsageError(
-        f"--plan needs the model's architecture, but {args.checkpoint_dir} has no model_config.yaml. Pass "
-        "--model_name (python -m lit_model.config lists the names) to plan before the weights are there."
-    )
 
 
 def resolve(args: FinetuneArgs, method: Trainable) -> Run:
@@ -110,20 +101,10 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     if args.freeze_layers is not None and method != "full":
         raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
                          "only its own parameters. Drop --freeze_layers.")
-    if args.plan is not None:
-        return resolve_run(args, plan_config(args), method)
-    if args.model_name is not None:
-        raise UsageError(
-            f"--model_name {args.model_name} applies with --plan only: fine-tuning starts from the weights in "
-            "--checkpoint_dir (convert a Hugging Face download with `python -m lit_model.convert hf_to_lit`)."
-        )
-    if args.checkpoint_dir == DEFAULT_CHECKPOINT and not DEFAULT_CHECKPOINT.is_dir():
-        raise UserError(
-            f"No --checkpoint_dir given and the default {DEFAULT_CHECKPOINT} does not exist yet. Make it with "
-            "`python pretrain/main.py` (a few minutes on a CPU), or pass --checkpoint_dir with a checkpoint "
-            "(e.g. one converted with `python -m lit_model.convert hf_to_lit`)."
-        )
-    checkpoint_dir = check_checkpoint_dir(args.checkpoint_dir, need_tokenizer=True)
+    checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
+                                                plan=args.plan is not None)
+    if args.plan is not None:  # the architecture only: no weights are read
+        return resolve_run(args, config, method)
     continues_adapter = (checkpoint_dir / ADAPTER_CONFIG).is_file()
     if continues_adapter and method != "adapter":
         raise UsageError(
@@ -131,7 +112,7 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
             f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py, "
             "or start from its base checkpoint."
         )
-    run = resolve_run(args, Config.from_checkpoint(checkpoint_dir), method)
+    run = resolve_run(args, config, method, checkpoint_dir=checkpoint_dir)
     check_quantize(run.quantize, run.device_type, run.param_dtype, run.autocast_dtype is not None)
     if run.quantize == "bnb.int8" and run.strategy == "fsdp":
         raise UsageError(
@@ -149,7 +130,7 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
 def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
     run = session.choose_micro_batch_size(fabric, run, args)
-    checkpoint_dir = Path(args.checkpoint_dir)  # checked by resolve
+    checkpoint_dir = run.checkpoint_dir
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:
         style = PromptStyle.from_name(args.prompt_style)
