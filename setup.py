@@ -2,6 +2,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# mlflow-skinny is MLflow's client without the server and UI (a fraction of the size), all --logger mlflow needs
+LOGGERS = ["tensorboard", "wandb", "mlflow-skinny"]
+
 # torch is left unpinned here so a GPU machine keeps its CUDA build; on a CPU-only machine install
 # `torch==2.13.0` (the CPU wheel) first, as the README says, and this requirement is already met.
 setup(
@@ -34,7 +37,9 @@ setup(
         "plot": ["matplotlib"],
         "flash": ["flash-attn"],
         "data": ["datasets>=3"],  # --data NAME, .parquet/.csv and save_to_disk directories
-        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3"],
-        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3"],
+        "loggers": LOGGERS,  # --logger tensorboard, wandb, mlflow
+        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3",
+                 *LOGGERS],
+        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3", *LOGGERS],
     },
 )

@@ -102,6 +102,11 @@ CASES = [
     (PRETRAIN, ["--plan", "json", "--micro_batch_size", "64", "--global_batch_size", "16"], 2, "devices (1) x micro_batch_size (64)"),
     (PRETRAIN, ["--plan_plot", "plan.png"], 2, "--plan_plot draws the memory plan: add --plan text"),
     (PRETRAIN, ["--plan", "text", "--plan_plot", "missing/plan.png"], 2, "give a file name in an existing directory"),
+    # --logger
+    (PRETRAIN, ["--logger", "csv,tensorbord"], 2,
+     "--logger 'csv,tensorbord': 'tensorbord' is not a logger. Choose from csv, tensorboard, wandb, mlflow"),
+    (PRETRAIN, ["--config", "YAML:logger: [csv, neptune]\n"], 2, "'neptune' is not a logger"),
+    (ADAPTER, ["--logger", ""], 2, "'' is not a logger. Choose from csv, tensorboard, wandb, mlflow"),
     # the fine-tuning scripts share the checks, plus their own flags
     (FULL, ["--learning_rate", "0"], 2, "--learning_rate 0.0 must be positive"),
     (FULL, ["--val_split_fraction", "1.5"], 2, "--val_split_fraction 1.5 must be between 0 and 1"),
@@ -186,6 +191,16 @@ def test_plan_plot_without_matplotlib(tmp_path, monkeypatch):
     proc = run_script_inprocess(PRETRAIN, "--plan", "text", "--plan_plot", "plan.png", monkeypatch=monkeypatch)
     assert proc.returncode == 2, proc.stderr
     assert "--plan_plot needs matplotlib: run `pip install matplotlib`" in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script, package", [(PRETRAIN, "tensorboard"), (LORA, "wandb"), (FULL, "mlflow")])
+def test_logger_without_its_package(tmp_path, monkeypatch, script, package):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, package, None)  # find_spec now answers None, as where it is not installed
+    proc = run_script_inprocess(script, "--logger", f"csv,{package}", monkeypatch=monkeypatch)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--logger {package} needs the {package} package: run `pip install {package}`" in " ".join(proc.stderr.split())
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
 
 

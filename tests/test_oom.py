@@ -96,10 +96,12 @@ def test_out_of_memory_report_names_categories_and_fixes(tmp_path):
     from lit_model.training.args import TrainArgs
     from lit_model.training.recovery import out_of_memory_report
 
-    args = TrainArgs(micro_batch_size=1, global_batch_size=8, device_memory="24GB")
+    from lit_model.run import resolve_run
+
+    args = TrainArgs(micro_batch_size=1, global_batch_size=8, device_memory="24GB", out_dir=tmp_path)
     (tmp_path / "checkpoints" / "step-6").mkdir(parents=True)  # the report cites only a checkpoint that exists
-    text = out_of_memory_report(Config.from_name("lit-model-40m"), args, "full", torch.device("cpu"), 1, 1,
-                                "at step 7", "CUDA out of memory", tmp_path)
+    run = resolve_run(args, Config.from_name("lit-model-40m"), device_type="cpu")
+    text = out_of_memory_report(run, args, torch.device("cpu"), "at step 7", "CUDA out of memory")
     assert "Out of memory at step 7 even with micro batch 1 (CUDA out of memory)" in text
     assert "optimizer_state" in text and "parameters" in text
     assert "1) --" in text and "3) --" in text and "predicted peak" in text and "--resume auto" in text

@@ -237,3 +237,65 @@ def test_plan_prints_the_prediction_and_exits_without_training(tiny_setup, tmp_p
                        "24GB", "--precision", "bf16-true", "--micro_batch_size", "1")
     verdict = json.loads(small.stdout)
     assert verdict["fits"] is False and verdict["suggestions"]
+
+
+@pytest.mark.slow
+def test_loggers_receive_the_metrics_rows_and_a_resume_replaces_the_later_ones(tiny_setup, tmp_path, monkeypatch):
+    """--logger csv,tensorboard,wandb,mlflow: each backend gets metrics.csv's rows and the flags, under out_dir/logs
+    (W&B offline, MLflow in a file store: no network). A resume from step 2 with another learning rate replaces
+    steps 3.. in TensorBoard as in metrics.csv, and is a second W&B and MLflow run starting at step 3."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "logged"
+    loggers = ("--logger", "csv,tensorboard,wandb,mlflow", "--save_interval", "2", "--keep_last", "10")
+    assert pretrain(tiny_setup, out, *loggers).returncode == 0
+    first = read_metrics(out)
+    for path in ("checkpoints/step-00000004", "checkpoints/step-00000006", "final", "summary.json"):
+        shutil.rmtree(out / path, ignore_errors=True) if "." not in path else (out / path).unlink()
+    proc = pretrain(tiny_setup, out, *loggers, "--resume", "auto", "--learning_rate", "0.01")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert rows[:2] == first[:2] and rows[3]["train_loss"] != first[3]["train_loss"]  # step 3 updates at 0.01
+
+    def column(key: str, kept: list[dict[str, str]]) -> list[tuple[int, float]]:
+        return [(int(r["step"]), float(r[key])) for r in kept if r[key]]
+
+    events = EventAccumulator(str(out / "logs" / "tensorboard"))
+    events.Reload()
+    for key in ("train_loss", "val_loss", "learning_rate", "tokens"):
+        assert [(e.step, pytest.approx(e.value)) for e in events.Scalars(key)] == column(key, rows), key
+
+    runs = sorted((out / "logs" / "mlflow").glob("*/*/metrics"), key=lambda p: (p.parent / "meta.yaml").read_text())
+    assert len(runs) == 2
+    for metrics, kept in zip(sorted(runs, key=lambda p: len((p / "train_loss").read_text())), (rows[2:], first)):
+        lines = [line.split() for line in (metrics / "train_loss").read_text().splitlines()]
+        assert [(int(step), pytest.approx(float(value))) for _, value, step in lines] == column("train_loss", kept)
+        assert (metrics.parent / "params" / "max_steps").read_text() == "6"
+        assert "status: 3" in (metrics.parent / "meta.yaml").read_text()  # FINISHED
+    wandb_runs = sorted((out / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(wandb_runs) == 2 and all(b"train_loss" in path.read_bytes() for path in wandb_runs)
+
+
+def test_wandb_is_offline_unless_told_online_or_logged_in(tmp_path, monkeypatch):
+    from lit_model.training.loggers import wandb_offline
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login user password secret\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_offline()  # no key: W&B would prompt for one
+    netrc.write_text("machine api.wandb.ai login user password secret\n")  # what `wandb login` writes
+    assert not wandb_offline()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_offline()
+    monkeypatch.setenv("WANDB_MODE", "online")
+    netrc.unlink()
+    assert not wandb_offline()
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_offline()
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert not wandb_offline()

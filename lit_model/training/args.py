@@ -17,6 +17,7 @@ from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory.units import parse_memory
 from lit_model.training.fabric import DistributedSettings
+from lit_model.training.loggers import check_loggers
 from lit_model.training.optimizers import check_optimizer
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
@@ -52,6 +53,10 @@ class TrainArgs(DistributedSettings):
         max_steps: length of the run in optimizer steps
         max_tokens: length of the run in training tokens (overrides max_steps when given)
         log_interval: print and log a metrics row every N steps
+        logger: where the rows go besides out_dir/metrics.csv (always written): csv, tensorboard, wandb, mlflow,
+            several joined by commas (csv,tensorboard) or added with --logger+ NAME, under out_dir/logs; wandb runs
+            offline when WANDB_MODE=offline or without an API key (WANDB_API_KEY or `wandb login`); mlflow uses
+            $MLFLOW_TRACKING_URI when set, else a file store in out_dir/logs/mlflow
         eval_interval: evaluate every N steps (and at the end)
         eval_iters: evaluation batches of eval_batch_size per evaluation (split over the ranks)
         eval_batch_size: evaluation micro batch (default: micro_batch_size)
@@ -89,6 +94,7 @@ class TrainArgs(DistributedSettings):
     max_steps: Optional[int] = None
     max_tokens: Optional[int] = None
     log_interval: int = 10
+    logger: Union[str, list[str]] = "csv"
     eval_interval: int = 100
     eval_iters: int = 20
     eval_batch_size: Optional[int] = None
@@ -155,6 +161,7 @@ def check_args(args: TrainArgs) -> None:
     if isinstance(args.freeze_layers, list) and not args.freeze_layers:
         raise UsageError("--freeze_layers [] names no parameter: give patterns such as '[blocks.[0-3].*]', or drop it.")
     check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
+    check_loggers(args.logger)
     if args.device_memory is not None:
         parse_memory(args.device_memory)
     check_plan_flags(args)

@@ -38,6 +38,7 @@ from lit_model.files import atomic_open, atomic_write, fsync_directory
 from lit_model.memory.units import peak_rss_bytes
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
+from lit_model.training.loggers import open_loggers
 from lit_model.training.optimizers import lr_at, set_lr
 from lit_model.training.recovery import (
     StepOutOfMemory, any_rank, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
@@ -562,7 +563,7 @@ def fit(
     # The rate step run.step ran with: what the row of an evaluation redone on resume reports.
     lr = lr_at(max(progress.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
-    with STOPS.deferred():
+    with STOPS.deferred(), open_loggers(args, fabric.global_rank == 0, progress.step) as log_row:
         while progress.step < max_steps or progress.evaluation_due:
             if not progress.evaluation_due:  # else: resumed from a stop during this step's evaluation
                 torch.manual_seed(args.seed + 1_000_003 * progress.step + 7919 * fabric.global_rank)
@@ -616,6 +617,7 @@ def fit(
                     tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
                 )
                 metrics.write(row)
+                log_row(row)
                 done = progress.step - steps_at_start
                 eta = (max_steps - progress.step) * progress.fit_seconds / max(done, 1) if done else 0
                 val = f" | val {progress.last_val_loss:.4f}" if "val_loss" in row else ""
