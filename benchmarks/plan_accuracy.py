@@ -37,8 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -168,9 +167,16 @@ def run_worker(job: dict) -> dict:
 
 
 # ---- predictions -------------------------------------------------------------------------------------------
-def settings_for(precision: str, micro: int, seq_len: int, ac: bool) -> SimpleNamespace:
-    return SimpleNamespace(precision=precision, micro_batch_size=micro, global_batch_size=micro, override_max_seq_length=seq_len,
-                           activation_checkpointing=ac, optimizer="AdamW", grad_clip=1.0)  # the default loss chunk
+def settings_for(precision: str, micro: int, seq_len: int, ac: bool, **lora_flags: object) -> Any:
+    """The flags of this run, as the training scripts parse them (the default loss chunk; LoRA flags as
+    finetune/lora.py's attributes)."""
+    from lit_model.training.args import TrainArgs
+
+    settings = TrainArgs(precision=precision, micro_batch_size=micro, global_batch_size=micro, override_max_seq_length=seq_len,
+                         activation_checkpointing=ac, optimizer="AdamW", grad_clip=1.0)
+    for name, value in lora_flags.items():
+        setattr(settings, name, value)
+    return settings
 
 
 def predict(model: str, precision: str, trainable: str, ac: bool, micro: int, seq_len: int) -> dict:
@@ -196,8 +202,7 @@ def published_rows() -> list[dict]:
     rows = []
     for label, model, trainable, precision, quantize, micro, seq_len, ac, targets, published, metric in PUBLISHED:
         flags = {f"lora_{t}": (t in targets) for t in ("query", "key", "value", "projection", "mlp", "head")}
-        settings = SimpleNamespace(**vars(settings_for(precision, micro, seq_len, ac)), lora_r=8, lora_alpha=16.0,
-                                   lora_dropout=0.05, **flags)
+        settings = settings_for(precision, micro, seq_len, ac, lora_r=8, lora_alpha=16.0, lora_dropout=0.05, **flags)
         plan = plan_training(Config.from_name(model), settings, trainable=trainable, quantize=quantize, device_type="cuda",
                              device_memory="80GB", engine="auto", suggest=False)
         cats = plan.phase_categories[plan.peak_phase]

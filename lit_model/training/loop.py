@@ -550,7 +550,7 @@ def fit(
         return out_of_memory_report(run.replace(micro_batch_size=micro_batch_size), args, fabric.device, where, message)
 
     train_step = TrainStep(fabric, model, optimizer, run.micro_batch_size, args.oom_recovery, report)
-    # The data position is run.step: the sampler is a pure function of the step, so it needs no state.
+    # The data position is progress.step: the sampler is a pure function of the step, so it needs no state.
     state = {"model": model, "optimizer": optimizer, "run": progress}
     if args.rehearse and rehearsal_batch is not None:
         rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter)
@@ -560,7 +560,7 @@ def fit(
     steps_at_start = progress.step
     saved: Optional[tuple[int, Path]] = None  # the step and path of the checkpoint this run wrote last
     stopped = False
-    # The rate step run.step ran with: what the row of an evaluation redone on resume reports.
+    # The rate step progress.step ran with: what the row of an evaluation redone on resume reports.
     lr = lr_at(max(progress.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
     with STOPS.deferred(), open_loggers(args, fabric.global_rank == 0, progress.step) as log_row:
