@@ -259,6 +259,7 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
     import torch
 
     from lit_model import Config
+    from lit_model.run import resolve_run
     from lit_model.training.args import TrainArgs
     from lit_model.training.recovery import out_of_memory_report
 
@@ -266,7 +267,8 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
     args = TrainArgs(out_dir=tmp_path, micro_batch_size=1, global_batch_size=4, device_memory="2MB")
 
     def report() -> str:
-        text = out_of_memory_report(config, args, "full", torch.device("cpu"), 1, 1, "at step 1", "simulated", tmp_path)
+        text = out_of_memory_report(resolve_run(args, config, device_type="cpu"), args, torch.device("cpu"), "at step 1",
+                                    "simulated")
         return " ".join(text.split())
 
     before_any_save = report()

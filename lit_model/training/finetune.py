@@ -20,7 +20,7 @@ from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.data.sources import parse_fields
 from lit_model.download import resolve_checkpoint
 from lit_model.errors import UsageError
-from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS
+from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
 from lit_model.model import GPT
 from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
@@ -101,6 +101,8 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     if args.freeze_layers is not None and method != "full":
         raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
                          "only its own parameters. Drop --freeze_layers.")
+    if method == "lora":  # its flags' checks need no checkpoint: they come before any is read
+        LoRAConfig.from_flags(args)
     checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
                                                 plan=args.plan is not None)
     if args.plan is not None:  # the architecture only: no weights are read
