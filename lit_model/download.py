@@ -92,14 +92,24 @@ def download(
 
 
 def resolve_checkpoint(
-    model_name: Optional[str], checkpoint_dir: Path, default_dir: Path, plan: bool
+    model_name: Optional[str], checkpoint_dir: Path, default_dir: Path, plan: bool, model_config: Optional[Path] = None,
 ) -> tuple[Optional[Path], Config]:
     """The checkpoint directory a finetune or generate run reads, and its config: ``--checkpoint_dir``, or for
     ``--model_name ORG/NAME`` (or a registry name, published as ORG/NAME) what ``lit-model download ORG/NAME``
     wrote to checkpoints/ORG/NAME. Without ``plan`` the checkpoint is verified (tokenizer included). With
-    ``plan`` only its config is read, and a model not downloaded yet is planned from the registry (the
-    directory is then None)."""
+    ``plan`` only its config is read, and a model not downloaded yet is planned from the registry, or from
+    ``--model_config`` (a YAML of Config fields: a custom architecture); the directory is then None."""
     directory: Optional[Path] = Path(checkpoint_dir)
+    if model_config is not None:
+        if not plan:
+            raise UsageError(
+                f"--model_config {model_config} describes an architecture to plan (with --plan); a run reads the "
+                "architecture from its checkpoint's model_config.yaml. Drop --model_config, or add --plan text."
+            )
+        if model_name is not None or directory != default_dir:
+            named = f"--model_name {model_name}" if model_name is not None else f"--checkpoint_dir {checkpoint_dir}"
+            raise UsageError(f"--model_config {model_config} and {named} both name the model to plan; pass one of them.")
+        return None, Config.from_file(model_config)
     if model_name is not None:
         if directory != default_dir:
             raise UsageError(

@@ -118,15 +118,18 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: float, num_s
         raise UsageError(f"--num_samples must be at least 1, not {num_samples}.")
 
 
-def device_map(config: Config, devices: Sequence[torch.device]) -> dict[str, torch.device]:
-    """Consecutive blocks on consecutive devices; the embedding on the first, the final norm and head on the
-    last (a tied head stays with the embedding it shares its weight with)."""
-    mapping = {"embed": devices[0], "norm_f": devices[-1], "lm_head": devices[-1]}
+def pipeline_stages(config: Config, n_devices: int) -> dict[str, int]:
+    """Which of ``n_devices`` each part of the model goes on (the planner plans the same split): consecutive
+    blocks on consecutive devices; the embedding on the first, the final norm and head on the last (a tied head
+    stays with the embedding it shares its weight with)."""
+    stages = {"embed": 0, "norm_f": n_devices - 1, "lm_head": 0 if config.tie_embeddings else n_devices - 1}
     for i in range(config.n_layer):
-        mapping[f"blocks.{i}"] = devices[i * len(devices) // config.n_layer]
-    if config.tie_embeddings:
-        mapping["lm_head"] = devices[0]
-    return mapping
+        stages[f"blocks.{i}"] = i * n_devices // config.n_layer
+    return stages
+
+
+def device_map(config: Config, devices: Sequence[torch.device]) -> dict[str, torch.device]:
+    return {part: devices[stage] for part, stage in pipeline_stages(config, len(devices)).items()}
 
 
 def load_model(
@@ -602,6 +605,7 @@ class GenerationArgs:
         model_name: ORG/NAME (or its registry name) of a model `lit-model download ORG/NAME` wrote to
             checkpoints/ORG/NAME, in place of --checkpoint_dir; with --plan also a model not downloaded yet
             (its architecture from the config registry)
+        model_config: with --plan: a YAML of Config fields, to plan a custom architecture before it has a checkpoint
         temperature: sampling temperature; 0 is greedy decoding
         top_k: sample only among the k most likely tokens (omit for no limit)
         top_p: nucleus sampling: only among the most likely tokens that cover this probability (1: off)
@@ -630,6 +634,7 @@ class GenerationArgs:
     prompt_style: Optional[str] = None
     plan: Optional[Literal["text", "json"]] = None
     model_name: Optional[str] = None
+    model_config: Optional[Path] = None
     device_memory: Optional[str] = None
 
 
@@ -679,12 +684,7 @@ class GenerationSetup:
 
         args = self.args
         plan = plan_generation(self.config, prompt_length, max_new_tokens, batch_size, self.precision.name,
-                               args.quantize, args.device_memory, self.device_type)
-        if args.devices > 1:
-            plan.notes.append(
-                f"--devices {args.devices} spreads the blocks over {args.devices} GPUs; this plan holds the whole "
-                f"model on one, so each GPU needs about 1/{args.devices} of the weights and KV cache."
-            )
+                               args.quantize, args.device_memory, self.device_type, devices=args.devices)
         print(plan.to_json() if args.plan == "json" else plan.to_text())
         check_plan_fits(plan)
 
@@ -725,7 +725,7 @@ def prepare_generation(args: GenerationArgs) -> GenerationSetup:
     a model not downloaded yet (``--model_name``) is planned from the registry's config."""
     check_generation_args(args)
     checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
-                                                plan=args.plan is not None)
+                                                plan=args.plan is not None, model_config=args.model_config)
     if args.plan is None:
         devices = resolve_devices(args.devices)
         device_type = devices[0].type

@@ -315,6 +315,15 @@ def test_plan_from_the_checkpoint_or_a_model_name(ft, capsys, method):
     assert plan["run"]["model"] == "Llama-2-7b-hf" and plan["fits"] is False and plan["suggestions"]
     assert all(s["peak_bytes"] <= 24e9 for s in plan["suggestions"])
 
+    # a custom architecture before it has a checkpoint: --model_config, as pretrain takes it
+    custom = ft["base"].parent / f"custom-{method}.yaml"
+    custom.write_text((ft["base"] / "model_config.yaml").read_text().replace("n_layer: 2", "n_layer: 4"))
+    module.main(parse(args_cls, ["--model_config", str(custom), "--plan", "json"]))
+    deeper = json.loads(capsys.readouterr().out)
+    assert deeper["by_category"]["parameters"] > base_params
+    code, message = run_in_process(method, ["--model_config", str(custom), "--checkpoint_dir", str(ft["base"])], capsys)
+    assert code == 2 and "--model_config" in message and "--plan" in message
+
 
 def test_missing_default_checkpoint_names_the_command_that_makes_it(ft, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -330,9 +330,23 @@ def test_plan_from_a_model_name_says_7b_does_not_fit_8gb_and_suggests_quantize()
     proc = run("generate/chat.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "json")
     plan = json.loads(proc.stdout)
     assert not plan["fits"] and any(flag.startswith("--quantize") for s in plan["suggestions"] for flag in s["flags"])
+    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "text",
+               "--devices", "2", "--precision", "bf16-true")  # the blocks split over two GPUs
+    assert proc.returncode == 0 and "FITS in 8.00 GB" in proc.stdout and "the fullest of them" in proc.stdout
     proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf")  # generating needs the weights
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "`lit-model download meta-llama/Llama-2-7b-hf`" in " ".join(proc.stderr.split())
+
+
+def test_plan_a_custom_architecture_from_model_config(tmp_path: Path) -> None:
+    custom = tmp_path / "custom.yaml"
+    custom.write_text("name: custom\nblock_size: 128\nvocab_size: 256\nn_layer: 3\nn_embd: 64\nn_head: 4\n")
+    proc = run("generate/base.py", "--model_config", str(custom), "--plan", "json", "--prompt_length", "16",
+               "--max_new_tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["run"]["model"] == "custom"
+    proc = run("generate/base.py", "--model_config", str(custom))  # generating reads a checkpoint
+    assert proc.returncode == 2 and "--plan" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ---- quantization ----------------------------------------------------------------------------------------

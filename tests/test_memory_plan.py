@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_model import Config
 from lit_model.errors import UsageError
@@ -250,6 +251,25 @@ def test_generation_plan_grows_with_new_tokens_not_block_size():
     bigger_context = Config.from_name("Llama-2-7b-hf", block_size=32768)
     assert plan_generation(bigger_context, 512, 128, detect=False).peak_bytes == short.peak_bytes
     assert sum(short.by_category.values()) == short.peak_bytes
+
+
+def test_generation_over_several_gpus_plans_the_fullest_of_the_pipeline():
+    from lit_model.generation import device_map, pipeline_stages
+
+    one = plan_generation(LLAMA2, 512, 128, detect=False)
+    two = plan_generation(LLAMA2, 512, 128, detect=False, devices=2)
+    # 32 blocks split 16 + 16: each GPU holds half the KV cache and half the blocks, plus the embedding or the head
+    assert two.by_category["kv_cache"] * 2 == one.by_category["kv_cache"]
+    half_blocks = (one.by_category["parameters"] - (2 * 32000 * 4096 + 4096) * 2) / 2
+    assert half_blocks < two.by_category["parameters"] < one.by_category["parameters"] * 0.55
+    assert two.peak_bytes < one.peak_bytes and two.run["devices"] == 2 and "GPU" in two.notes[-1]
+    # the planned split is the one load_model places
+    placed = device_map(LLAMA2, [torch.device("cpu"), torch.device("meta")])
+    assert {part: device.type == "meta" for part, device in placed.items()} == {
+        part: stage == 1 for part, stage in pipeline_stages(LLAMA2, 2).items()}
+    # a 7B model that does not fit one 12 GB GPU in bf16 fits two
+    assert not plan_generation(LLAMA2, 512, 128, device_memory="12GB").fits
+    assert plan_generation(LLAMA2, 512, 128, device_memory="12GB", devices=2).fits
 
 
 def test_generation_kv_cache_in_the_compute_dtype():

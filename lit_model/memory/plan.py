@@ -461,10 +461,13 @@ def plan_generation(
     device_memory: Union[int, str, None] = None,
     device_type: str = "cuda",
     detect: bool = True,
+    devices: int = 1,
 ) -> Plan:
     """Predicted peak memory of ``generate/base.py``: weights (quantized linears packed), the KV cache for
     exactly prompt + new positions (not block_size), the prefill's activations and the last position's logits.
-    ``dtype``: a torch dtype or a --precision string (default bf16 on CUDA, fp32 on the CPU)."""
+    ``dtype``: a torch dtype or a --precision string (default bf16 on CUDA, fp32 on the CPU). ``devices``: the
+    GPUs ``--devices`` splits the blocks over (generation.pipeline_stages); the plan is the fullest one's."""
+    from lit_model.generation import pipeline_stages
     from lit_model.memory.modules import quantized_weight_bytes
 
     kv_dtype = dtype
@@ -479,50 +482,71 @@ def plan_generation(
     pc = analytic.param_counts(config)
     C, V, L, I = config.n_embd, config.padded_vocab_size, config.n_layer, config.intermediate_size
     hs, n_kv = config.head_size, config.n_query_groups
-    # weights
-    linear_bytes, quant_state, largest = 0, 0, 0
+    # one block's weights
+    linear_bytes, block_quant_state, largest = 0, 0, 0
     for i, o, bias in pc.block_linear.values():
         if quantize:
             packed, state = quantized_weight_bytes(i * o, quantize)
             linear_bytes += packed
-            quant_state += o * 4 if quantize == "bnb.int8" else state
+            block_quant_state += o * 4 if quantize == "bnb.int8" else state
             largest = max(largest, i * o)
         else:
             linear_bytes += i * o * d
         linear_bytes += o * d if bias else 0
-    params = L * (linear_bytes + pc.block_norms * d) + (pc.embed + pc.head + pc.norm_f) * d
-    params += 2 * total * config.rope_n_elem * 4  # RoPE tables for max_seq_length = prompt + new
-    quant_state *= L
-    kv = 2 * L * batch_size * n_kv * total * hs * DTYPE_BYTES[kv_dtype]
+    part_bytes = {"embed": pc.embed * d, "norm_f": pc.norm_f * d, "lm_head": pc.head * d}
+    block_kv = 2 * batch_size * n_kv * total * hs * DTYPE_BYTES[kv_dtype]
     B, P = batch_size, prompt_length
     mask = P * total * (1 + d)  # boolean mask and its float conversion for SDPA, one layer at a time
     prefill_acts = B * P * (3 * I + 3 * C) * d + mask + 16 * B * P
     if config.attention_logit_softcapping is not None:
         prefill_acts = max(prefill_acts, B * config.n_head * P * total * (d + 4 + d))
+    decode_acts = B * (3 * I + 3 * C) * d + total * (1 + d)
     logits = B * V * 4 * 3  # last position's logits, fp32 copy and probabilities for sampling
-    dequant = largest * d if quantize else 0  # one weight dequantized for a prompt's matmuls
-    prefill = {c: 0 for c in CATEGORIES}
-    prefill.update(parameters=params, quantization=quant_state + dequant, kv_cache=kv, activations=prefill_acts,
-                   logits_loss=logits)
-    decode = {c: 0 for c in CATEGORIES}
-    decode.update(parameters=params, quantization=quant_state, kv_cache=kv, activations=B * (3 * I + 3 * C) * d + total * (1 + d),
-                  logits_loss=logits)
-    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=1, num_nodes=1, strategy="single",
+    stages = pipeline_stages(config, devices)
+    phases: dict[str, dict[str, int]] = {}
+    fullest, fullest_bytes = 0, -1
+    for stage in range(devices):
+        parts = [part for part, where in stages.items() if where == stage]
+        blocks = sum(part.startswith("blocks.") for part in parts)
+        params = blocks * (linear_bytes + pc.block_norms * d) + sum(part_bytes.get(part, 0) for part in parts)
+        if stage == 0:
+            params += 2 * total * config.rope_n_elem * 4  # RoPE tables for max_seq_length = prompt + new
+        quant_state = blocks * block_quant_state
+        head_here = stages["lm_head"] == stage
+        prefill = {c: 0 for c in CATEGORIES}
+        prefill.update(parameters=params, quantization=quant_state + (largest * d if quantize and blocks else 0),
+                       kv_cache=blocks * block_kv, activations=prefill_acts if blocks or head_here else 0,
+                       logits_loss=logits if head_here else 0)
+        decode = {c: 0 for c in CATEGORIES}
+        decode.update(parameters=params, quantization=quant_state, kv_cache=blocks * block_kv,
+                      activations=decode_acts if blocks or head_here else 0, logits_loss=logits if head_here else 0)
+        stage_phases = {"prefill": prefill, "decode": decode}
+        stage_bytes = max(sum(cats.values()) for cats in stage_phases.values())
+        if stage_bytes > fullest_bytes:
+            phases, fullest, fullest_bytes = stage_phases, stage, stage_bytes
+    kv = L * block_kv
+    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1, strategy="single",
                micro_batch_size=B, global_batch_size=B, seq_len=total)
     memory = _resolve_memory(device_memory, device_type, detect)
-    plan = _assemble(spec, {"prefill": prefill, "decode": decode}, memory, "analytic", [])
+    plan = _assemble(spec, phases, memory, "analytic", [])
     plan.run = {"model": config.name, "parameters": pc.total, "dtype": str(dtype).replace("torch.", ""),
                 "quantize": quantize, "batch_size": B, "prompt_length": P, "max_new_tokens": max_new_tokens,
-                "kv_cache_bytes": kv, "kv_cache_positions": total}
+                "kv_cache_bytes": kv, "kv_cache_positions": total, "devices": devices}
     plan.host_bytes = {}
     plan.notes.append(f"KV cache: {format_bytes(kv)} for {total} positions (prompt + new tokens), allocated once.")
+    if devices > 1:
+        held = sorted(int(part.split(".")[1]) for part, where in stages.items() if where == fullest and part.startswith("blocks."))
+        plan.notes.append(f"--devices {devices}: consecutive blocks on consecutive GPUs; this is GPU {fullest}'s memory "
+                          f"({f'blocks {held[0]}-{held[-1]}' if held else 'no blocks'}"
+                          + (", the embedding" if stages["embed"] == fullest else "")
+                          + (", the head" if stages["lm_head"] == fullest else "") + "), the fullest of them.")
     if memory is not None and not plan.fits:
         plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
-                                                   memory, device_type)
+                                                   memory, device_type, devices)
     return plan
 
 
-def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type):
+def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type, devices):
     options = []
     if quantize is None:
         options += [({"quantize": "bnb.nf4"}, 1.5), ({"quantize": "bnb.int8"}, 2.0)]
@@ -535,7 +559,7 @@ def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, d
         q = changes.get("quantize", quantize)
         dt = torch.bfloat16 if "precision" in changes else dtype
         b = changes.get("num_samples", batch_size)
-        p = plan_generation(config, prompt_length, max_new_tokens, b, dt, q, memory, device_type, detect=False)
+        p = plan_generation(config, prompt_length, max_new_tokens, b, dt, q, memory, device_type, detect=False, devices=devices)
         if p.fits:
             out.append(Suggestion(changes=changes, flags=render_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
                                   cost=speed, by_category=p.by_category))

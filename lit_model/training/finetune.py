@@ -45,6 +45,7 @@ class FinetuneArgs(TrainArgs):
         model_name: ORG/NAME (or its registry name) of a model `lit-model download ORG/NAME` wrote to
             checkpoints/ORG/NAME, in place of --checkpoint_dir; with --plan also a model not downloaded yet
             (its architecture from the config registry)
+        model_config: with --plan: a YAML of Config fields, to plan a custom architecture before it has a checkpoint
         data_path: .json/.jsonl/.parquet/.csv instruction data (Alpaca keys, common aliases such as
             prompt/response or question/answer, or chat "messages"/"conversations"), a directory of them, or a
             directory written by datasets' save_to_disk; omitted: instructions made from the Python standard library
@@ -62,6 +63,7 @@ class FinetuneArgs(TrainArgs):
     data_kind: ClassVar[str] = "instruct"  # what --data may name
     checkpoint_dir: Path = DEFAULT_CHECKPOINT
     model_name: Optional[str] = None
+    model_config: Optional[Path] = None
     data: Optional[str] = None
     data_fields: Optional[str] = None
     out_dir: Path = Path("out/finetune")
@@ -104,7 +106,7 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     if method == "lora":  # its flags' checks need no checkpoint: they come before any is read
         LoRAConfig.from_flags(args)
     checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
-                                                plan=args.plan is not None)
+                                                plan=args.plan is not None, model_config=args.model_config)
     if args.plan is not None:  # the architecture only: no weights are read
         return resolve_run(args, config, method)
     continues_adapter = (checkpoint_dir / ADAPTER_CONFIG).is_file()
