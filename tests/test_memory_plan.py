@@ -147,6 +147,35 @@ def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
         assert closed["train_step"][category] == pytest.approx(traced["train_step"][category], rel=0.01)
 
 
+@pytest.mark.parametrize(
+    "config_kw, settings_kw, trainable",
+    [
+        (dict(n_layer=8), dict(precision="32-true"), "full"),
+        (dict(n_layer=8), dict(activation_checkpointing=True, activation_checkpointing_interval=3), "lora"),
+        (dict(n_layer=9, sliding_window_size=64, full_attention_every=3), dict(), "full"),  # Gemma 3's local/global
+        (dict(n_layer=8, nope_every=4), dict(precision="bf16-mixed"), "full"),  # SmolLM3's blocks without RoPE
+        (dict(n_layer=8), dict(), "adapter"),  # plain blocks, then adapted ones
+        (dict(n_layer=8), dict(freeze_layers=3), "full"),
+    ],
+)
+def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, settings_kw, trainable):
+    from lit_model.memory.trace import trace_by_layers
+
+    run = resolved(tiny(**config_kw), args(**settings_kw), trainable, device_type="cpu")
+    whole, extrapolated = trace_training(run), trace_by_layers(run)
+    assert extrapolated.phases == whole.phases
+    assert "extrapolated to" in extrapolated.notes[-1]
+
+
+def test_a_70b_model_is_planned_by_the_trace():
+    config = Config.from_name("Llama-3.3-70B-Instruct")
+    settings = args(micro_batch_size=1, global_batch_size=8, override_max_seq_length=2048)
+    traced = plan_training(config, settings, trainable="lora", device_memory="80GB", suggest=False)
+    closed = plan_training(config, settings, trainable="lora", device_memory="80GB", suggest=False, engine="analytic")
+    assert traced.engine == "trace" and any("extrapolated to 80" in note for note in traced.notes)
+    assert traced.tensor_peak_bytes == pytest.approx(closed.tensor_peak_bytes, rel=0.01)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("trainable", ["full", "lora"])

@@ -31,12 +31,13 @@ from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
 from lit_model.run import Run, changed_flags, render_flags, resolve_run
+from lit_model.memory.trace import depth_segments, trace_by_layers, trace_training
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
 SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare (analytic vs trace: <1 %)
-MAX_TRACE_LAYERS = 48  # "auto" traces models up to this depth and size (a 32-layer 7B traces in 10-25 s here);
-MAX_TRACE_PARAMETERS = 15e9  # bigger ones, and FSDP/offload, are planned analytically (agrees within ~1 %)
+MAX_TRACE_LAYERS = 48  # "auto" traces models up to this depth and size whole (a 32-layer 7B traces in 10-25 s
+MAX_TRACE_PARAMETERS = 15e9  # here); deeper or bigger ones are traced at a few blocks and extrapolated exactly
 
 
 # ---- results -----------------------------------------------------------------------------------------------
@@ -150,17 +151,18 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[dict[str, 
         if engine == "trace":
             notes.append(f"The trace cannot run {spec.optimizer}'s step on fake tensors; analytic estimate used.")
         engine = "analytic"
+    small = spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
     if engine == "auto":
-        small = spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
-        engine = "trace" if _traceable(spec) and small else "analytic"
+        engine = "trace" if _traceable(spec) and (small or depth_segments(spec) is not None) else "analytic"
     if engine == "trace":
         if not _traceable(spec):
             notes.append(f"{spec.strategy} with cpu_offload={spec.cpu_offload} is planned analytically (the trace runs one unsharded rank).")
             return phases, "analytic"
-        from lit_model.memory.trace import trace_training
-
         try:
-            result = trace_training(spec)
+            result = trace_training(spec) if small else trace_by_layers(spec)
+            if result is None:  # --freeze_layers patterns on a model too big to trace whole
+                notes.append("The blocks of this run differ by parameter-name patterns: planned analytically.")
+                return phases, "analytic"
         except Exception as error:  # an op without a fake-tensor implementation (e.g. Adafactor's .item())
             notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
             return phases, "analytic"

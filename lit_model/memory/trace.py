@@ -11,10 +11,12 @@ optimizer state). What the trace cannot see is added by ``plan.py``: framework o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -330,3 +332,69 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
             model.train()
     return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, probes=probes)
+
+
+# ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------
+def layer_period(run: Run) -> int:
+    """The number of consecutive blocks after which the blocks' kinds repeat (local/global attention, blocks
+    without RoPE, checkpointed blocks): every period of blocks holds the same memory."""
+    config, period = run.config, 1
+    if config.sliding_window_size is not None:
+        period = config.full_attention_every or config.sliding_window_layer_stride
+    for every in (config.nope_every, run.ac_interval):
+        if every:
+            period = math.lcm(period, every)
+    return period
+
+
+def depth_segments(run: Run) -> Optional[list[int]]:
+    """The run's blocks as consecutive segments of one kind each (frozen or trained, with or without an
+    adapter): their lengths. None when the kinds follow parameter-name patterns (--freeze_layers PATTERNS)."""
+    n_layer = run.config.n_layer
+    if run.trainable == "adapter":
+        return [run.adapter_start_layer, n_layer - run.adapter_start_layer]
+    if isinstance(run.freeze_layers, int):
+        return [run.freeze_layers, n_layer - run.freeze_layers]
+    return None if run.freeze_layers is not None else [n_layer]
+
+
+def with_segments(run: Run, lengths: list[int]) -> Run:
+    """The same run on a model whose segments have these lengths."""
+    from lit_model.adapter import AdapterConfig
+
+    changes: dict[str, Any] = {"config": dataclasses.replace(run.config, n_layer=sum(lengths))}
+    if run.trainable == "adapter":
+        changes["adapter"] = AdapterConfig(run.adapter_prompt_length, lengths[0])
+    elif isinstance(run.freeze_layers, int):
+        changes["freeze_layers"] = lengths[0]
+    return run.replace(**changes)
+
+
+def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> Optional[TraceResult]:
+    """The trace of a deep model from traces of shallow ones: a block's memory is the same in every period of
+    blocks, so each category of each phase is linear in the number of periods of each segment. Trace the run
+    with one period more than each segment's remainder, then with one more period in each segment in turn,
+    and extrapolate. None when the run's blocks do not form segments (see depth_segments)."""
+    segments = depth_segments(run)
+    if segments is None:
+        return None
+    period = layer_period(run)
+    # keeping each segment's length modulo the period keeps every block's kind (its index modulo the period)
+    base = [min(length, length % period + period) for length in segments]
+    start = time.perf_counter()
+    reference = trace_training(with_segments(run, base), phases)
+    result = {phase: dict(categories) for phase, categories in reference.phases.items()}
+    traced_depths = [sum(base)]
+    for index, (length, shallow) in enumerate(zip(segments, base)):
+        periods = (length - shallow) // period
+        if periods == 0:
+            continue
+        longer = base[:index] + [shallow + period] + base[index + 1:]
+        traced_depths.append(sum(longer))
+        step = trace_training(with_segments(run, longer), phases)
+        for phase, categories in result.items():
+            for category in categories:
+                categories[category] += periods * (step.phases[phase][category] - reference.phases[phase][category])
+    note = (f"Traced with {', '.join(map(str, traced_depths))} blocks and extrapolated to {run.config.n_layer} "
+            f"(the blocks' kinds repeat every {period}).")
+    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note])
