@@ -167,6 +167,13 @@ def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, set
     assert "extrapolated to" in extrapolated.notes[-1]
 
 
+def test_what_the_plan_does_not_model_it_says():
+    plan = plan_training(tiny(), args(compile=True, optimizer="PagedAdamW8bit"), trainable="lora", engine="analytic",
+                         detect=False)
+    assert any(note.startswith("--compile is not modelled") for note in plan.notes)
+    assert any(note.startswith("PagedAdamW8bit's state is counted in GPU memory") for note in plan.notes)
+
+
 def test_a_70b_model_is_planned_by_the_trace():
     config = Config.from_name("Llama-3.3-70B-Instruct")
     settings = args(micro_batch_size=1, global_batch_size=8, override_max_seq_length=2048)

@@ -286,6 +286,12 @@ def plan_run(
     plan = _assemble(run, phases, memory, used, notes)
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
+    if run.compile:
+        plan.notes.append("--compile is not modelled: this is the eager run's memory (torch.compile fuses element-wise "
+                          "ops, which usually keeps less, and needs memory of its own while it compiles).")
+    if run.optimizer.lower() == "pagedadamw8bit" and run.device_type == "cuda":
+        plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
+                          "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
     if run.device_type == "cuda":
         plan.notes.append("GPU overhead (CUDA context, workspaces, allocator fragmentation) is an uncalibrated estimate.")
     if run.strategy == "fsdp" and run.device_type == "cuda":
