@@ -25,10 +25,10 @@ from lit_model.data.text import check_batch_sizes
 from lit_model.errors import UsageError
 from lit_model.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.quantize import QUANTIZE_MODES
 
 Trainable = Literal["full", "lora", "adapter"]
 TRAINABLE = ("full", "lora", "adapter")
-QUANTIZE = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
 STRATEGIES = ("single", "ddp", "fsdp")
 
 
@@ -185,8 +185,8 @@ def resolve_run(
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() or (planning and args.device_memory) else "cpu"
     quantize = quantize if quantize is not None else getattr(args, "quantize", None)
-    if quantize is not None and quantize not in QUANTIZE:
-        raise UsageError(f"Unknown --quantize {quantize!r}. Choose one of: {', '.join(QUANTIZE)}, or leave it out.")
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise UsageError(f"Unknown --quantize {quantize!r}. Choose one of: {', '.join(QUANTIZE_MODES)}, or leave it out.")
     if quantize is not None and trainable == "full":
         raise UsageError(
             f"--quantize {quantize} freezes the base weights in low precision, so it works with LoRA/adapter "
