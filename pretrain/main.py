@@ -115,8 +115,9 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     final_dir = args.out_dir / "final"
     save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)
     baseline = unigram_loss(train_data.tokens, val_data.tokens, config.padded_vocab_size)
-    summary = write_summary(fabric, run, progress, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)})
     sample = session.sample_text(fabric, final_dir, tokenizer, args.sample_prompt)
+    # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
+    summary = write_summary(fabric, run, progress, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)})
     fabric.print(
         f"\nValidation loss {summary['val_loss']:.3f} vs unigram baseline {baseline:.3f} | "
         f"{summary['tokens_per_sec']:,.0f} tok/s | peak memory {summary['peak_memory_bytes'] / 2**20:,.0f} MB\n"

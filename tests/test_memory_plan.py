@@ -59,11 +59,42 @@ def test_categories_add_up_to_the_peak(engine):
     assert plan.engine == engine
     assert sum(plan.by_category.values()) == plan.peak_bytes
     assert plan.peak_bytes == max(plan.by_phase.values()) == plan.by_phase[plan.peak_phase]
-    assert set(plan.by_phase) == {"train_step", "evaluation", "checkpoint_save"}
+    assert set(plan.by_phase) == {"train_step", "evaluation", "checkpoint_save", "sample"}  # CPU: the sample at the end
     for phase, categories in plan.phase_categories.items():
         assert set(categories) == set(CATEGORIES)
         assert sum(categories.values()) == plan.by_phase[phase]
     assert plan.by_category["parameters"] > 0 and plan.by_category["overhead"] > 0
+
+
+def test_cpu_overhead_terms_add_up(monkeypatch):
+    from lit_model.memory.calibration import MB, MiB, OVERHEAD
+    from lit_model.memory.plan import cpu_overhead_terms, overhead_bytes
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
+    terms = cpu_overhead_terms(cats)
+    assert terms == {"runtime": 480 * MB, "data": 64 * MiB, "allocator_retention": int(0.20 * 600 * MB)}
+    assert overhead_bytes(cats, "cpu") == sum(terms.values())
+    # a second process adds its process group; persistent tensors (parameters) leave no retained heap
+    assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 480 * MB + OVERHEAD.cpu_distributed
+    assert cpu_overhead_terms({"parameters": 5 * 10**9})["allocator_retention"] == 0
+    # glibc's defaults keep freed blocks; a low mmap threshold returns them
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.025 * 600 * MB)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 20))  # a high threshold keeps the default retention
+    assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.20 * 600 * MB)
+
+
+def test_cpu_sample_phase_holds_the_run_and_an_fp32_copy():
+    from lit_model.memory.analytic import param_counts
+
+    plan = plan_training(tiny(), args(), device_type="cpu", engine="analytic", suggest=False, detect=False)
+    save, sample = plan.phase_categories["checkpoint_save"], plan.phase_categories["sample"]
+    assert sample["optimizer_state"] == save["optimizer_state"]
+    # the fp32 weights (tied: one embedding) and RoPE tables for the 128-token prompt + 100 new tokens
+    assert sample["parameters"] - save["parameters"] == param_counts(tiny()).total * 4 + 2 * 228 * tiny().rope_n_elem * 4
+    assert sample["kv_cache"] == 2 * 2 * 2 * 228 * 32 * 4
+    assert sum(plan.overhead_terms.values()) == plan.by_category["overhead"]
 
 
 def test_json_and_text():

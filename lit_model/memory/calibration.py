@@ -36,16 +36,25 @@ class Overhead:
     # (activations, logits, temporaries; persistent weights and optimizer state pack without gaps).
     # torchtune's Llama-2-7B LoRA (15.57 GB reserved) and litgpt's figures suggest 5-15 % (estimate).
     cuda_fragmentation: float = 0.10
-    # CPU: resident memory of a training process besides the model's tensors. Measured here: 374 MB after
-    # importing torch, lightning and lit_model's training modules, plus 100-112 MB that the first training step
-    # adds once (kernel code pages, OpenMP threads, oneDNN JIT kernels: `runtime_init_mb` in
-    # benchmarks/results/plan_accuracy.csv).
-    cpu_process_baseline: int = 480 * MB
-    # CPU: glibc keeps freed heap memory; with its default mmap threshold peak RSS ran 9-28 % above the
-    # traced tensor peak (../shared/README.md, 35.7M GPT). Fraction of the transient bytes; with
-    # MALLOC_MMAP_THRESHOLD_=65536 it is ~2 % (use ``cpu_fragmentation_mmap``).
-    cpu_fragmentation: float = 0.20
-    cpu_fragmentation_mmap: float = 0.025
+    # CPU, per process: what a training process holds besides the model's tensors, in named terms (plan.py
+    # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
+    # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
+    # runtime: the libraries a script imports (torch, lightning, numpy, tokenizers, lit_model's training modules):
+    # 373 MiB of VmRSS at the start of training (284 anonymous, 89 file-backed), plus 100-112 MB that the first
+    # step adds once (kernel code pages, OpenMP threads, oneDNN's JIT kernels). Rounded up.
+    cpu_runtime: int = 480 * MB
+    # a second process (gloo process group, DDP's reducer, FSDP's bookkeeping) adds this per rank (estimate)
+    cpu_distributed: int = 64 * MiB
+    # data: the token cache's pages (a read-only memmap that the unigram baseline reads whole: 18 MiB for the
+    # stdlib's 8.6M tokens), what tokenizing left in the heap (18 MiB cached, ~90 MiB when the corpus is
+    # tokenized in the same run) and the instruction records of a fine-tune; 64 MiB (estimate: the default data;
+    # a corpus of N tokens holds at least 2N bytes, 4N with a vocabulary over 65,536 tokens).
+    cpu_data: int = 64 * MiB
+    # glibc at its default settings keeps freed heap blocks (mmap threshold adapts up to 32 MiB): peak RSS ran
+    # above the traced tensor peak by this fraction of the transient bytes (activations, logits, gradients of a
+    # step). With MALLOC_MMAP_THRESHOLD_ <= 1 MiB freed blocks go back at once: ~2.5 % (old step-only grid).
+    cpu_allocator_retention: float = 0.20
+    cpu_allocator_retention_mmap: float = 0.025
 
 
 OVERHEAD = Overhead()

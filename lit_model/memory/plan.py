@@ -80,6 +80,7 @@ class Plan:
     world_size: int = 1
     run: dict[str, Any] = field(default_factory=dict)  # what was planned (model, precision, batch, ...)
     host_bytes: dict[str, int] = field(default_factory=dict)  # CPU memory outside the device (GPU runs)
+    overhead_terms: dict[str, int] = field(default_factory=dict)  # CPU: the peak phase's overhead by term
     notes: list[str] = field(default_factory=list)
     planned: Optional[Run] = field(default=None, repr=False, compare=False)  # the run this plan is for
 
@@ -114,18 +115,46 @@ class Plan:
 
 
 # ---- overhead --------------------------------------------------------------------------------------------
-def _cpu_fragmentation() -> float:
+CPU_SAMPLE_NEW_TOKENS = 100  # the sample at the end of a run (session.sample_text): at most this many new tokens
+
+
+def _cpu_allocator_retention() -> float:
+    """glibc's retained heap as a share of the transient bytes: at its default settings, or with
+    MALLOC_MMAP_THRESHOLD_ <= 1 MiB (freed blocks go back to the OS at once)."""
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    return OVERHEAD.cpu_fragmentation_mmap if threshold and threshold.isdigit() and int(threshold) <= 1 << 20 else OVERHEAD.cpu_fragmentation
+    tuned = threshold is not None and threshold.isdigit() and int(threshold) <= 1 << 20
+    return OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention
+
+
+def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1) -> dict[str, int]:
+    """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
+    imported runtime, the training data, and the heap glibc keeps from freed transient tensors."""
+    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + categories.get("gradients", 0)
+    return {
+        "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
+        "data": OVERHEAD.cpu_data,
+        "allocator_retention": int(_cpu_allocator_retention() * transient),
+    }
 
 
 def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1) -> int:
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py)."""
-    transient = categories.get("activations", 0) + categories.get("logits_loss", 0)
     if device_type == "cuda":
+        transient = categories.get("activations", 0) + categories.get("logits_loss", 0)
         fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
         return int(fixed + OVERHEAD.cuda_fragmentation * transient)
-    return int(OVERHEAD.cpu_process_baseline + _cpu_fragmentation() * transient)
+    return sum(cpu_overhead_terms(categories, world_size).values())
+
+
+def _sample_phase(spec: Run, save: dict[str, int]) -> dict[str, int]:
+    """CPU: rank 0 reloads final/ in fp32 for the sample at the end while the run's model and optimizer state
+    are still alive (the tensors of generate/base.py's plan on top of the save phase's, without its copy)."""
+    prompt = min(spec.seq_len, spec.config.block_size - CPU_SAMPLE_NEW_TOKENS)
+    generation = plan_generation(spec.config, max(prompt, 1), CPU_SAMPLE_NEW_TOKENS, dtype=torch.float32,
+                                 device_type="cpu", detect=False).phase_categories["prefill"]
+    out = {c: save.get(c, 0) + (generation.get(c, 0) if c != "overhead" else 0) for c in CATEGORIES}
+    out["checkpoint"] = 0  # the state dict written to final/ is gone
+    return out
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
@@ -206,6 +235,8 @@ def _run_summary(spec: Run) -> dict[str, Any]:
 
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
               notes: list[str]) -> Plan:
+    if spec.device_type == "cpu" and "checkpoint_save" in phases:
+        phases = {**phases, "sample": _sample_phase(spec, phases["checkpoint_save"])}
     phases = _finish_phases(phases, spec)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     peak_phase = max(by_phase, key=by_phase.get)
@@ -218,6 +249,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
+        overhead_terms=cpu_overhead_terms(phases[peak_phase], spec.world_size) if spec.device_type == "cpu" else {},
     )
 
 
@@ -294,6 +326,10 @@ def plan_run(
                           "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
     if run.device_type == "cuda":
         plan.notes.append("GPU overhead (CUDA context, workspaces, allocator fragmentation) is an uncalibrated estimate.")
+    else:
+        terms = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.overhead_terms.items())
+        plan.notes.append(f"CPU overhead per process: {terms} (measured on whole runs here and rounded up; the data term "
+                          "is an estimate for the default data, the allocator's for glibc's default settings).")
     if run.strategy == "fsdp" and run.device_type == "cuda":
         plan.notes.append(
             f"The final checkpoint gathers the full weights into rank 0's CPU memory: "
