@@ -338,6 +338,19 @@ def test_plan_from_a_model_name_says_7b_does_not_fit_8gb_and_suggests_quantize()
     assert "`lit-model download meta-llama/Llama-2-7b-hf`" in " ".join(proc.stderr.split())
 
 
+def test_the_end_of_run_sample_is_skipped_when_it_would_not_fit(checkpoint_dir: Path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    import lit_model.memory
+    from lit_model.training.session import sample_text
+
+    rank0, tokenizer = SimpleNamespace(global_rank=0), Tokenizer(checkpoint_dir)
+    assert sample_text(rank0, checkpoint_dir, tokenizer, "def f(x):", max_new_tokens=8)  # it fits: a continuation
+    monkeypatch.setattr(lit_model.memory, "detect_device_memory", lambda device_type: 1000)
+    note = sample_text(rank0, checkpoint_dir, tokenizer, "def f(x):", max_new_tokens=8)
+    assert note.startswith(f"[no sample: generating from {checkpoint_dir} in fp32 takes about") and "is free" in note
+
+
 def test_plan_a_custom_architecture_from_model_config(tmp_path: Path) -> None:
     custom = tmp_path / "custom.yaml"
     custom.write_text("name: custom\nblock_size: 128\nvocab_size: 256\nn_layer: 3\nn_embd: 64\nn_head: 4\n")

@@ -239,6 +239,10 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         phases = {**phases, "sample": _sample_phase(spec, phases["checkpoint_save"])}
     phases = _finish_phases(phases, spec)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
+    if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
+        notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 beside the run's state "
+                     f"would take {format_bytes(by_phase.pop('sample'))}.")
+        del phases["sample"]
     peak_phase = max(by_phase, key=by_phase.get)
     peak = by_phase[peak_phase]
     fits = True if device_memory is None else peak <= device_memory

@@ -182,15 +182,26 @@ def longest_batch(fabric: Fabric, dataset: Dataset, run: Run, collate_fn: Option
 
 
 def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, max_new_tokens: int = 60) -> str:
-    """A short sample from the saved model, on rank 0 (a separate CPU copy, so FSDP shards don't matter)."""
+    """A short sample from the saved model, on rank 0 (a separate CPU copy, so FSDP shards don't matter); a note
+    instead when the planner says the copy would not fit the memory free now (the run is saved: no OOM at the end)."""
     from lit_model.generation import generate
+    from lit_model.memory import detect_device_memory, format_bytes, plan_generation
 
     if fabric.global_rank != 0:
         return ""
+    config = Config.from_checkpoint(final_dir)
+    prompt_ids = tokenizer.encode(prompt)[-(config.block_size // 2) :]
+    new_tokens = min(max_new_tokens, config.block_size - len(prompt_ids))
+    need = plan_generation(config, len(prompt_ids), new_tokens, dtype=torch.float32, device_type="cpu",
+                           detect=False).tensor_peak_bytes
+    free = detect_device_memory("cpu")
+    if need > free:
+        return (f"[no sample: generating from {final_dir} in fp32 takes about {format_bytes(need)} and "
+                f"{format_bytes(free)} is free; `python generate/base.py --checkpoint_dir {final_dir} --precision "
+                "bf16-true` (or --quantize bnb.nf4) samples it in less]")
     model = GPT.from_checkpoint(final_dir, device="cpu", dtype=torch.float32)
-    prompt_ids = tokenizer.encode(prompt)[-(model.max_seq_length // 2) :]
     result = generate(
-        model, prompt_ids, min(max_new_tokens, model.max_seq_length - len(prompt_ids)), temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
+        model, prompt_ids, new_tokens, temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
         generator=torch.Generator().manual_seed(0),
     )
     return tokenizer.decode(result.tokens[0])
