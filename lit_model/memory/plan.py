@@ -149,8 +149,9 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
 def _sample_phase(spec: Run, save: dict[str, int]) -> dict[str, int]:
     """CPU: rank 0 reloads final/ in fp32 for the sample at the end while the run's model and optimizer state
     are still alive (the tensors of generate/base.py's plan on top of the save phase's, without its copy)."""
-    prompt = min(spec.seq_len, spec.config.block_size - CPU_SAMPLE_NEW_TOKENS)
-    generation = plan_generation(spec.config, max(prompt, 1), CPU_SAMPLE_NEW_TOKENS, dtype=torch.float32,
+    new_tokens = min(CPU_SAMPLE_NEW_TOKENS, spec.config.block_size // 2)  # prompt and new tokens within the context
+    prompt = min(spec.seq_len, spec.config.block_size - new_tokens)
+    generation = plan_generation(spec.config, max(prompt, 1), new_tokens, dtype=torch.float32,
                                  device_type="cpu", detect=False).phase_categories["prefill"]
     out = {c: save.get(c, 0) + (generation.get(c, 0) if c != "overhead" else 0) for c in CATEGORIES}
     out["checkpoint"] = 0  # the state dict written to final/ is gone
