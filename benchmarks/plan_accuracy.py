@@ -127,15 +127,24 @@ def reset_peak() -> None:
 
 
 # ---- the measured run (in a fresh process) ---------------------------------------------------------------
+def job_config(job: dict, **overrides: int) -> Any:
+    """A job's model: a registry name (``model``) or the fields of a custom config (``config``)."""
+    from lit_model import Config
+
+    if "config" in job:
+        return Config(**{**job["config"], **overrides})
+    return Config.from_name(job["model"], **overrides)
+
+
 def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[float]:
     import torch
 
-    from lit_model import Config, GPT
+    from lit_model import GPT
     from lit_model.lora import LoRAConfig, apply_lora
     from lit_model.training.optimizers import build_optimizer
 
     dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[job["precision"]]
-    config = Config.from_name(job["model"]) if n_layer is None else Config.from_name(job["model"], n_layer=n_layer)
+    config = job_config(job) if n_layer is None else job_config(job, n_layer=n_layer)
     torch.set_default_dtype(dtype)
     try:
         model = GPT(config)
