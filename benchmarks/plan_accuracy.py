@@ -156,7 +156,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
 
         quantize_model(model, job["quantize"], dtype)
     if job["trainable"] == "lora":
-        apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05), dtype=dtype)
+        apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05, mlp=job.get("lora_mlp", False)), dtype=dtype)
     model.activation_checkpointing_interval = 1 if job["ac"] else 0
     model.train()
     optimizer = build_optimizer(model, job.get("optimizer", "AdamW"), 1e-4, weight_decay=0.1, device_type="cpu", param_dtype=dtype)
@@ -198,9 +198,10 @@ def worker(job: dict) -> dict:
             "runtime_init": baseline - after_imports, "step_seconds": min(times)}
 
 
-def run_worker(job: dict) -> dict:
+def run_worker(job: dict, script: str = __file__) -> dict:
+    """``worker(job)`` in a fresh process: ``script --worker JOB`` (this file, or one that wraps its worker)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, script, "--worker", json.dumps(job)], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"worker failed for {job}:\n{out.stderr[-3000:]}")
