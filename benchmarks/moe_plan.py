@@ -36,17 +36,23 @@ NOTES = """## What the rows say
   forward and backward grows with its rows, at most one per token. So this routing needs the most memory, and its
   `first_k` measurement is the one the trace must match. Before this change the trace failed on `aten.nonzero`
   (the router's data-dependent `torch.where`) and every MoE plan fell back to the analytic estimate.
-- **fp32:** the random router is within 1 % of `first_k`, and 5 steps measure the same as 2.
-- **bf16 on the CPU:** the random router measures more than `first_k`, and the gap grows with each step
-  (`random, 5 steps`). This memory is not tensors. Every expert gets a new row count each step, and oneDNN
-  compiles and caches kernels for each new shape. With `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` the growth is about
-  half (measured once by hand: 232.7 MB after 2 steps, 258.1 MB after 5, against 276.1 and 329.3 MB with the cache). The
-  planner does not model this runtime cost. Its CPU process overhead covers it at these sizes (the whole plan,
-  861 MB for row 1, is above the process's measured peak, 695 MB). A long bf16 MoE run on a CPU should leave
-  room for it, or set `ONEDNN_PRIMITIVE_CACHE_CAPACITY`.
+- **fp32:** the random router measures at most `first_k` (-0.7 % without activation checkpointing, -3.7 % with
+  it), and 5 steps measure the same as 2.
+- **bf16 on the CPU:** the random router measures more than `first_k`, and the gap grows with each step. This
+  memory is not tensors. Every expert gets a new row count each step, and the bf16 matmuls cache something for
+  each new shape. Part of it is oneDNN's primitive cache. With `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` the growth is
+  about half: 232.7 MB after 2 steps and 258.1 MB after 5, against 276.1 and 329.3 MB with the cache (measured
+  once by hand). We did not find what holds the rest.
+
+  Over 20 steps it reaches 421.8 MB: the process peaks at 788 MB, above the whole plan's 688 MB (tensors 191 MB
+  plus the CPU process overhead). So the plan is optimistic for a long bf16 MoE run on a CPU, and it says so in a
+  note. The growth slows down as row counts repeat, but we have not measured where it levels off. The command
+  was `python -c` running plan_accuracy's `run_worker` on this model with `"precision": "bf16-true", "routing":
+  "random", "steps": 20`; it took 3 minutes on 2 shared cores.
 - `python pretrain/main.py --model_config moe-bench.yaml --micro_batch_size 4 --global_batch_size 4 --plan json`
   (MODEL as YAML, the data flags left at their defaults) plans row 1 with engine `trace` and `tensor_peak_bytes`
-  355688968, the trace column.
+  355688968 (the trace column). Its `peak_bytes` of 861 MB, with the process overhead, is above the process's
+  measured peak of 695 MB.
 """
 
 

@@ -9,11 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import ROOT, TINY_CONFIG  # noqa: E402
 from test_finetune import finetune, ft, losses, make_checkpoint  # noqa: E402, F401
 from test_pretrain import pretrain  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from moe_plan import MODEL, predict  # noqa: E402
+from plan_accuracy import run_worker, settings_for  # noqa: E402
+
+from lit_model import GPT, Config  # noqa: E402
+from lit_model.memory import plan_training  # noqa: E402
+from lit_model.model import LLaMAMoE  # noqa: E402
 
 MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2)
 
@@ -29,9 +38,6 @@ def moe_setup(tiny_setup, tmp_path_factory) -> dict[str, Path]:
 def test_an_expert_no_token_chose_still_gets_a_zero_gradient():
     """FSDP reduce-scatters every parameter of a block on every rank: a rank whose tokens all skipped an expert
     must still give that expert a gradient (zeros), or the ranks' collectives would not match."""
-    from lit_model.config import Config
-    from lit_model.model import LLaMAMoE
-
     torch.manual_seed(0)
     moe = LLaMAMoE(Config(name="moe", n_embd=8, n_head=2, intermediate_size=16, **MOE))
     direction = torch.randn(8)
@@ -61,10 +67,6 @@ def test_fsdp_on_two_processes_matches_one(moe_setup, tmp_path):
 
 @pytest.mark.multiprocess
 def test_lora_on_every_expert_with_fsdp_trains_and_merges(ft, tmp_path):
-    from safetensors.torch import load_file
-
-    from lit_model import GPT
-
     base = make_checkpoint(tmp_path / "base", ft["tokenizer"], **MOE)
     out = tmp_path / "lora"
     proc = finetune({**ft, "base": base}, "lora", out, "--lora_mlp", "true", "--lora_dropout", "0", "--devices", "2",
@@ -88,13 +90,6 @@ def test_the_plan_of_a_moe_step_matches_the_measured_run(routing):
     the trace assumes: the trace's tensor peak within 3 % of the measured step, the analytic one above it by less
     than 10 % (it places the peak later in the backward, with more gradients, for dense models too), and the whole
     plan (with its process overhead) above the process's measured peak."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from moe_plan import MODEL, predict
-    from plan_accuracy import run_worker, settings_for
-
-    from lit_model import Config
-    from lit_model.memory import plan_training
-
     job = {"config": {**MODEL, "n_layer": 2}, "precision": "32-true", "trainable": "full", "lora_mlp": False,
            "ac": False, "micro_batch": 2, "seq_len": 256, "routing": routing}
     measured = run_worker(job, str(ROOT / "benchmarks" / "moe_plan.py"))
@@ -104,3 +99,11 @@ def test_the_plan_of_a_moe_step_matches_the_measured_run(routing):
     plan = plan_training(Config(**job["config"]), settings_for("32-true", 2, 256, False), device_type="cpu",
                          suggest=False, detect=False)
     assert plan.engine == "trace" and plan.peak_bytes > measured["peak_rss"]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+def test_the_plan_notes_the_cpu_kernel_caches_of_half_precision_experts(precision):
+    config = Config(name="moe", n_layer=2, n_embd=64, n_head=4, block_size=64, vocab_size=512, **MOE)
+    notes = plan_training(config, settings_for(precision, 2, 64, False), device_type="cpu", engine="analytic",
+                          suggest=False, detect=False).notes
+    assert any("every new expert row count" in note for note in notes) == (precision != "32-true")
