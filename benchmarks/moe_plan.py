@@ -44,14 +44,14 @@ NOTES = """## What the rows say
   about half: 232.7 MB after 2 steps and 258.1 MB after 5, against 276.1 and 329.3 MB with the cache (measured
   once by hand). We did not find what holds the rest.
 
-  Over 20 steps it reaches 421.8 MB: the process peaks at 788 MB, above the whole plan's 688 MB (tensors 191 MB
+  Over 20 steps it reaches 421.8 MB: the process peaks at 788 MB, above the whole plan's 755 MB (tensors 191 MB
   plus the CPU process overhead). So the plan is optimistic for a long bf16 MoE run on a CPU, and it says so in a
   note. The growth slows down as row counts repeat, but we have not measured where it levels off. The command
   was `python -c` running plan_accuracy's `run_worker` on this model with `"precision": "bf16-true", "routing":
   "random", "steps": 20`; it took 3 minutes on 2 shared cores.
 - `python pretrain/main.py --model_config moe-bench.yaml --micro_batch_size 4 --global_batch_size 4 --plan json`
   (MODEL as YAML, the data flags left at their defaults) plans row 1 with engine `trace` and `tensor_peak_bytes`
-  355688968 (the trace column). Its `peak_bytes` of 861 MB, with the process overhead, is above the process's
+  355688968 (the trace column). Its `peak_bytes` of 932 MB, with the process overhead, is above the process's
   measured peak of 695 MB.
 """
 

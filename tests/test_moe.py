@@ -103,7 +103,7 @@ def test_the_plan_of_a_moe_step_matches_the_measured_run(routing):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 def test_the_plan_notes_the_cpu_kernel_caches_of_half_precision_experts(precision):
-    config = Config(name="moe", n_layer=2, n_embd=64, n_head=4, block_size=64, vocab_size=512, **MOE)
-    notes = plan_training(config, settings_for(precision, 2, 64, False), device_type="cpu", engine="analytic",
+    config = Config(name="moe", n_layer=2, n_embd=64, n_head=4, block_size=256, vocab_size=512, **MOE)
+    notes = plan_training(config, settings_for(precision, 2, 256, False), device_type="cpu", engine="analytic",
                           suggest=False, detect=False).notes
     assert any("every new expert row count" in note for note in notes) == (precision != "32-true")
