@@ -127,15 +127,24 @@ def reset_peak() -> None:
 
 
 # ---- the measured run (in a fresh process) ---------------------------------------------------------------
+def job_config(job: dict, **overrides: int) -> Any:
+    """A job's model: a registry name (``model``) or the fields of a custom config (``config``)."""
+    from lit_model import Config
+
+    if "config" in job:
+        return Config(**{**job["config"], **overrides})
+    return Config.from_name(job["model"], **overrides)
+
+
 def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[float]:
     import torch
 
-    from lit_model import Config, GPT
+    from lit_model import GPT
     from lit_model.lora import LoRAConfig, apply_lora
     from lit_model.training.optimizers import build_optimizer
 
     dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[job["precision"]]
-    config = Config.from_name(job["model"]) if n_layer is None else Config.from_name(job["model"], n_layer=n_layer)
+    config = job_config(job) if n_layer is None else job_config(job, n_layer=n_layer)
     torch.set_default_dtype(dtype)
     try:
         model = GPT(config)
@@ -147,7 +156,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
 
         quantize_model(model, job["quantize"], dtype)
     if job["trainable"] == "lora":
-        apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05), dtype=dtype)
+        apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05, mlp=job.get("lora_mlp", False)), dtype=dtype)
     model.activation_checkpointing_interval = 1 if job["ac"] else 0
     model.train()
     optimizer = build_optimizer(model, job.get("optimizer", "AdamW"), 1e-4, weight_decay=0.1, device_type="cpu", param_dtype=dtype)
@@ -189,9 +198,10 @@ def worker(job: dict) -> dict:
             "runtime_init": baseline - after_imports, "step_seconds": min(times)}
 
 
-def run_worker(job: dict) -> dict:
+def run_worker(job: dict, script: str = __file__) -> dict:
+    """``worker(job)`` in a fresh process: ``script --worker JOB`` (this file, or one that wraps its worker)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, script, "--worker", json.dumps(job)], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"worker failed for {job}:\n{out.stderr[-3000:]}")

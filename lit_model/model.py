@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from lit_model.config import Config
@@ -378,6 +379,19 @@ class GemmaMLP(LLaMAMLP):
         return F.gelu(x, approximate=self.approximate)
 
 
+def expert_tokens(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that chose ``expert`` (rows of ``chosen``, tokens x k) and in which of their k slots. On fake
+    tensors (the memory planner's trace) the choice is unknown: every token chose experts 0..k-1. That routing
+    needs the most memory: the experts' saved activations add up to k rows per token whatever the choice, and
+    the buffers in flight in one expert's forward and backward grow with its rows, at most one per token."""
+    if is_fake(chosen):
+        tokens, k = chosen.shape
+        rows = tokens if expert < k else 0
+        return (torch.arange(rows, device=chosen.device),
+                torch.full((rows,), expert, dtype=torch.long, device=chosen.device))
+    return torch.where(chosen == expert)
+
+
 class LLaMAMoE(nn.Module):
     """Mixture of SwiGLU experts (Mixtral, Qwen3-MoE): a router scores every expert per token, the
     ``n_expert_per_token`` best run on that token and their outputs are summed, weighted by the router's softmax
@@ -399,7 +413,7 @@ class LLaMAMoE(nn.Module):
         weights = weights.to(x.dtype)
         y = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            token, slot = torch.where(chosen == e)  # the tokens that chose expert e, and in which of their k slots
+            token, slot = expert_tokens(chosen, e)
             y = y.index_add(0, token, expert(x[token]) * weights[token, slot, None])
         return y.view(B, T, C)
 

@@ -34,10 +34,6 @@ FEATURES = {
     "smollm3": dict(nope_every=4),
     "qwen3_moe": dict(qk_norm="head", mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_norm_topk=False),
 }
-# the trace cannot follow a router's data-dependent choice: the planner estimates experts analytically
-TRACED = [family for family, fields in FEATURES.items() if not fields.get("n_expert")]
-
-
 def tiny_model(**fields) -> GPT:
     torch.manual_seed(0)
     model = GPT(Config(**{**TINY, **fields}))
@@ -62,7 +58,7 @@ def test_kv_cache_decoding_equals_the_full_forward(family: str) -> None:
             torch.testing.assert_close(forward_last(model, ids[:, a:b], torch.arange(a, b), b), full[:, b - 1])
 
 
-@pytest.mark.parametrize("family", TRACED)
+@pytest.mark.parametrize("family", list(FEATURES))
 @pytest.mark.parametrize("precision, trainable", [("32-true", "full"), ("bf16-true", "lora"), ("bf16-mixed", "full")])
 def test_analytic_planner_agrees_with_the_trace(family: str, precision: str, trainable: str) -> None:
     fields = {k: v for k, v in FEATURES[family].items() if k != "head_size"}

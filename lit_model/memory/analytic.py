@@ -407,11 +407,15 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     else:
         per_token += kept_linear_inputs(fc_names, C, d)
     if config.mlp_class_name == "LLaMAMoE":
-        # Estimate (the trace cannot follow the router's data-dependent choice): each token runs the SwiGLU above
-        # in k experts, on its own copy of the input, and each expert's output is kept by the product with the
-        # router weight; the router keeps its fp32 softmax and its logits.
+        # Each token runs the SwiGLU above in k experts, on its own copy of the input; per choice also the expert's
+        # output (kept by the product with the router weight), that weight, the int64 top-k index and the token
+        # and slot indices of the dispatch, the fp32 top-k probability. The router keeps its fp32 softmax, the sum
+        # that renormalises the top k, and its input when its weight trains. (Equal to the trace, which routes every
+        # token to experts 0..k-1: the most memory any routing needs, model.expert_tokens.)
         k = config.n_expert_per_token
-        per_token = before_mlp + k * (per_token - before_mlp + C * d + C * dm) + config.n_expert * (4 + dm)
+        per_choice = per_token - before_mlp + C * d + C * dm + 3 * 8 + 4 + d
+        router = config.n_expert * 4 + 4 * config.moe_norm_topk + C * dm * block_trainable
+        per_token = before_mlp + k * per_choice + router
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
     if config.post_mlp_norm:
         kept, m_rg = _norm(spec, dm, m_rg, norm_w, C)
@@ -523,8 +527,11 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
     # no-grad forward: the largest set of tensors alive at once inside a block (MLP: 3 intermediates)
     if config.mlp_class_name == "GptNeoxMLP":
         eval_fw = N * (2 * I + 3 * C) * d
-    else:  # a mixture of experts runs each token through n_expert_per_token experts
-        eval_fw = N * (3 * I * max(config.n_expert_per_token, 1) + 3 * C) * d
+    else:
+        eval_fw = N * (3 * I + 3 * C) * d
+    if config.mlp_class_name == "LLaMAMoE":  # one expert at a time, on at most every token; plus the dispatch: the
+        # gathered input, the weighted output, the running sum and its update, the router's probabilities and top k
+        eval_fw += N * (4 * C * d + 8 * config.n_expert + 16 * config.n_expert_per_token)
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
     eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path

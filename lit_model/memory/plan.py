@@ -326,6 +326,10 @@ def plan_run(
     if run.compile:
         plan.notes.append("--compile is not modelled: this is the eager run's memory (torch.compile fuses element-wise "
                           "ops, which usually keeps less, and needs memory of its own while it compiles).")
+    if run.config.n_expert and run.device_type == "cpu" and run.compute_bytes == 2:
+        plan.notes.append("Not modelled: half-precision matmuls on the CPU cache kernels for every new expert row "
+                          "count, so the process grows over the first steps beyond this plan (a 20M-parameter MoE: "
+                          "+230 MB after 20 steps, benchmarks/results/moe_plan.md); leave room for it.")
     if run.optimizer.lower() == "pagedadamw8bit" and run.device_type == "cuda":
         plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
                           "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
