@@ -20,7 +20,7 @@ from typing import Optional
 from lightning.fabric import Fabric
 from safetensors.torch import save_file
 
-from lit_model.adapter import ADAPTER_WEIGHTS, AdapterAttention, AdapterConfig, apply_adapter
+from lit_model.adapter import ADAPTER_WEIGHTS, AdapterAttention, apply_adapter
 from lit_model.checkpoint import derive_checkpoint_dir
 from lit_model.cli import parse
 from lit_model.errors import run_cli

@@ -63,6 +63,20 @@ def tiny_setup(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "data": data, "tokenizer": root / "tokenizer", "config": root / "tiny.yaml"}
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised checkpoint of the tiny setup's model, with its tokenizer (read-only for tests)."""
+    from lit_model import GPT, Config
+    from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_file(tiny_setup["config"]))
+    model.init_weights()
+    out_dir = tmp_path_factory.mktemp("tiny-ckpt") / "tiny"
+    return save_checkpoint_dir(lit_state_dict(model, model.config), model.config, out_dir,
+                               tokenizer_dir=tiny_setup["tokenizer"])
+
+
 def run_script(script: str, *args: str, cache: Path | None = None, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LIT_MODEL_DEBUG", None)

@@ -14,26 +14,14 @@ from typing import Callable
 
 import numpy as np
 import pytest
-import torch
 
-from lit_model import GPT, Config
-from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+from lit_model import Config
 from lit_model.convert import config_to_hf
 from conftest import run_script, run_script_inprocess
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError
 GARBAGE = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()  # what `head -c 4096 /dev/urandom` gives
 IS_ROOT = os.geteuid() == 0  # root reads and writes whatever the permission bits say
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = GPT(Config.from_file(tiny_setup["config"]))
-    model.init_weights()
-    out_dir = tmp_path_factory.mktemp("bad-data-ckpt") / "tiny"
-    return save_checkpoint_dir(lit_state_dict(model, model.config), model.config, out_dir,
-                               tokenizer_dir=tiny_setup["tokenizer"])
 
 
 def write(relative: str, content: str | bytes) -> Callable[[Path], None]:
@@ -192,13 +180,13 @@ def snapshot(directory: Path) -> dict[str, bytes] | None:
 
 @pytest.mark.parametrize("name, setup, argv, code, fragment", CASES, ids=[case[0] for case in CASES])
 def test_bad_data_is_one_paragraph_without_traceback(name: str, setup, argv: tuple[str, ...], code: int, fragment: str,
-                                                     tiny_setup: dict[str, Path], checkpoint: Path, tmp_path: Path,
+                                                     tiny_setup: dict[str, Path], tiny_checkpoint: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if name in NEEDS_PERMISSIONS and IS_ROOT:
         pytest.skip("root ignores permission bits")
     if setup is not None:
         setup(tmp_path)
-    places = {"tmp": tmp_path, "out": tmp_path / "out", "checkpoint": checkpoint, **tiny_setup}
+    places = {"tmp": tmp_path, "out": tmp_path / "out", "checkpoint": tiny_checkpoint, **tiny_setup}
     argv = tuple(arg.format(**places) for arg in argv)
     cache = tmp_path / "cache"
     if argv[0].startswith("LIT_MODEL_CACHE="):  # as on a shell's command line
@@ -235,9 +223,9 @@ def test_read_only_cache_still_serves_a_complete_cache(tiny_setup: dict[str, Pat
 
 
 @pytest.mark.slow
-def test_non_utf8_prompt_from_a_real_command_line(checkpoint: Path, tmp_path: Path) -> None:
+def test_non_utf8_prompt_from_a_real_command_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
     # str arguments are encoded with os.fsencode: "\udcff" becomes the byte 0xff on the real command line
-    proc = run_script("generate/base.py", "--checkpoint_dir", checkpoint, "--prompt", "def f\udcff():",
+    proc = run_script("generate/base.py", "--checkpoint_dir", tiny_checkpoint, "--prompt", "def f\udcff():",
                       "--max_new_tokens", "2", cache=tmp_path / "cache")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
     assert "--prompt is not UTF-8 text (byte 0xff at character 5)" in " ".join(proc.stderr.split())
@@ -264,21 +252,21 @@ def assert_bad_line_skipped(proc, good) -> None:
     assert proc.stderr.count("error: ") == 1 and "Input line 2 is not utf-8 text" in " ".join(proc.stderr.split())
 
 
-def test_chat_skips_input_lines_that_are_not_text_and_ends_at_eof(checkpoint: Path,
+def test_chat_skips_input_lines_that_are_not_text_and_ends_at_eof(tiny_checkpoint: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    good = chat(checkpoint, b"hello\nhello\n", monkeypatch)
+    good = chat(tiny_checkpoint, b"hello\nhello\n", monkeypatch)
     assert good.returncode == 0, good.stderr
-    assert_bad_line_skipped(chat(checkpoint, BAD_STDIN, monkeypatch), good)
-    empty = chat(checkpoint, b"", monkeypatch)  # no input at all: a clean end
+    assert_bad_line_skipped(chat(tiny_checkpoint, BAD_STDIN, monkeypatch), good)
+    empty = chat(tiny_checkpoint, b"", monkeypatch)  # no input at all: a clean end
     assert (empty.returncode, empty.stdout, empty.stderr) == (0, "", "")
-    closed = chat(checkpoint, None, monkeypatch)  # started with stdin closed (`<&-`): Python has no sys.stdin
+    closed = chat(tiny_checkpoint, None, monkeypatch)  # started with stdin closed (`<&-`): Python has no sys.stdin
     assert (closed.returncode, closed.stdout, closed.stderr) == (0, "", "")
 
 
 @pytest.mark.slow
-def test_chat_binary_input_through_a_real_pipe(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    good = chat(checkpoint, b"hello\nhello\n", monkeypatch)
-    assert_bad_line_skipped(chat(checkpoint, BAD_STDIN, monkeypatch, subprocess=True), good)
+def test_chat_binary_input_through_a_real_pipe(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = chat(tiny_checkpoint, b"hello\nhello\n", monkeypatch)
+    assert_bad_line_skipped(chat(tiny_checkpoint, BAD_STDIN, monkeypatch, subprocess=True), good)
 
 
 def test_generated_text_reaches_a_terminal_that_is_not_utf8(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model import GPT, Config
-from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
 from lit_model.data import sources
 from lit_model.data.instruct import read_records
 from lit_model.data.text import load_pretrain_data, tokenize_files
@@ -36,16 +34,6 @@ SOURCES = {
                  {"instruction": "Write about 0.", "output": "An essay."}),
 }
 STORIES = [{"text": f"Once upon a time there was a cat number {i}. The cat was happy."} for i in range(40)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = GPT(Config.from_file(tiny_setup["config"]))
-    model.init_weights()
-    out_dir = tmp_path_factory.mktemp("sources-ckpt") / "tiny"
-    return save_checkpoint_dir(lit_state_dict(model, model.config), model.config, out_dir,
-                               tokenizer_dir=tiny_setup["tokenizer"])
 
 
 @pytest.fixture
@@ -130,8 +118,8 @@ def test_pretrain_reads_every_table_in_a_directory(tiny_setup: dict[str, Path], 
 
 
 @pytest.mark.slow  # ~5 s: one LoRA step end to end
-def test_finetune_on_a_named_dataset(hub: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    proc = run_script_inprocess("finetune/lora.py", "--checkpoint_dir", checkpoint, "--out_dir", tmp_path / "out",
+def test_finetune_on_a_named_dataset(hub: Path, tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = run_script_inprocess("finetune/lora.py", "--checkpoint_dir", tiny_checkpoint, "--out_dir", tmp_path / "out",
                                 "--data", "dolly", "--max_steps", "1", "--global_batch_size", "2",
                                 "--micro_batch_size", "2", "--rehearse", "false", "--prompt_style", "default", cache=tmp_path / "cache",
                                 monkeypatch=monkeypatch)
@@ -157,11 +145,11 @@ FINETUNE = ("finetune/lora.py", "--checkpoint_dir", "{checkpoint}", "--out_dir",
     ((*FINETUNE, "--data_path", "{tmp}/odd.parquet", "--data_fields", "instruction=question,output=a"), 1,
      "has no field 'question' (given with --data_fields); its fields are ['a', 'q']"),
 ])
-def test_bad_data_sources(argv: tuple[str, ...], code: int, fragment: str, checkpoint: Path, tmp_path: Path,
+def test_bad_data_sources(argv: tuple[str, ...], code: int, fragment: str, tiny_checkpoint: Path, tmp_path: Path,
                           monkeypatch: pytest.MonkeyPatch) -> None:
     datasets.Dataset.from_list([{"q": "x", "a": "y"}] * 3).to_parquet(str(tmp_path / "odd.parquet"))
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
-    argv = tuple(arg.format(tmp=tmp_path, checkpoint=checkpoint) for arg in argv)
+    argv = tuple(arg.format(tmp=tmp_path, checkpoint=tiny_checkpoint) for arg in argv)
     proc = run_script_inprocess(*argv, cache=tmp_path / "cache", monkeypatch=monkeypatch)
     assert proc.returncode == code, proc.stderr
     assert fragment in " ".join(proc.stderr.split()), proc.stderr

@@ -15,7 +15,6 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 
 from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
-from lit_model.config import Config
 from lit_model.data.instruct import InstructData, collate, load_instruct_data
 from lit_model.data.sources import parse_fields
 from lit_model.download import resolve_checkpoint
