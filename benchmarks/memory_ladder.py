@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lit_model.files import atomic_open, atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 COLUMNS = ["lever", "flags", "status", "processes", "peak_mb", "peak_vs_baseline", "peak_all_ranks_mb", "plan_mb",
@@ -269,7 +271,7 @@ def run_table(table: Table, work: Path, only: Optional[set[str]]) -> list[dict]:
 
 
 def write_table(table: Table, rows: list[dict], out_dir: Path, header: str) -> None:
-    with open(out_dir / f"{table.name}.csv", "w", newline="") as f:
+    with atomic_open(out_dir / f"{table.name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
@@ -279,7 +281,7 @@ def write_table(table: Table, rows: list[dict], out_dir: Path, header: str) -> N
     for row in rows:
         cells = [f"`{row[c]}`" if c == "flags" else str(row[c]).replace("|", "/") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    (out_dir / f"{table.name}.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out_dir / f"{table.name}.md", "\n".join(lines) + "\n")
     plot_table(table, rows, out_dir / f"{table.name}.png")
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_accuracy import RESULTS, job_config, run_worker, settings_for, worker  # noqa: E402
+from lit_model.files import atomic_write
 
 MODEL = dict(name="moe-bench", block_size=256, vocab_size=8192, padded_vocab_size=8192, n_layer=4, n_embd=256, n_head=4,
              n_query_groups=2, intermediate_size=512, mlp_class_name="LLaMAMoE", n_expert=8, n_expert_per_token=2)
@@ -127,7 +128,7 @@ def main() -> None:
         print(row, flush=True)
         lines.append(row)
     lines += ["", NOTES]
-    (RESULTS / "moe_plan.md").write_text("\n".join(lines) + "\n")
+    atomic_write(RESULTS / "moe_plan.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

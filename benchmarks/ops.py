@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from _tables import csv_text, markdown_table  # noqa: E402
 from lit_model.ops import causal_attention_in_halves, rms_norm  # noqa: E402
+from lit_model.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -92,8 +93,8 @@ def main() -> None:
     rows = rms_norm_rows() + attention_rows()
     table = markdown_table(rows)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ops.csv").write_text(csv_text(rows))
-    (RESULTS / "ops.md").write_text(
+    atomic_write(RESULTS / "ops.csv", csv_text(rows))
+    atomic_write(RESULTS / "ops.md",
         f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU, 1 thread)\n\n"
         "Regenerate: `python benchmarks/ops.py`\n\n"
         "Forward + backward, median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's. "

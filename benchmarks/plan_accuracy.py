@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_model.files import atomic_open, atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
@@ -385,7 +387,7 @@ def stats(rows: list[dict]) -> dict[str, float]:
 # ---- reporting ---------------------------------------------------------------------------------------------
 def write_results(rows: list[dict], published: list[dict], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "plan_accuracy.csv", "w", newline="") as f:
+    with atomic_open(out_dir / "plan_accuracy.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
@@ -438,7 +440,7 @@ def write_results(rows: list[dict], published: list[dict], out_dir: Path) -> Non
                 f"{p['error_pct']:+.1f} % | {p['predicted_allocated_gb']:.2f} / {p['predicted_reserved_gb']:.2f} / "
                 f"{p['predicted_device_total_gb']:.2f} | {p['note']} |"
             )
-    (out_dir / "plan_accuracy.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out_dir / "plan_accuracy.md", "\n".join(lines) + "\n")
     plot_accuracy(rows, out_dir / "plan_accuracy.png")
 
 
@@ -526,7 +528,7 @@ def speed(out_dir: Path, steps: int = 3) -> None:
         with_lever, without = step_time(change), step_time(reference)
         rows.append({"lever": name, "step_seconds": round(with_lever, 3), "reference_seconds": round(without, 3),
                      "factor": round(with_lever / without, 3)})
-    with open(out_dir / "plan_accuracy.speed.csv", "w", newline="") as f:
+    with atomic_open(out_dir / "plan_accuracy.speed.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, ["lever", "step_seconds", "reference_seconds", "factor"])
         writer.writeheader()
         writer.writerows(rows)

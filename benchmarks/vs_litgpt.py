@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from _tables import csv_text, markdown_table
+from lit_model.files import atomic_write
 
 HERE = Path(__file__).resolve().parent
 LITGPT_VENV = HERE / ".venv-litgpt"
@@ -94,8 +95,8 @@ def write_table(name: str, rows: list[dict], repeats: int, threads: Optional[int
         "load, not the code)")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    (results / f"{name}_vs_litgpt.csv").write_text(csv_text(rows))
-    (results / f"{name}_vs_litgpt.md").write_text(
+    atomic_write(results / f"{name}_vs_litgpt.csv", csv_text(rows))
+    atomic_write(results / f"{name}_vs_litgpt.md",
         f"# {name}: lit-model vs litgpt {LITGPT_VERSION} (CPU, {os.cpu_count()} cores, median of {repeats})\n\n"
         f"Regenerate: `python benchmarks/vs_litgpt.py --only {name}{flag}`\n\n"
         f"{BENCHMARKS[name][3]}\n\n"
