@@ -11,7 +11,7 @@ import typing
 from argparse import ArgumentError
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser
@@ -58,8 +58,10 @@ def parse(args_cls: type, argv: Optional[list[str]] = None) -> Any:
 
 
 def bare_bool_flags(type_hints: dict[str, Any], argv: list[str]) -> list[str]:
-    """Let ``--overwrite`` mean ``--overwrite true`` for boolean parameters, as users of other CLIs expect."""
-    bool_flags = {f"--{name}" for name, hint in type_hints.items() if hint is bool}
+    """Let ``--overwrite`` mean ``--overwrite true`` for boolean parameters (also ones that take a word besides true
+    and false, such as --activation_checkpointing selective), as users of other CLIs expect."""
+    bool_flags = {f"--{name}" for name, hint in type_hints.items()
+                  if hint is bool or (typing.get_origin(hint) is Union and bool in typing.get_args(hint))}
     out: list[str] = []
     for i, arg in enumerate(argv):
         out.append(arg)

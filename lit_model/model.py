@@ -7,6 +7,7 @@ attention, the MLPs, normalisation, rotary embeddings and the KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
+from lit_model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.config import Config
 from lit_model.errors import UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
@@ -45,6 +47,10 @@ class GPT(nn.Module):
         self.loss_differentiable_twice = False
         # Recompute every k-th block's activations in backward (0: off, 1: every block); see training/fabric.py.
         self.activation_checkpointing_interval = 0
+        # With the above: recompute only the element-wise ops, keep the matmul and attention outputs (activations.py).
+        self.activation_checkpointing_selective = False
+        # Where the blocks' saved tensors wait for backward (host memory or files), if not in device memory.
+        self.activation_offloading: Optional[ActivationOffloading] = None
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._max_seq_length = config.block_size
@@ -102,12 +108,16 @@ class GPT(nn.Module):
         x = self.embed(idx)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
-        interval = self.activation_checkpointing_interval
-        for i, block in enumerate(self.blocks):
-            if interval and i % interval == 0 and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, input_pos, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, input_pos)
+        interval, grad = self.activation_checkpointing_interval, torch.is_grad_enabled()
+        # Offloading sees what the blocks save outside checkpoints: with checkpointing, only the checkpointed blocks'
+        # inputs. cos/sin are views of the model's buffers, resident anyway.
+        offload = self.activation_offloading if grad and self.activation_offloading is not None else None
+        with offload(resident=(cos, sin)) if offload is not None else contextlib.nullcontext():
+            for i, block in enumerate(self.blocks):
+                if interval and i % interval == 0 and grad:
+                    x = checkpointed(block, x, cos, sin, input_pos, selective=self.activation_checkpointing_selective)
+                else:
+                    x = block(x, cos, sin, input_pos)
         x = self.norm_f(x)
         if targets is None:
             return self.head(x)
@@ -212,6 +222,11 @@ class Block(nn.Module):
             self.norm_2 = make_norm(config, config.n_embd) if config.pre_norm else nn.Identity()
         self.mlp = MLP_CLASSES[config.mlp_class_name](config)
         self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
+        # > 1: the MLP runs (and is recomputed) in this many slices of the sequence (activations.tiled)
+        self.mlp_tiles = 1
+
+    def run_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled(self.mlp, x, self.mlp_tiles) if self.mlp_tiles > 1 and x.size(1) > 1 else self.mlp(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
                 input_pos_maxp1: Optional[int] = None) -> torch.Tensor:
@@ -219,9 +234,9 @@ class Block(nn.Module):
         attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, input_pos_maxp1))
         if self.config.parallel_residual:
             mlp_input = x_normed if self.norm_2 is None else self.norm_2(x)
-            return x + attention_output + self.post_mlp_norm(self.mlp(mlp_input))
+            return x + attention_output + self.post_mlp_norm(self.run_mlp(mlp_input))
         x = x + attention_output
-        return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
+        return x + self.post_mlp_norm(self.run_mlp(self.norm_2(x)))
 
 
 class CausalSelfAttention(nn.Module):

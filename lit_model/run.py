@@ -23,6 +23,7 @@ from lit_model.adapter import AdapterConfig
 from lit_model.config import Config, sequence_length
 from lit_model.data.text import check_batch_sizes
 from lit_model.errors import UsageError
+from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
 from lit_model.quantize import QUANTIZE_MODES
@@ -55,7 +56,12 @@ class Run:
     quantize: Optional[str] = None
     freeze_layers: Optional[Union[int, tuple[str, ...]]] = None
     ac_interval: int = 0  # 0: no activation checkpointing; k: every k-th block
-    loss_chunk_size: int = 128
+    ac_selective: bool = False  # with ac_interval: keep matmul/attention outputs, recompute the element-wise ops
+    activation_offloading: Optional[str] = None  # "cpu" (pinned host memory) or "disk" (files in offload_dir)
+    offload_dir: Optional[Path] = None  # with activation_offloading "disk"
+    mlp_tiles: int = 1  # > 1: the MLP in this many sequence tiles, each recomputed in backward
+    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE  # with loss_chunk_auto: a placeholder until it is chosen
+    loss_chunk_auto: bool = False
     optimizer: str = "AdamW"
     eval_batch_size: Optional[int] = None
     grad_clip: float = 1.0
@@ -203,6 +209,17 @@ def resolve_run(
     check_batch_sizes(args.global_batch_size, micro, devices * num_nodes)  # what the sampler would refuse
     if args.activation_checkpointing and args.activation_checkpointing_interval < 1:
         raise UsageError("--activation_checkpointing_interval must be >= 1 (1 = every block).")
+    offloading = getattr(args, "activation_offloading", None)
+    if offloading == "cpu" and device_type != "cuda":
+        raise UsageError(
+            "--activation_offloading cpu moves saved activations from GPU memory to host memory, but this run is on "
+            "the CPU, where they already are. Use --activation_offloading disk to move them to files "
+            "(--offload_dir, default OUT_DIR/activations), or drop the flag."
+        )
+    chunk_auto = args.loss_chunk_size == "auto"
+    offload_dir = None
+    if offloading == "disk":
+        offload_dir = Path(getattr(args, "offload_dir", None) or Path(args.out_dir) / "activations")
     lora = LoRAConfig.from_flags(args) if trainable == "lora" else None
     adapter = None
     if trainable == "adapter":
@@ -232,7 +249,12 @@ def resolve_run(
         quantize=quantize,
         freeze_layers=tuple(freeze) if isinstance(freeze, list) else freeze,
         ac_interval=int(args.activation_checkpointing_interval) if args.activation_checkpointing else 0,
-        loss_chunk_size=int(args.loss_chunk_size),
+        ac_selective=args.activation_checkpointing == "selective",
+        activation_offloading=offloading,
+        offload_dir=offload_dir,
+        mlp_tiles=int(getattr(args, "mlp_tiles", 1)),
+        loss_chunk_size=DEFAULT_LOSS_CHUNK_SIZE if chunk_auto else int(args.loss_chunk_size),
+        loss_chunk_auto=chunk_auto,
         optimizer=args.optimizer,
         eval_batch_size=args.eval_batch_size,
         grad_clip=float(args.grad_clip),
@@ -245,7 +267,7 @@ def resolve_run(
 FLAG_OF = {
     "precision": "precision", "micro_batch_size": "micro_batch_size", "global_batch_size": "global_batch_size",
     "cpu_offload": "cpu_offload", "optimizer": "optimizer", "quantize": "quantize", "loss_chunk_size": "loss_chunk_size",
-    "sharding_strategy": "sharding_strategy",
+    "sharding_strategy": "sharding_strategy", "activation_offloading": "activation_offloading", "mlp_tiles": "mlp_tiles",
 }
 
 
@@ -255,8 +277,8 @@ def changed_flags(old: Run, new: Run) -> dict[str, Any]:
     for field, flag in FLAG_OF.items():
         if getattr(new, field) != getattr(old, field):
             flags[flag] = getattr(new, field)
-    if new.ac_interval != old.ac_interval:
-        flags["activation_checkpointing"] = new.ac_interval > 0
+    if new.ac_interval != old.ac_interval or new.ac_selective != old.ac_selective:
+        flags["activation_checkpointing"] = ("selective" if new.ac_selective else True) if new.ac_interval else False
         if new.ac_interval > 1 or old.ac_interval > 1:
             flags["activation_checkpointing_interval"] = max(new.ac_interval, 1)
     if new.world_size != old.world_size:

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lit_model.activations import MIN_OFFLOAD_BYTES
 from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
@@ -218,6 +219,7 @@ class BlockActs:
     per_layer: float  # kept bytes independent of the batch (RoPE tables cast to the compute dtype)
     out_requires_grad: bool
     transient_per_token: float  # extra bytes in flight during this block's backward
+    selective_per_token: float = 0.0  # kept bytes per token under selective checkpointing
 
 
 def _norm(spec: Run, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False,
@@ -417,11 +419,26 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
         router = config.n_expert * 4 + 4 * config.moe_norm_topk + C * dm * block_trainable
         per_token = before_mlp + k * per_choice + router
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
+    # selective checkpointing (activations.SAVED_OPS): the block's input and every matmul and attention output: q, k,
+    # v, the attention output and its logsumexp, each projection, the LoRA branches' two matmuls (MoE: the whole
+    # block's kept tensors, an upper bound)
+    fc_outputs = I * dm * (1 if config.mlp_class_name == "GptNeoxMLP" else 2)
+    selective = C * d + (2 * Hq + 2 * Hkv + 2 * C) * dm + config.n_head * 4 + fc_outputs
+    selective += (Hq * dm + config.n_head * 4) if adapter else 0
+    selective += sum((spec.lora_r + out) * dm for name, (_, out, _) in param_counts(config).block_linear.items()
+                     if name in lora)
+    if config.mlp_class_name == "LLaMAMoE":
+        selective = per_token + C * d
+    if spec.mlp_tiles > 1:
+        # activations.tiled: the MLP keeps only its input (in its tiles' checkpoints); in backward one tile at a time
+        # recomputes its activations
+        transient += (per_token - before_mlp) / spec.mlp_tiles
+        per_token = before_mlp + C * d
     if config.post_mlp_norm:
         kept, m_rg = _norm(spec, dm, m_rg, norm_w, C)
         per_token += kept
     out_rg = res_rg or m_rg
-    return BlockActs(per_token, t2, per_layer, out_rg, transient)
+    return BlockActs(per_token, t2, per_layer, out_rg, transient, selective)
 
 
 @dataclass
@@ -435,6 +452,7 @@ class ActivationSummary:
     first_block: float = 0.0  # bytes in flight during the backward of block 0 (the last one backward reaches)
     weight_copies: float = 0.0  # -mixed: half-precision copies of the weights kept for backward
     weight_cache: float = 0.0  # -mixed: further copies autocast caches until the end of the forward
+    offloaded: float = 0.0  # bytes activation offloading holds outside the device at the end of forward
 
 
 def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
@@ -448,6 +466,11 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
     x_rg = not frozen_embed  # embedding output requires grad when the embedding trains
     last = None
     block_kept = []
+    offloaded = 0.0
+    # activation offloading moves every saved tensor of at least MIN_OFFLOAD_BYTES: at this size, all but the norms'
+    # per-token statistics (fp32, up to four per block) and a logsumexp of few heads
+    offloads = spec.activation_offloading is not None and N * C * spec.compute_bytes >= MIN_OFFLOAD_BYTES
+    stays = (16 + (config.n_head * 4 if config.n_head * 4 * N < MIN_OFFLOAD_BYTES else 0)) * N
     cache: dict[tuple, BlockActs] = {}  # blocks are alike: compute each kind once
     for layer in range(L):
         block_trainable = spec.trainable == "full" and layer >= frozen_blocks
@@ -458,11 +481,19 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         acts = cache[key]
         this = acts.per_token * N + acts.per_sample_t2 * B + acts.per_layer
         checkpointed = spec.ac_interval > 0 and layer % spec.ac_interval == 0 and (x_rg or acts.out_requires_grad)
-        if checkpointed:
-            block_kept.append(C * d * N)  # the block's input, kept by the checkpoint
+        block_input = C * d * N  # kept by a checkpoint
+        if checkpointed and spec.ac_selective:  # the input offloads, the matmul outputs stay
+            kept_here = acts.selective_per_token * N + acts.per_sample_t2 * B + acts.per_layer
+            moved = block_input if offloads else 0.0
+        elif checkpointed:
+            kept_here = moved = block_input
         else:
-            block_kept.append(this)
-        last = (this, acts.transient_per_token * N, checkpointed)
+            kept_here = this
+            moved = max(this - stays, 0.0)
+        moved = moved if offloads else 0.0
+        block_kept.append(kept_here - moved)
+        offloaded += moved
+        last = (this, acts.transient_per_token * N, checkpointed or moved > 0)
         if layer == 0:
             first = (this, acts.transient_per_token * N)
         x_rg = acts.out_requires_grad
@@ -545,7 +576,7 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         kept=kept, block_backward=block_backward, loss_forward=loss_forward,
         loss_backward=loss_backward, eval_forward=eval_fw, eval_loss=eval_loss, weight_copies=weight_copies,
         weight_cache=weight_cache,
-        first_block=first_block,
+        first_block=first_block, offloaded=offloaded,
     )
 
 

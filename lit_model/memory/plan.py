@@ -172,11 +172,16 @@ def _traceable(spec: Run) -> bool:
     return spec.strategy in ("single", "ddp") and not spec.cpu_offload
 
 
-def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[dict[str, dict[str, int]], str]:
-    """Tensor bytes per phase (no overhead) from the chosen engine; the checkpoint phase is always analytic."""
+Phases = dict[str, dict[str, int]]
+
+
+def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int]]:
+    """Tensor bytes per phase (no overhead) from the chosen engine, the engine used, and the bytes the run keeps
+    outside the device (offloaded activations); the checkpoint phase is always analytic."""
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
     phases = analytic.training_phases(spec)
+    host = _analytic_host_bytes(spec)
     if spec.optimizer.lower() in ("adafactor", "lion") or "." in spec.optimizer:
         if engine == "trace":
             notes.append(f"The trace cannot run {spec.optimizer}'s step on fake tensors; analytic estimate used.")
@@ -187,15 +192,15 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[dict[str, 
     if engine == "trace":
         if not _traceable(spec):
             notes.append(f"{spec.strategy} with cpu_offload={spec.cpu_offload} is planned analytically (the trace runs one unsharded rank).")
-            return phases, "analytic"
+            return phases, "analytic", host
         try:
             result = trace_training(spec) if small else trace_by_layers(spec)
             if result is None:  # --freeze_layers patterns on a model too big to trace whole
                 notes.append("The blocks of this run differ by parameter-name patterns: planned analytically.")
-                return phases, "analytic"
+                return phases, "analytic", host
         except Exception as error:  # an op without a fake-tensor implementation (e.g. Adafactor's .item())
             notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
-            return phases, "analytic"
+            return phases, "analytic", host
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
         if spec.strategy == "ddp":  # DDP's gradient buckets (not in the single-process trace)
@@ -203,10 +208,16 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[dict[str, 
             for cats in traced.values():
                 cats["gradients"] = cats.get("gradients", 0) + buckets
         traced["checkpoint_save"] = phases["checkpoint_save"]
-        return traced, "trace"
+        return traced, "trace", result.host_bytes
     if spec.optimizer.lower() == "sophia":
         notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
-    return phases, "analytic"
+    return phases, "analytic", host
+
+
+def _analytic_host_bytes(spec: Run) -> dict[str, int]:
+    if spec.activation_offloading is None:
+        return {}
+    return {f"activation_offloading_{spec.activation_offloading}": int(analytic.activations(spec).offloaded)}
 
 
 def _run_summary(spec: Run) -> dict[str, Any]:
@@ -235,7 +246,7 @@ def _run_summary(spec: Run) -> dict[str, Any]:
 
 
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
-              notes: list[str]) -> Plan:
+              notes: list[str], offloaded: Optional[dict[str, int]] = None) -> Plan:
     if spec.device_type == "cpu" and "checkpoint_save" in phases:
         phases = {**phases, "sample": _sample_phase(spec, phases["checkpoint_save"])}
     phases = _finish_phases(phases, spec)
@@ -247,7 +258,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
     peak_phase = max(by_phase, key=by_phase.get)
     peak = by_phase[peak_phase]
     fits = True if device_memory is None else peak <= device_memory
-    host = {}
+    host = dict(offloaded or {})
     if spec.device_type == "cuda":
         host["checkpoint_save_rank0"] = analytic.host_checkpoint_bytes(spec)
     return Plan(
@@ -271,8 +282,8 @@ def _resolve_memory(device_memory: Union[int, str, None], device_type: str, dete
 def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:
     """Plan a resolved ``Run`` (no suggestions): the inner loop of the suggestion search."""
     notes: list[str] = []
-    phases, used = _tensor_phases(spec, engine, notes)
-    return _assemble(spec, phases, device_memory, used, notes)
+    phases, used, offloaded = _tensor_phases(spec, engine, notes)
+    return _assemble(spec, phases, device_memory, used, notes, offloaded)
 
 
 # ---- public API ------------------------------------------------------------------------------------------
@@ -319,8 +330,8 @@ def plan_run(
         run = run.replace(micro_batch_size=max(best, 1), micro_batch_auto=False)
         notes.append(f"--micro_batch_size auto: {max(best, 1)} (the largest that fits with a 10 % margin)"
                      if best else "--micro_batch_size auto: not even 1 fits; planned with 1.")
-    phases, used = _tensor_phases(run, engine, notes)
-    plan = _assemble(run, phases, memory, used, notes)
+    phases, used, offloaded = _tensor_phases(run, engine, notes)
+    plan = _assemble(run, phases, memory, used, notes, offloaded)
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
     if run.compile:

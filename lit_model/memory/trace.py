@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map_only
 from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
 from lit_model.run import Run
 from lit_model.ops import take_paths_of
+from lit_model.training.fabric import configure_model
 from lit_model.training.optimizers import needs_create_graph
 
 try:
@@ -123,6 +124,7 @@ class TraceResult:
     seconds: float
     notes: list[str] = field(default_factory=list)
     probes: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_bytes: dict[str, int] = field(default_factory=dict)  # what the run keeps outside the device at most
 
 
 class _Sim8bitAdam(torch.optim.Optimizer):
@@ -245,8 +247,7 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
             from lit_model.training.loop import freeze_layers
 
             freeze_layers(model, spec.freeze_layers)
-        model.activation_checkpointing_interval = spec.ac_interval
-        model.loss_chunk_size = spec.loss_chunk_size
+        configure_model(model, spec)  # as the scripts: checkpointing, offloading, MLP tiles, the loss chunk
         model.train()
         optimizer = _build_optimizer(model, spec, notes)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -320,6 +321,9 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
             tracker.reset_mod_stats()
             train_step()
             results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
+        host: dict[str, int] = {}
+        if model.activation_offloading is not None:  # the fake tensors were dropped and their bytes counted
+            host[f"activation_offloading_{spec.activation_offloading}"] = model.activation_offloading.peak_bytes
         if "evaluation" in phases:
             eb = spec.eval_batch
             xe, ye = torch.randint(0, vocab, (eb, T)), torch.randint(0, vocab, (eb, T))
@@ -331,7 +335,7 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
                     model(xe, targets=ye)
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
             model.train()
-    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, probes=probes)
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, probes=probes, host_bytes=host)
 
 
 # ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------
@@ -384,6 +388,7 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
     start = time.perf_counter()
     reference = trace_training(with_segments(run, base), phases)
     result = {phase: dict(categories) for phase, categories in reference.phases.items()}
+    host = dict(reference.host_bytes)
     traced_depths = [sum(base)]
     for index, (length, shallow) in enumerate(zip(segments, base)):
         periods = (length - shallow) // period
@@ -395,6 +400,8 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
         for phase, categories in result.items():
             for category in categories:
                 categories[category] += periods * (step.phases[phase][category] - reference.phases[phase][category])
+        for key in host:
+            host[key] += periods * (step.host_bytes[key] - reference.host_bytes[key])
     note = (f"Traced with {', '.join(map(str, traced_depths))} blocks and extrapolated to {run.config.n_layer} "
             f"(the blocks' kinds repeat every {period}).")
-    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note])
+    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host)

@@ -36,8 +36,15 @@ class TrainArgs(DistributedSettings):
         strategy: auto (single device / DDP / FSDP when offloading), ddp or fsdp
         sharding_strategy: FSDP sharding: FULL_SHARD, SHARD_GRAD_OP (no re-gather in backward) or HYBRID_SHARD
         cpu_offload: keep parameters, gradients and optimizer state in CPU memory (through FSDP)
-        activation_checkpointing: recompute block activations in backward (one device, DDP and FSDP)
+        activation_checkpointing: recompute block activations in backward (one device, DDP and FSDP): true (all of
+            them), selective (keep the matmul and attention outputs, recompute the element-wise ops) or false
         activation_checkpointing_interval: with activation_checkpointing, recompute every k-th block only
+        activation_offloading: move the blocks' saved activations out of device memory until backward: cpu (pinned
+            host memory; GPU runs) or disk (files in offload_dir); with activation_checkpointing only the
+            checkpointed blocks' inputs move
+        offload_dir: with --activation_offloading disk: where the files go (default: OUT_DIR/activations)
+        mlp_tiles: compute each MLP in this many slices of the sequence, each recomputed in backward, so only one
+            slice's intermediate activations exist at a time (long context; 1: off)
         forward_prefetch: FSDP: gather the next block's parameters during the current block's forward
         backward_prefetch: FSDP: gather the previous block's parameters during backward
         timeout: seconds a process waits for the others in a collective before the run ends with a message
@@ -67,7 +74,8 @@ class TrainArgs(DistributedSettings):
         seed: full determinism on CPU for a given seed
         freeze_layers: keep these frozen: N (embedding + first N blocks) or parameter-name patterns
         empty_cache_interval: release cached allocator memory every N steps (0: never)
-        loss_chunk_size: tokens per cross-entropy chunk, so full logits are never held at once (0: unchunked)
+        loss_chunk_size: tokens per cross-entropy chunk, so full logits are never held at once (0: unchunked; auto:
+            the largest chunk whose logits fit the memory the rest of the step leaves)
         overwrite: allow writing into an out_dir that holds another run
         device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB
         plan: print the predicted peak memory of this run and exit without training; exit status 1 when it does
@@ -105,7 +113,10 @@ class TrainArgs(DistributedSettings):
     seed: int = 1337
     freeze_layers: Optional[Union[int, list[str]]] = None
     empty_cache_interval: int = 0
-    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    loss_chunk_size: Union[int, Literal["auto"]] = DEFAULT_LOSS_CHUNK_SIZE
+    activation_offloading: Optional[Literal["cpu", "disk"]] = None
+    offload_dir: Optional[Path] = None
+    mlp_tiles: int = 1
     overwrite: bool = False
     device_memory: Optional[str] = None
     plan: Optional[Literal["text", "json"]] = None
@@ -119,7 +130,7 @@ class TrainArgs(DistributedSettings):
 AT_LEAST: dict[str, int] = {
     "devices": 1, "micro_batch_size": 1, "global_batch_size": 1, "eval_batch_size": 1, "num_nodes": 1, "log_interval": 1, "eval_interval": 1,
     "eval_iters": 1, "keep_last": 1, "max_steps": 1, "max_tokens": 1, "override_max_seq_length": 1,
-    "activation_checkpointing_interval": 1, "adapter_prompt_length": 1,
+    "activation_checkpointing_interval": 1, "adapter_prompt_length": 1, "mlp_tiles": 1,
     "warmup_steps": 0, "save_interval": 0, "empty_cache_interval": 0, "loss_chunk_size": 0, "seed": 0,
     "adapter_start_layer": 0, "weight_decay": 0, "grad_clip": 0, "min_lr": 0,
 }
@@ -160,6 +171,7 @@ def check_args(args: TrainArgs) -> None:
         raise UsageError(f"--freeze_layers {args.freeze_layers} must be at least 0 (the number of frozen blocks).")
     if isinstance(args.freeze_layers, list) and not args.freeze_layers:
         raise UsageError("--freeze_layers [] names no parameter: give patterns such as '[blocks.[0-3].*]', or drop it.")
+    check_activation_flags(args)
     check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
     check_loggers(args.logger)
     if args.device_memory is not None:
@@ -172,6 +184,17 @@ def check_args(args: TrainArgs) -> None:
                 f"--resume {args.resume} continues the run in {args.out_dir}, --overwrite starts a new one there: "
                 "choose one of them."
             )
+
+
+def check_activation_flags(args: TrainArgs) -> None:
+    if args.offload_dir is not None and args.activation_offloading != "disk":
+        raise UsageError(f"--offload_dir {args.offload_dir} is where --activation_offloading disk writes its files: add "
+                         "--activation_offloading disk, or drop --offload_dir.")
+    if args.offload_dir is not None and Path(args.offload_dir).exists() and not Path(args.offload_dir).is_dir():
+        raise UsageError(f"--offload_dir {args.offload_dir} is a file, not a directory. Pick another --offload_dir.")
+    if args.activation_offloading is not None and args.compile:
+        raise UsageError(f"--activation_offloading {args.activation_offloading} moves saved tensors through autograd "
+                         "hooks that torch.compile does not trace: use one of --activation_offloading and --compile.")
 
 
 def check_plan_flags(args: TrainArgs) -> None:

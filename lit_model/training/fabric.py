@@ -19,6 +19,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+from lit_model.activations import ActivationOffloading
 from lit_model.errors import STOPS, UserError
 from lit_model.model import GPT
 from lit_model.run import Run
@@ -35,7 +36,7 @@ class DistributedSettings:
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"] = "FULL_SHARD"
     cpu_offload: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, Literal["selective"]] = False
     activation_checkpointing_interval: int = 1  # with activation_checkpointing: every k-th block
     forward_prefetch: bool = True
     backward_prefetch: bool = True
@@ -171,8 +172,13 @@ def shard_model(model: nn.Module, mesh, run: Run) -> nn.Module:
 
 
 def configure_model(model: GPT, run: Run) -> GPT:
-    """Apply the per-model levers that are not Fabric's business (activation checkpointing, the loss chunk)."""
-    if run.ac_interval:
-        model.activation_checkpointing_interval = run.ac_interval
+    """Apply the per-model levers that are not Fabric's business (activation checkpointing and offloading, the
+    tiled MLP, the loss chunk). The memory planner's trace applies them with this too."""
+    model.activation_checkpointing_interval = run.ac_interval
+    model.activation_checkpointing_selective = run.ac_selective
+    if run.activation_offloading is not None:
+        model.activation_offloading = ActivationOffloading(run.activation_offloading, run.offload_dir)
+    for block in model.blocks:
+        block.mlp_tiles = run.mlp_tiles
     model.loss_chunk_size = run.loss_chunk_size
     return model
