@@ -223,7 +223,9 @@ class ActivationOffloading:
         def pack(tensor: torch.Tensor) -> Any:
             if (tensor.numel() * tensor.element_size() < MIN_OFFLOAD_BYTES or isinstance(tensor, nn.Parameter)
                     or id(tensor) in keep):
-                return tensor
+                # detached: a saved output held with its grad_fn would make a reference cycle through autograd's
+                # graph that Python's garbage collector cannot see, and the step's whole graph would never be freed
+                return tensor.detach()
             key = tensor.untyped_storage()._cdata
             found = moved.get(key)
             stored = found[1]() if found is not None and not found[0].expired() else None

@@ -192,6 +192,10 @@ def check_activation_flags(args: TrainArgs) -> None:
                          "--activation_offloading disk, or drop --offload_dir.")
     if args.offload_dir is not None and Path(args.offload_dir).exists() and not Path(args.offload_dir).is_dir():
         raise UsageError(f"--offload_dir {args.offload_dir} is a file, not a directory. Pick another --offload_dir.")
+    if args.activation_offloading is not None and args.optimizer.lower() == "sophia":
+        raise UsageError(f"--activation_offloading {args.activation_offloading} brings saved tensors back detached from "
+                         "the graph, so Sophia's second backward (its Hessian) cannot run through them: use another "
+                         "--optimizer, or drop --activation_offloading.")
     if args.activation_offloading is not None and args.compile:
         raise UsageError(f"--activation_offloading {args.activation_offloading} moves saved tensors through autograd "
                          "hooks that torch.compile does not trace: use one of --activation_offloading and --compile.")

@@ -1,0 +1,147 @@
+"""Where activations live (lit_model/activations.py): selective activation checkpointing, activation offloading and
+the tiled MLP each lower the memory of a step -- measured on real tensors with MemTracker and planned by the trace --
+and leave the loss and the gradients as they were."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from lit_model.activations import ActivationOffloading
+from lit_model.cli import parse
+from lit_model.errors import UsageError
+from lit_model.memory import plan_run
+from lit_model.run import changed_flags, render_flags, resolve_run
+from lit_model.training.args import TrainArgs, check_args
+from test_memory_plan import args as plan_args, resolved, tiny
+from test_training_levers import batch, gradients, make_model
+
+CPU = torch.device("cpu")
+
+
+def measured(setup) -> tuple[float, float, torch.Tensor, dict[str, torch.Tensor]]:
+    """(tensor bytes alive at the end of forward, peak tensor bytes of forward + backward, loss, gradients) of
+    the levers model with ``setup`` applied, measured on real tensors by MemTracker."""
+    inputs, targets = batch()
+    model = make_model()
+    setup(model)
+    tracker = MemTracker()
+    tracker.track_external(model, inputs, targets)
+    with tracker:
+        loss = model(inputs, targets=targets)
+        after_forward = tracker.get_tracker_snapshot()[CPU]["Total"]
+        loss.backward()
+    return after_forward, tracker.get_tracker_snapshot("peak")[CPU]["Total"], loss.detach(), gradients(model)
+
+
+def assert_same_numbers(run, reference, exact: bool = True) -> None:
+    tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(run[2], reference[2], **tolerance)
+    for name, grad in reference[3].items():
+        torch.testing.assert_close(run[3][name], grad, **tolerance, msg=name)
+
+
+def planned(**flags) -> dict:
+    """The trace's plan of a 4-block tiny model at 1024 tokens with these flags: train-step activations, peak, host."""
+    run = resolved(tiny(n_layer=4, block_size=1024), plan_args(override_max_seq_length=1024, **flags))
+    plan = plan_run(run, engine="trace", suggest=False, detect=False)
+    assert plan.engine == "trace"
+    return {"activations": plan.phase_categories["train_step"]["activations"], "peak": plan.tensor_peak_bytes,
+            "host": plan.host_bytes}
+
+
+def selective(model) -> None:
+    model.activation_checkpointing_interval = 1
+    model.activation_checkpointing_selective = True
+
+
+def full(model) -> None:
+    model.activation_checkpointing_interval = 1
+
+
+@pytest.mark.slow
+def test_selective_checkpointing_keeps_between_none_and_full_with_the_same_numbers():
+    plain, sac, ac = measured(lambda model: None), measured(selective), measured(full)
+    assert ac[0] < sac[0] < 0.8 * plain[0], (ac[0], sac[0], plain[0])
+    assert sac[1] < plain[1]
+    assert_same_numbers(sac, plain)  # recomputation on the CPU in fp32: bit for bit
+    none, sac_plan, ac_plan = planned(), planned(activation_checkpointing="selective"), planned(activation_checkpointing=True)
+    assert ac_plan["activations"] < sac_plan["activations"] < 0.8 * none["activations"]
+
+
+def test_disk_offloading_moves_saved_tensors_to_files_and_removes_them(tmp_path):
+    offloading = ActivationOffloading("disk", tmp_path)
+    plain = measured(lambda model: None)
+    moved = measured(lambda model: setattr(model, "activation_offloading", offloading))
+    assert moved[0] < 0.2 * plain[0] and moved[1] < 0.5 * plain[1], (moved[:2], plain[:2])
+    assert_same_numbers(moved, plain)
+    assert offloading.peak_bytes > 0.7 * plain[0] and offloading.held_bytes == 0
+    assert not list(tmp_path.rglob("*.tmp"))  # read back and deleted in backward
+    # a step abandoned after its forward (an out-of-memory, a stop) leaves no file behind either
+    model = make_model()
+    model.activation_offloading = offloading
+    loss = model(*batch()[:1], targets=batch()[1])
+    assert list(tmp_path.rglob("*.tmp"))
+    del loss
+    gc.collect()
+    assert not list(tmp_path.rglob("*.tmp")) and offloading.held_bytes == 0
+
+
+@pytest.mark.slow
+def test_offloading_with_checkpointing_moves_only_the_block_inputs(tmp_path):
+    offloading = ActivationOffloading("disk", tmp_path)
+    ac = measured(full)
+    both = measured(lambda model: (full(model), setattr(model, "activation_offloading", offloading)))
+    assert both[0] < ac[0]
+    assert_same_numbers(both, ac)
+    inputs, _ = batch()
+    block_input = inputs.numel() * make_model().config.n_embd * 4
+    assert offloading.peak_bytes == make_model().config.n_layer * block_input
+
+
+@pytest.mark.slow
+def test_offloading_is_planned_as_host_memory():
+    none, cpu, disk = planned(), planned(activation_offloading="cpu"), planned(activation_offloading="disk")
+    assert cpu["activations"] < 0.2 * none["activations"] and cpu["peak"] < none["peak"]
+    assert cpu["host"]["activation_offloading_cpu"] > 0.7 * none["activations"]
+    assert disk["host"]["activation_offloading_disk"] == cpu["host"]["activation_offloading_cpu"]
+    stacked = planned(activation_checkpointing=True, activation_offloading="cpu")
+    assert stacked["activations"] < planned(activation_checkpointing=True)["activations"]
+
+
+def test_cpu_offloading_is_refused_on_the_cpu_and_offload_dir_needs_disk(tmp_path):
+    settings = TrainArgs(activation_offloading="cpu", max_steps=1, out_dir=tmp_path)
+    with pytest.raises(UsageError, match="--activation_offloading disk"):
+        resolve_run(settings, tiny(), device_type="cpu")
+    assert resolve_run(settings, tiny(), device_type="cuda", present=False).activation_offloading == "cpu"
+    disk = resolve_run(TrainArgs(activation_offloading="disk", out_dir=tmp_path), tiny(), device_type="cpu")
+    assert disk.offload_dir == tmp_path / "activations" and not disk.offload_dir.exists()
+    with pytest.raises(UsageError, match="--activation_offloading disk"):
+        check_args(TrainArgs(offload_dir=tmp_path, max_steps=1, out_dir=tmp_path))
+
+
+@pytest.mark.slow
+def test_tiled_mlp_keeps_less_with_the_same_numbers():
+    def tiles(model) -> None:
+        for block in model.blocks:
+            block.mlp_tiles = 4
+
+    plain, tiled = measured(lambda model: None), measured(tiles)
+    assert tiled[0] < 0.75 * plain[0] and tiled[1] < plain[1], (tiled[:2], plain[:2])
+    assert_same_numbers(tiled, plain, exact=False)  # the weight gradients are summed over the tiles
+    assert planned(mlp_tiles=4)["activations"] < 0.75 * planned()["activations"]
+
+
+def test_the_flags_read_and_render_as_the_user_writes_them(tmp_path):
+    settings = parse(TrainArgs, ["--activation_checkpointing", "selective", "--mlp_tiles", "2", "--max_steps", "1"])
+    run = resolve_run(settings, tiny(), device_type="cpu")
+    assert run.ac_interval == 1 and run.ac_selective and run.mlp_tiles == 2
+    assert parse(TrainArgs, ["--activation_checkpointing", "--max_steps", "1"]).activation_checkpointing is True
+    plain = resolve_run(TrainArgs(max_steps=1), tiny(), device_type="cpu")
+    assert sorted(render_flags(changed_flags(plain, run))) == ["--activation_checkpointing selective", "--mlp_tiles 2"]
+    offloaded = plain.replace(activation_offloading="disk", offload_dir=Path(tmp_path))
+    assert render_flags(changed_flags(plain, offloaded)) == ["--activation_offloading disk"]
