@@ -83,6 +83,9 @@ def pretrain_rungs(model: str) -> list[Rung]:
               for strategy, n, offload in (("ddp", 2, False), ("fsdp", 2, False), ("fsdp", 2, True), ("fsdp", 4, False),
                                            ("fsdp", 4, True))]
     ac = ["--activation_checkpointing"]
+    offload = ["--activation_offloading", "disk"]  # on the CPU the files are the only place to move them to
+    tiles = 4
+    best = ["--precision", "bf16-true", *ac, "--micro_batch_size", "1", "--optimizer", "AdamW8bit"]
     return [
         Rung("baseline"),
         *micro_rungs,
@@ -91,6 +94,10 @@ def pretrain_rungs(model: str) -> list[Rung]:
         *[Rung(p, ["--precision", p]) for p in ("bf16-mixed", "bf16-true", "16-true", "16-mixed")],
         Rung("activation checkpointing every block", ac),
         Rung("activation checkpointing every 2nd block", ac + ["--activation_checkpointing_interval", "2"]),
+        Rung("selective activation checkpointing", ["--activation_checkpointing", "selective"]),
+        Rung("activation offloading to disk", offload),
+        Rung("activation checkpointing + offloading to disk", ac + offload),
+        Rung(f"MLP in {tiles} sequence tiles", ["--mlp_tiles", str(tiles)]),
         Rung("unchunked cross-entropy", ["--loss_chunk_size", "0"]),
         *[Rung(o, ["--optimizer", o]) for o in ("SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit")],
         Rung("PagedAdamW8bit", ["--optimizer", "PagedAdamW8bit"], note="bitsandbytes on the CPU: 'Paged optimizers are not "
@@ -102,8 +109,12 @@ def pretrain_rungs(model: str) -> list[Rung]:
         Rung("stack: bf16-true + AC", ["--precision", "bf16-true", *ac]),
         Rung(f"stack: bf16-true + AC + micro batch {max(micro // 4, 1)}",
              ["--precision", "bf16-true", *ac, "--micro_batch_size", str(max(micro // 4, 1))]),
-        Rung("stack: bf16-true + AC + micro batch 1 + AdamW8bit",
-             ["--precision", "bf16-true", *ac, "--micro_batch_size", "1", "--optimizer", "AdamW8bit"]),
+        Rung("stack: bf16-true + AC + micro batch 1 + AdamW8bit", best),
+        Rung("stack + activation offloading to disk", best + offload),
+        Rung(f"stack + MLP in {tiles} tiles", best + ["--mlp_tiles", str(tiles)]),
+        Rung("stack with selective instead of full AC",
+             ["--precision", "bf16-true", "--activation_checkpointing", "selective", "--micro_batch_size", "1",
+              "--optimizer", "AdamW8bit"]),
         Rung("baseline again (measurement noise)"),
     ]
 

@@ -142,6 +142,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     import torch
 
     from lit_model import GPT
+    from lit_model.activations import ActivationOffloading
     from lit_model.lora import LoRAConfig, apply_lora
     from lit_model.training.optimizers import build_optimizer
 
@@ -160,6 +161,11 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     if job["trainable"] == "lora":
         apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05, mlp=job.get("lora_mlp", False)), dtype=dtype)
     model.activation_checkpointing_interval = 1 if job["ac"] else 0
+    model.activation_checkpointing_selective = job["ac"] == "selective"
+    if job.get("offload"):
+        model.activation_offloading = ActivationOffloading(job["offload"], tempfile.mkdtemp(prefix="offload-"))
+    for block in model.blocks:
+        block.mlp_tiles = job.get("mlp_tiles", 1)
     model.train()
     optimizer = build_optimizer(model, job.get("optimizer", "AdamW"), 1e-4, weight_decay=0.1, device_type="cpu", param_dtype=dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -507,6 +513,9 @@ def speed(out_dir: Path, steps: int = 3) -> None:
     lora = {"trainable": "lora"}
     variants = {
         "activation_checkpointing": ({"ac": True}, {}),
+        "activation_checkpointing_selective": ({"ac": "selective"}, {}),
+        "activation_offloading_disk": ({"offload": "disk"}, {}),
+        "mlp_tiles": ({"mlp_tiles": 4}, {}),
         "precision_bf16_true_from_32": ({"precision": "bf16-true"}, {}),
         "halve_micro_batch": ({"micro_batch": 2, "accumulate": 2}, {}),
         "optimizer_8bit": ({"optimizer": "AdamW8bit"}, {}),

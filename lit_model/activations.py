@@ -188,8 +188,6 @@ class ActivationOffloading:
     def __init__(self, target: str, directory: Optional[Union[str, Path]] = None) -> None:
         if target not in OFFLOAD_TARGETS:
             raise ValueError(f"target={target!r}: use one of {OFFLOAD_TARGETS}")
-        if target == "disk" and directory is None:
-            raise ValueError("disk offloading needs a directory")
         self.target, self.directory = target, directory
         self._destination: Any = None  # made at the first real tensor (the trace needs no stream and no files)
         self._dropped = _Dropped()
@@ -198,6 +196,8 @@ class ActivationOffloading:
 
     def destination(self) -> Any:
         if self._destination is None:
+            if self.target == "disk" and self.directory is None:
+                raise ValueError("disk offloading needs a directory")
             self._destination = _HostMemory() if self.target == "cpu" else _DiskFiles(Path(self.directory))
         return self._destination
 

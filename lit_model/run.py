@@ -13,6 +13,8 @@ which nothing writes after parsing.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -62,6 +64,7 @@ class Run:
     mlp_tiles: int = 1  # > 1: the MLP in this many sequence tiles, each recomputed in backward
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE  # with loss_chunk_auto: a placeholder until it is chosen
     loss_chunk_auto: bool = False
+    cuda_alloc_conf: Optional[str] = None  # the CUDA caching allocator's settings the run gets (cuda_alloc_conf())
     optimizer: str = "AdamW"
     eval_batch_size: Optional[int] = None
     grad_clip: float = 1.0
@@ -129,6 +132,22 @@ class Run:
 
     def replace(self, **changes: Any) -> "Run":
         return dataclasses.replace(self, **changes)
+
+
+# The CUDA caching allocator's settings: the user's own when set (either name), else expandable segments (fewer
+# fragmentation gaps: memory/calibration.py), which PyTorch supports with CUDA on Linux.
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_alloc_conf(device_type: str) -> Optional[str]:
+    if device_type != "cuda":
+        return None
+    for variable in ALLOC_CONF_VARIABLES:
+        if variable in os.environ:
+            return os.environ[variable]
+    supported = sys.platform == "linux" and torch.version.hip is None
+    return DEFAULT_CUDA_ALLOC_CONF if supported else None
 
 
 def resolve_devices(devices: Union[int, str], device_type: str, present: bool = True) -> int:
@@ -260,6 +279,7 @@ def resolve_run(
         grad_clip=float(args.grad_clip),
         compile=bool(args.compile),
         checkpoint_dir=checkpoint_dir,
+        cuda_alloc_conf=cuda_alloc_conf(device_type),
     )
 
 

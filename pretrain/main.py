@@ -76,7 +76,7 @@ def model_config(args: PretrainArgs) -> Config:
 
 def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     config, seq_length = run.config, run.seq_len
-    run = session.choose_micro_batch_size(fabric, run, args)
+    run = session.choose_loss_chunk_size(fabric, session.choose_micro_batch_size(fabric, run, args), args)
     tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise UsageError(

@@ -5,6 +5,7 @@ and leave the loss and the gradients as they were."""
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,48 @@ def test_the_flags_read_and_render_as_the_user_writes_them(tmp_path):
     assert sorted(render_flags(changed_flags(plain, run))) == ["--activation_checkpointing selective", "--mlp_tiles 2"]
     offloaded = plain.replace(activation_offloading="disk", offload_dir=Path(tmp_path))
     assert render_flags(changed_flags(plain, offloaded)) == ["--activation_offloading disk"]
+
+
+# ---- the CUDA allocator's settings and the loss chunk (long-context companions) -----------------------------------
+def test_expandable_segments_are_set_for_a_cuda_run_unless_the_user_set_the_allocator(monkeypatch, tmp_path):
+    from lit_model.run import DEFAULT_CUDA_ALLOC_CONF
+    from lit_model.training.fabric import set_cuda_allocator
+
+    for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    settings = TrainArgs(max_steps=1, out_dir=tmp_path)
+    cpu_run = resolve_run(settings, tiny(), device_type="cpu")
+    set_cuda_allocator(cpu_run)
+    assert cpu_run.cuda_alloc_conf is None and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    cuda_run = resolve_run(settings, tiny(), device_type="cuda", present=False)
+    assert cuda_run.cuda_alloc_conf == DEFAULT_CUDA_ALLOC_CONF
+    set_cuda_allocator(cuda_run)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == DEFAULT_CUDA_ALLOC_CONF
+    # the user's own settings win, and the planner's fragmentation follows them
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    own = resolve_run(settings, tiny(), device_type="cuda", present=False)
+    set_cuda_allocator(own)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == own.cuda_alloc_conf == "max_split_size_mb:128"
+    expandable, default = (plan_run(r, engine="analytic", suggest=False, detect=False) for r in (cuda_run, own))
+    assert expandable.by_category["overhead"] < default.by_category["overhead"]
+    assert expandable.tensor_peak_bytes == default.tensor_peak_bytes
+
+
+def test_loss_chunk_auto_picks_the_largest_chunk_that_fits(tmp_path):
+    from lit_model.memory import max_loss_chunk_size
+
+    settings = plan_args(loss_chunk_size="auto", override_max_seq_length=1024, micro_batch_size=4)
+    run = resolved(tiny(n_layer=4, block_size=1024), settings)
+    assert run.loss_chunk_auto
+    peaks = {chunk: plan_run(run.replace(loss_chunk_size=chunk, loss_chunk_auto=False), engine="analytic",
+                             suggest=False, detect=False).peak_bytes for chunk in (128, 256, 512, 1024, 2048, 4096)}
+    assert peaks[4096] > peaks[512]  # the logits of larger chunks show in the peak
+    room = peaks[128]
+    assert max_loss_chunk_size(run, 100 * room) == 4096  # the whole micro batch at once
+    assert max_loss_chunk_size(run, int(peaks[512] / 0.9) + 10) == max(c for c, peak in peaks.items() if peak <= peaks[512])
+    assert max_loss_chunk_size(run, room) == 128  # nothing fits: the default
+    roomy = 4096
+    plan = plan_run(run, 100 * room, engine="analytic", suggest=False)
+    assert plan.planned.loss_chunk_size == roomy and any("--loss_chunk_size auto: 4096" in n for n in plan.notes)
+    assert max_loss_chunk_size(run.replace(device_type="cpu"), 100 * room) == 128  # cache-sized chunks: fastest

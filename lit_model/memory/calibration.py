@@ -36,6 +36,13 @@ class Overhead:
     # (activations, logits, temporaries; persistent weights and optimizer state pack without gaps).
     # torchtune's Llama-2-7B LoRA (15.57 GB reserved) and litgpt's figures suggest 5-15 % (estimate).
     cuda_fragmentation: float = 0.10
+    # The same with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the scripts' default on
+    # CUDA, training/fabric.py): a segment grows in 2 MiB pages instead of a new cudaMalloc per size that does not fit
+    # (pytorch/pytorch#96995, docs.pytorch.org/docs/stable/notes/cuda.html "expandable_segments"), which removes the
+    # usual fragmentation of growing and varying activations. No published ratio: half the above, rounded up
+    # (estimate). With max_split_size_mb set as well, reserved memory can grow without bound (pytorch/pytorch#123548):
+    # then the factor above applies.
+    cuda_fragmentation_expandable: float = 0.05
     # CPU, per process: what a training process holds besides the model's tensors, in named terms (plan.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
@@ -68,6 +75,15 @@ OVERHEAD = Overhead()
 SPEED: dict[str, dict[str, float]] = {
     # One extra forward of every checkpointed block: 4/3 when forward is 1/3 of the step.
     "activation_checkpointing": {"cuda": 1.33, "cpu": 1.25},
+    # Selective checkpointing (activations.py): only the element-wise ops are recomputed (estimate on GPU: torchtitan
+    # reports op-level SAC at a few % over no AC).
+    "activation_checkpointing_selective": {"cuda": 1.1, "cpu": 1.3},
+    # Offloading saved activations: to pinned host memory on a side stream (GPU, estimate: the copies overlap the
+    # forward, the way back in backward does not), to files (disk).
+    "activation_offloading_cpu": {"cuda": 1.2, "cpu": 1.2},  # CPU: refused (nothing to move to); not suggested
+    "activation_offloading_disk": {"cuda": 2.0, "cpu": 1.3},
+    # --mlp_tiles 4: every MLP's forward runs twice (estimate on GPU: the MLP is about 2/3 of a block's matmuls).
+    "mlp_tiles": {"cuda": 1.25, "cpu": 1.3},
     # fp32 -> bf16-true: tensor cores on GPU (estimate 0.5). On this CPU (bf16 matmul support) measured 0.93;
     # lit_model/precision.py reports 4-7x slower bf16 on other CPUs, so treat the CPU value as machine-specific.
     "precision_bf16_true_from_32": {"cuda": 0.5, "cpu": 0.93},

@@ -35,6 +35,7 @@ from lit_model.memory.trace import depth_segments, trace_by_layers, trace_traini
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
+MLP_TILES_FROM = 2048  # suggest --mlp_tiles for sequences this long: below, the MLP's activations are rarely the issue
 SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare (analytic vs trace: <1 %)
 MAX_TRACE_LAYERS = 48  # "auto" traces models up to this depth and size whole (a 32-layer 7B traces in 10-25 s
 MAX_TRACE_PARAMETERS = 15e9  # here); deeper or bigger ones are traced at a few blocks and extrapolated exactly
@@ -137,12 +138,17 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1) -> dict[
     }
 
 
-def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1) -> int:
-    """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py)."""
+def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
+                   cuda_alloc_conf: Optional[str] = None) -> int:
+    """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
+    fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``)."""
     if device_type == "cuda":
         transient = categories.get("activations", 0) + categories.get("logits_loss", 0)
         fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
-        return int(fixed + OVERHEAD.cuda_fragmentation * transient)
+        settings = (cuda_alloc_conf or "").replace(" ", "").lower()
+        expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
+        fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
+        return int(fixed + fragmentation * transient)
     return sum(cpu_overhead_terms(categories, world_size).values())
 
 
@@ -162,7 +168,7 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, di
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size)
+        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf)
         out[name] = cats
     return out
 
@@ -330,6 +336,10 @@ def plan_run(
         run = run.replace(micro_batch_size=max(best, 1), micro_batch_auto=False)
         notes.append(f"--micro_batch_size auto: {max(best, 1)} (the largest that fits with a 10 % margin)"
                      if best else "--micro_batch_size auto: not even 1 fits; planned with 1.")
+    if run.loss_chunk_auto:
+        chunk = max_loss_chunk_size(run, memory) if memory else DEFAULT_LOSS_CHUNK_SIZE
+        run = run.replace(loss_chunk_size=chunk, loss_chunk_auto=False)
+        notes.append(f"--loss_chunk_size auto: {chunk} tokens (the largest whose logits fit with a 10 % margin)")
     phases, used, offloaded = _tensor_phases(run, engine, notes)
     plan = _assemble(run, phases, memory, used, notes, offloaded)
     if memory is None:
@@ -411,6 +421,25 @@ def max_micro_batch_size(
     return candidates[best] if best >= 0 else 0
 
 
+def max_loss_chunk_size(run: Run, budget_bytes: Union[int, str, None] = None, margin: float = 0.1) -> int:
+    """``--loss_chunk_size auto``: the largest chunk of tokens (the default times a power of two, up to the micro
+    batch's tokens) whose predicted peak stays within ``budget_bytes * (1 - margin)``; the default when no larger one
+    does. Larger chunks mean fewer, larger head matmuls (faster on a GPU) and more logits alive at once. On the CPU
+    the default: cache-sized chunks are the fastest there (loss.py)."""
+    if run.device_type == "cpu":
+        return DEFAULT_LOSS_CHUNK_SIZE
+    budget = _resolve_memory(budget_bytes, run.device_type, detect=True)
+    if budget is None:
+        raise UsageError("max_loss_chunk_size needs a memory budget: pass budget_bytes (e.g. '24GB').")
+    tokens = run.micro_batch_size * run.seq_len
+    best, chunk = DEFAULT_LOSS_CHUNK_SIZE, 2 * DEFAULT_LOSS_CHUNK_SIZE
+    while chunk <= tokens:  # the peak grows with the chunk
+        if plan_spec(run.replace(loss_chunk_size=chunk, loss_chunk_auto=False), budget).peak_bytes > budget * (1 - margin):
+            break
+        best, chunk = chunk, 2 * chunk
+    return best
+
+
 # ---- suggestions -----------------------------------------------------------------------------------------
 @dataclass
 class _Option:
@@ -428,8 +457,24 @@ def _speed(name: str, device_type: str) -> float:
 def _options(run: Run) -> list[_Option]:
     dev = run.device_type
     options: list[_Option] = []
-    if run.ac_interval != 1:
-        options.append(_Option("activation_checkpointing", {"ac_interval": 1}, _speed("activation_checkpointing", dev)))
+    if run.ac_interval != 1 or run.ac_selective:
+        options.append(_Option("activation_checkpointing", {"ac_interval": 1, "ac_selective": False},
+                               _speed("activation_checkpointing", dev)))
+    if run.ac_interval == 0:
+        options.append(_Option("activation_checkpointing", {"ac_interval": 1, "ac_selective": True},
+                               _speed("activation_checkpointing_selective", dev),
+                               note="keeps the matmul and attention outputs, recomputes the element-wise ops"))
+    # offloading: to host memory from a GPU, to files from the CPU's RAM (not with Sophia's second backward or
+    # torch.compile, see training/args.py)
+    if run.activation_offloading is None and run.optimizer.lower() != "sophia" and not run.compile:
+        target = "cpu" if dev == "cuda" else "disk"
+        options.append(_Option("activation_offloading", {"activation_offloading": target},
+                               _speed(f"activation_offloading_{target}", dev),
+                               note="saved activations wait in host memory" if target == "cpu" else
+                               "saved activations wait in files under OUT_DIR/activations (--offload_dir)"))
+    if run.mlp_tiles == 1 and run.seq_len >= MLP_TILES_FROM:
+        options.append(_Option("mlp_tiles", {"mlp_tiles": 4}, _speed("mlp_tiles", dev),
+                               note="the MLP in 4 sequence tiles, recomputed in backward"))
     if run.precision in ("32-true", "bf16-mixed", "16-mixed"):
         speed = _speed("precision_bf16_true_from_32" if run.precision == "32-true" else "precision_bf16_true_from_mixed", dev)
         options.append(_Option("precision", {"precision": "bf16-true"}, speed, QUALITY_PENALTY["precision"],

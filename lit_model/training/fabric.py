@@ -22,7 +22,7 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, Sing
 from lit_model.activations import ActivationOffloading
 from lit_model.errors import STOPS, UserError
 from lit_model.model import GPT
-from lit_model.run import Run
+from lit_model.run import ALLOC_CONF_VARIABLES, Run
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 
@@ -66,8 +66,17 @@ class StateIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def set_cuda_allocator(run: Run) -> None:
+    """Give the CUDA caching allocator the run's settings (expandable segments unless the user set
+    PYTORCH_CUDA_ALLOC_CONF): before anything touches the GPU, and in the environment, so the processes Fabric
+    launches read it too."""
+    if run.cuda_alloc_conf is not None and not any(v in os.environ for v in ALLOC_CONF_VARIABLES):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = run.cuda_alloc_conf
+
+
 def setup_fabric(run: Run) -> Fabric:
     """Build (not launch) the Fabric for this run."""
+    set_cuda_allocator(run)
     backend = "nccl" if run.device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=run.timeout)
     if run.device_type == "cpu" and run.devices > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -132,7 +132,7 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
 
 def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
-    run = session.choose_micro_batch_size(fabric, run, args)
+    run = session.choose_loss_chunk_size(fabric, session.choose_micro_batch_size(fabric, run, args), args)
     checkpoint_dir = run.checkpoint_dir
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:

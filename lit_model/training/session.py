@@ -37,20 +37,39 @@ def print_plan(run: Run, args: TrainArgs) -> None:
     check_plan_fits(plan)
 
 
+def memory_budget(fabric: Fabric, run: Run, args: TrainArgs) -> int:
+    """The memory one process of this run may plan with: --device_memory, else this device's (on the CPU, a share)."""
+    from lit_model.memory import detect_device_memory, parse_memory
+
+    if args.device_memory:
+        return parse_memory(args.device_memory)
+    budget = detect_device_memory(run.device_type, fabric.device.index or 0)
+    return budget // run.devices if run.device_type == "cpu" else budget  # the processes on one machine share it
+
+
+def choose_loss_chunk_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
+    """``--loss_chunk_size auto``: the run with the largest loss chunk whose logits fit what the rest of the step
+    leaves (memory.plan.max_loss_chunk_size); every rank takes the smallest any rank found."""
+    if not run.loss_chunk_auto:
+        return run
+    from lit_model.memory import max_loss_chunk_size
+
+    found = max_loss_chunk_size(run, memory_budget(fabric, run, args))
+    if run.world_size > 1:
+        found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item())
+    fabric.print(f"--loss_chunk_size auto: {found} tokens per cross-entropy chunk")
+    return run.replace(loss_chunk_size=found, loss_chunk_auto=False)
+
+
 def choose_micro_batch_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
     """``--micro_batch_size auto``: the run with the largest micro batch that divides the per-rank batch and whose
     predicted peak fits this device with a 10 % margin, so gradient accumulation keeps the global batch. Every
     rank takes the smallest any rank found; the rehearsal then confirms it with a real step on the longest batch."""
     if not run.micro_batch_auto:
         return run
-    from lit_model.memory import detect_device_memory, format_bytes, max_micro_batch_size, parse_memory
+    from lit_model.memory import format_bytes, max_micro_batch_size
 
-    if args.device_memory:
-        budget = parse_memory(args.device_memory)
-    else:
-        budget = detect_device_memory(run.device_type, fabric.device.index or 0)
-        if run.device_type == "cpu":  # the processes on one machine share its memory
-            budget //= run.devices
+    budget = memory_budget(fabric, run, args)
     found = max_micro_batch_size(run, budget)
     found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item()) if run.world_size > 1 else found
     if found == 0:
