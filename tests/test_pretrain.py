@@ -206,6 +206,8 @@ def test_config_hub_yamls_parse_into_flags():
         ("--optimizer", "torch.optim.RMSprop", "--learning_rate", "0.001"),
         ("--activation_checkpointing", "--activation_checkpointing_interval", "2", "--freeze_layers", "1",
          "--empty_cache_interval", "2", "--loss_chunk_size", "16"),
+        ("--activation_checkpointing", "selective", "--mlp_tiles", "2", "--loss_chunk_size", "auto"),
+        ("--activation_offloading", "disk", "--micro_batch_size", "4"),
     ],
     ids=lambda extra: "-".join(a.strip("-") for a in extra[:2]),
 )
@@ -218,6 +220,8 @@ def test_levers_train_end_to_end(tiny_setup, tmp_path, extra):
     summary = json.loads((tmp_path / "lever" / "summary.json").read_text())
     if "--precision" in extra:
         assert summary["precision"] == extra[1]
+    if "--activation_offloading" in extra:  # every file read back or removed, the process's folder too
+        assert not any((tmp_path / "lever" / "activations").iterdir())
 
 
 @pytest.mark.slow

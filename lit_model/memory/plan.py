@@ -242,6 +242,9 @@ def _run_summary(spec: Run) -> dict[str, Any]:
         "sharding_strategy": spec.sharding_strategy if spec.strategy == "fsdp" else None,
         "cpu_offload": spec.cpu_offload,
         "activation_checkpointing_interval": spec.ac_interval,
+        "activation_checkpointing_selective": spec.ac_selective,
+        "activation_offloading": spec.activation_offloading,
+        "mlp_tiles": spec.mlp_tiles,
         "optimizer": spec.optimizer,
         "quantize": spec.quantize,
         "loss_chunk_size": spec.loss_chunk_size,
@@ -689,8 +692,13 @@ def _describe(plan: Plan) -> str:
     parts.append(f"micro batch {r['micro_batch_size']} x {r['seq_length']} tokens"
                  + (f" ({r['accumulation_steps']} accumulation steps)" if r["accumulation_steps"] > 1 else ""))
     if r["activation_checkpointing_interval"]:
-        parts.append("activation checkpointing" + (f" every {r['activation_checkpointing_interval']} blocks"
-                                                   if r["activation_checkpointing_interval"] > 1 else ""))
+        parts.append(("selective " if r.get("activation_checkpointing_selective") else "") + "activation checkpointing"
+                     + (f" every {r['activation_checkpointing_interval']} blocks"
+                        if r["activation_checkpointing_interval"] > 1 else ""))
+    if r.get("activation_offloading"):
+        parts.append(f"activations offloaded to {'host memory' if r['activation_offloading'] == 'cpu' else 'disk'}")
+    if r.get("mlp_tiles", 1) > 1:
+        parts.append(f"MLP in {r['mlp_tiles']} tiles")
     parts.append(f"{r['optimizer']}")
     unit = "GPU" if plan.device_type == "cuda" else "process"
     ranks = f"{r['world_size']} {unit}{('es' if unit == 'process' else 's') if r['world_size'] > 1 else ''}"
