@@ -75,15 +75,21 @@ OVERHEAD = Overhead()
 SPEED: dict[str, dict[str, float]] = {
     # One extra forward of every checkpointed block: 4/3 when forward is 1/3 of the step.
     "activation_checkpointing": {"cuda": 1.33, "cpu": 1.25},
-    # Selective checkpointing (activations.py): only the element-wise ops are recomputed (estimate on GPU: torchtitan
-    # reports op-level SAC at a few % over no AC).
-    "activation_checkpointing_selective": {"cuda": 1.1, "cpu": 1.3},
+    # The four levers below: "cpu" measured on lit-model-5m (fp32, micro batch 4 x 256 tokens, forward + backward,
+    # the five runs interleaved in one process, the fastest of 6 rounds each) on this machine while it was shared
+    # (load ~7 on 2 cores): noisy, +-20 %. The plain run took 2.74 s, full checkpointing 3.55 s (1.30, near the 1.25
+    # above).
+    # Selective checkpointing (activations.py): only the element-wise ops are recomputed. CPU: 3.30 s. GPU (estimate):
+    # torchtitan reports op-level SAC at a few % over no AC.
+    "activation_checkpointing_selective": {"cuda": 1.1, "cpu": 1.2},
     # Offloading saved activations: to pinned host memory on a side stream (GPU, estimate: the copies overlap the
     # forward, the way back in backward does not), to files (disk).
     "activation_offloading_cpu": {"cuda": 1.2, "cpu": 1.2},  # CPU: refused (nothing to move to); not suggested
-    "activation_offloading_disk": {"cuda": 2.0, "cpu": 1.3},
-    # --mlp_tiles 4: every MLP's forward runs twice (estimate on GPU: the MLP is about 2/3 of a block's matmuls).
-    "mlp_tiles": {"cuda": 1.25, "cpu": 1.3},
+    "activation_offloading_disk": {"cuda": 2.0, "cpu": 1.75},  # CPU: 4.74 s (files in /tmp); GPU: estimate
+    # --mlp_tiles 4: every MLP's forward runs twice. CPU: 7.98 s, far above the recomputation's own cost (small tiles
+    # of a small model: four weight-gradient matmuls and their sums per linear); GPU (estimate): the MLP is about 2/3
+    # of a block's matmuls, so about 1.25.
+    "mlp_tiles": {"cuda": 1.25, "cpu": 2.9},
     # fp32 -> bf16-true: tensor cores on GPU (estimate 0.5). On this CPU (bf16 matmul support) measured 0.93;
     # lit_model/precision.py reports 4-7x slower bf16 on other CPUs, so treat the CPU value as machine-specific.
     "precision_bf16_true_from_32": {"cuda": 0.5, "cpu": 0.93},
