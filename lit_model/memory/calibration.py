@@ -78,7 +78,8 @@ SPEED: dict[str, dict[str, float]] = {
     # The four levers below: "cpu" measured on lit-model-5m (fp32, micro batch 4 x 256 tokens, forward + backward,
     # the five runs interleaved in one process, the fastest of 6 rounds each) on this machine while it was shared
     # (load ~7 on 2 cores): noisy, +-20 %. The plain run took 2.74 s, full checkpointing 3.55 s (1.30, near the 1.25
-    # above).
+    # above). Whole 3-step runs of benchmarks/memory_ladder.py (lit-model-5m, same load) were faster: tokens/s x0.93
+    # (selective), x0.98 (disk), x0.86 (tiles); the slower figures are kept, so these levers are not over-ranked.
     # Selective checkpointing (activations.py): only the element-wise ops are recomputed. CPU: 3.30 s. GPU (estimate):
     # torchtitan reports op-level SAC at a few % over no AC.
     "activation_checkpointing_selective": {"cuda": 1.1, "cpu": 1.2},
