@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from lit_model.config import Config
@@ -379,17 +378,25 @@ class GemmaMLP(LLaMAMLP):
         return F.gelu(x, approximate=self.approximate)
 
 
+@torch.library.custom_op("lit_model::expert_tokens", mutates_args=())
 def expert_tokens(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens that chose ``expert`` (rows of ``chosen``, tokens x k) and in which of their k slots. On fake
-    tensors (the memory planner's trace) the choice is unknown: every token chose experts 0..k-1. That routing
-    needs the most memory: the experts' saved activations add up to k rows per token whatever the choice, and
-    the buffers in flight in one expert's forward and backward grow with its rows, at most one per token."""
-    if is_fake(chosen):
-        tokens, k = chosen.shape
+    """The tokens that chose ``expert`` (rows of ``chosen``, tokens x k) and in which of their k slots."""
+    pairs = (chosen == expert).nonzero()
+    return pairs[:, 0].clone(), pairs[:, 1].clone()  # a custom op's outputs may not alias each other
+
+
+@expert_tokens.register_fake
+def _expert_tokens_fake(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, k = chosen.shape
+    try:  # torch.compile: a data-dependent size
+        rows = torch.library.get_ctx().new_dynamic_size(max=tokens)
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException:
+        # Fake tensors without a shape environment (the memory planner's trace) carry no routing: the routing that
+        # needs the most memory, every token choosing experts 0..k-1 (the experts' saved activations add up to k
+        # rows per token whatever the choice; the buffers in flight in one expert's forward and backward grow with
+        # its rows, at most one per token).
         rows = tokens if expert < k else 0
-        return (torch.arange(rows, device=chosen.device),
-                torch.full((rows,), expert, dtype=torch.long, device=chosen.device))
-    return torch.where(chosen == expert)
+    return chosen.new_empty((rows,), dtype=torch.long), chosen.new_empty((rows,), dtype=torch.long)
 
 
 class LLaMAMoE(nn.Module):

@@ -39,7 +39,7 @@ from lit_model.memory.units import peak_rss_bytes
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
 from lit_model.training.loggers import open_loggers
-from lit_model.training.optimizers import lr_at, set_lr
+from lit_model.training.optimizers import hessian_step, lr_at, needs_create_graph, set_lr
 from lit_model.training.recovery import (
     StepOutOfMemory, any_rank, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
     simulated_memory_cap, split_batches, start_memory_history,
@@ -129,11 +129,17 @@ def stop_requested() -> bool:
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
-@torch.no_grad()
 def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[float]:
     """Mean loss over the same number of batches on every rank (no rank waits for another), or None when a stop
     request cut it short. Before each batch the ranks agree on stopping (one 4-byte all-reduce with several
     processes: evaluation is not the hot path, and under FSDP a rank cannot skip a forward alone)."""
+    sums = evaluation_sums(fabric, model, batches)
+    return None if sums is None else (sums[0] / sums[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
+def evaluation_sums(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[torch.Tensor]:
+    """The summed token loss and the token count over ``batches`` on all ranks (None: a stop cut it short)."""
     model.eval()
     total = torch.zeros(2, device=fabric.device)
     try:
@@ -145,8 +151,7 @@ def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[f
             total += torch.stack([loss.float() * count, count.float()])
     finally:
         model.train()
-    total = fabric.all_reduce(total, reduce_op="sum")
-    return (total[0] / total[1].clamp(min=1)).item()
+    return fabric.all_reduce(total, reduce_op="sum")
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -399,8 +404,6 @@ class TrainStep:
 
     def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, micro_batch_size: int, recover: bool,
                  report: Callable[[int, str, str], str]) -> None:
-        from lit_model.training.optimizers import needs_create_graph
-
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
         self.create_graph = needs_create_graph(optimizer)
@@ -460,6 +463,15 @@ class TrainStep:
                     raise_if_any_rank_failed(fabric, failures)
             loss_sum += loss.detach()
         return loss_sum, local_tokens
+
+    def update(self, grad_clip: float) -> None:
+        """The optimizer step after ``__call__``: gradients clipped to ``grad_clip`` (0: not clipped), stepped, freed."""
+        if grad_clip > 0:
+            self.fabric.clip_gradients(self.model, self.optimizer, max_norm=grad_clip, error_if_nonfinite=False)
+        if self.create_graph:
+            hessian_step(self.optimizer)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
         while True:
@@ -540,8 +552,6 @@ def fit(
     redone by the resumed run, and the last completed step is saved. The run then writes a summary marked
     ``"stopped": true``, prints the command that continues it and returns with ``progress.stopped`` set: the caller
     writes no final/."""
-    from lit_model.training.optimizers import hessian_step
-
     config, out_dir = run.config, args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     start_memory_history(fabric.device)
@@ -576,12 +586,7 @@ def fit(
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
                     break
-                if run.grad_clip > 0:
-                    fabric.clip_gradients(model, optimizer, max_norm=run.grad_clip, error_if_nonfinite=False)
-                if train_step.create_graph:
-                    hessian_step(optimizer)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step.update(run.grad_clip)
                 progress.step += 1
 
                 reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
