@@ -61,6 +61,7 @@ class Run:
     grad_clip: float = 1.0
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
+    packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
 
     # ---- derived ----
     @property
@@ -238,6 +239,7 @@ def resolve_run(
         grad_clip=float(args.grad_clip),
         compile=bool(args.compile),
         checkpoint_dir=checkpoint_dir,
+        packing=bool(getattr(args, "packing", False)),
     )
 
 

@@ -467,6 +467,12 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
             first = (this, acts.transient_per_token * N)
         x_rg = acts.out_requires_grad
     kept = sum(block_kept) + 16 * N  # + the batch: input ids and targets (int64)
+    packed = 0
+    if spec.packing:  # the positions, per-token cos/sin and the document masks (one per window, shared by the layers)
+        window = config.sliding_window_size
+        masks = 1 + (window is not None and window < T)
+        packed = 8 * N + (2 * N * config.rope_n_elem + masks * B * T * T) * spec.compute_bytes
+        kept += packed
     differentiated_twice = spec.optimizer.lower() == "sophia"
     if differentiated_twice:
         # Estimate (not traced): on Hessian steps backward runs with create_graph=True, keeping the backward
@@ -534,6 +540,7 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         eval_fw += N * (4 * C * d + 8 * config.n_expert + 16 * config.n_expert_per_token)
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
+    eval_fw += packed
     eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path
     if spec.autocast_dtype is not None:
         # autocast caches half-precision copies of weights that require grad, also under no_grad

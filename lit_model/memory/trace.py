@@ -287,7 +287,10 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
         )
         x = torch.randint(0, vocab, (B, T))
         y = torch.randint(0, vocab, (B, T))
-        tracker.track_external(x, y)
+        # packed samples (--packing): the positions, from which the model builds its document masks
+        packed = (lambda rows: {"positions": torch.zeros((rows, T), dtype=torch.long)}) if spec.packing else (lambda rows: {})
+        inputs = packed(B)
+        tracker.track_external(x, y, *inputs.values())
         micro_steps = min(spec.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
         create_graph = needs_create_graph(optimizer)  # Sophia: the backward keeps its own graph for the Hessian
         model.loss_differentiable_twice = create_graph
@@ -298,7 +301,7 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
             for _ in range(micro_steps):
                 tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
                 with autocast, attention():
-                    loss = model(x, targets=y)
+                    loss = model(x, targets=y, **inputs)
                 in_loss_backward["active"] = True
                 tracker.push_category("loss")
                 with attention():
@@ -323,12 +326,13 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
         if "evaluation" in phases:
             eb = spec.eval_batch
             xe, ye = torch.randint(0, vocab, (eb, T)), torch.randint(0, vocab, (eb, T))
-            tracker.track_external(xe, ye)
+            eval_inputs = packed(eb)
+            tracker.track_external(xe, ye, *eval_inputs.values())
             model.eval()
             with tracker, torch.no_grad():
                 tracker.reset_mod_stats()
                 with autocast:
-                    model(xe, targets=ye)
+                    model(xe, targets=ye, **eval_inputs)
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
             model.train()
     return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, probes=probes)
