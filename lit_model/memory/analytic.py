@@ -540,8 +540,8 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         eval_fw += N * (4 * C * d + 8 * config.n_expert + 16 * config.n_expert_per_token)
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
-    eval_fw += packed
-    eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path
+    eval_fw += packed  # alive for the whole forward, the loss included
+    eval_loss = chunk_logits + packed  # a no-grad chunk: its logits and log-probabilities, on either path
     if spec.autocast_dtype is not None:
         # autocast caches half-precision copies of weights that require grad, also under no_grad
         pc = param_counts(config)
