@@ -114,6 +114,7 @@ def finetune_rungs() -> list[Rung]:
         Rung("full + freeze embedding + 2 blocks", ["--freeze_layers", "2"], "finetune/full.py"),
         Rung("LoRA", [], "finetune/lora.py"),
         Rung("LoRA + packing", ["--packing", "true"], "finetune/lora.py"),
+        Rung("DoRA", ["--lora_dora", "true"], "finetune/lora.py"),
         Rung("QLoRA bnb.nf4", ["--quantize", "bnb.nf4"], "finetune/lora.py"),
         Rung("QLoRA bnb.nf4 + bf16-true", ["--quantize", "bnb.nf4", "--precision", "bf16-true"], "finetune/lora.py"),
     ]

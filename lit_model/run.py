@@ -110,6 +110,10 @@ class Run:
         return (self.lora or LoRAConfig()).dropout
 
     @property
+    def lora_dora(self) -> bool:
+        return (self.lora or LoRAConfig()).dora
+
+    @property
     def lora_targets(self) -> tuple[str, ...]:
         lora = self.lora or LoRAConfig()
         return tuple(flag for flag in LORA_TARGET_FLAGS if getattr(lora, flag))

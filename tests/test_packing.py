@@ -9,16 +9,19 @@ import json
 import numpy as np
 import pytest
 import torch
+from lightning.fabric import Fabric
 
 from lit_model import GPT, Config
 from lit_model.data.instruct import IGNORE_INDEX, InstructDataset, PackedDataset, collate, pack_in_order, padding_fraction
 from lit_model.memory.plan import plan_run
 from lit_model.run import resolve_run
 from lit_model.training.recovery import SIMULATED_CAP_ENV
-from test_finetune import finetune, ft  # noqa: F401 (the fixture)
+import test_finetune
+from test_finetune import finetune
 from test_memory_plan import args as plan_args, tiny as plan_config
-from test_oom import CAP, TINY, fabric, make_step  # noqa: F401 (the fixture)
+from test_oom import CAP, TINY, make_step
 
+ft = test_finetune.ft  # the tiny checkpoint and instruction data, a fixture
 MODELS = {
     "llama": dict(mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm"),
     # a window shorter than the samples: the packed mask must cut it per sample as the unpacked one does
@@ -104,7 +107,8 @@ def packed_step_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return batches
 
 
-def test_out_of_memory_recovery_splits_packed_batches(fabric, monkeypatch):  # noqa: F811
+def test_out_of_memory_recovery_splits_packed_batches(monkeypatch):
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     model, _, step, _ = make_step(fabric, 4)
     loss, tokens = step(packed_step_batches(), "at step 1")
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -129,7 +133,7 @@ def test_plan_counts_the_document_masks(engine):
     assert packed.by_phase["evaluation"] > plain.by_phase["evaluation"]
 
 
-def test_finetune_with_packing(ft, tmp_path):  # noqa: F811
+def test_finetune_with_packing(ft, tmp_path):
     out = tmp_path / "packed"
     proc = finetune(ft, "lora", out, "--packing", "true")
     assert proc.returncode == 0, proc.stderr

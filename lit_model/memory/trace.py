@@ -192,8 +192,8 @@ def _apply_lora(model: nn.Module, spec: Run) -> None:
         apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
         return
     targets = {t: t in spec.lora_targets for t in ("query", "key", "value", "projection", "mlp", "head")}
-    project_apply_lora(model, LoRAConfig(r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, **targets),
-                       dtype=spec.param_dtype)
+    project_apply_lora(model, LoRAConfig(r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout,
+                                         dora=spec.lora_dora, **targets), dtype=spec.param_dtype)
 
 
 def _quant_state_bytes(model: nn.Module) -> int:

@@ -254,6 +254,7 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress: Progress, final_dir: Path) -> None:
     """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
     what = run.trainable if run.quantize is None or run.trainable != "lora" else f"qlora ({run.quantize})"
+    what += " + DoRA" if run.lora is not None and run.lora.dora else ""
     answer = session.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
     summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})
