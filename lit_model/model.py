@@ -97,16 +97,17 @@ class GPT(nn.Module):
                     f"Input of {T} tokens is longer than the model's max_seq_length={self.max_seq_length}. "
                     "Crop the input or raise max_seq_length (at most the config's block_size)."
                 )
-            cos, sin = self.cos[:T], self.sin[:T]
+            if positions is None:
+                cos, sin = self.cos[:T], self.sin[:T]
+            else:  # per token: (B, 1, T, n_elem)
+                cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        elif positions is not None:
+            raise ValueError("positions (packed training) and input_pos (KV-cache decoding) exclude each other")
         else:
             cos, sin = self.cos.index_select(0, input_pos), self.sin.index_select(0, input_pos)
-        masks = None
-        if positions is not None:
-            if input_pos is not None:
-                raise ValueError("positions (packed training) and input_pos (KV-cache decoding) exclude each other")
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, T, n_elem)
 
         x = self.embed(idx)
+        masks = None
         if positions is not None:  # per-token tables and masks: made once in attention's dtype, not in every layer
             dtype = attention_dtype(x)
             cos, sin, masks = as_dtype(cos, dtype), as_dtype(sin, dtype), self.document_masks(positions, dtype)

@@ -134,6 +134,7 @@ def test_plan_counts_the_document_masks(engine):
     assert packed.by_phase["evaluation"] > plain.by_phase["evaluation"]
 
 
+@pytest.mark.slow
 def test_finetune_with_packing(ft, tmp_path):
     out = tmp_path / "packed"
     proc = finetune(ft, "lora", out, "--packing", "true")
