@@ -12,6 +12,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model import GPT, Config
+from lit_model.adapter import AdapterConfig, apply_adapter
 from lit_model.data.instruct import IGNORE_INDEX, InstructDataset, PackedDataset, collate, pack_best_fit, padding_fraction
 from lit_model.memory.plan import plan_run
 from lit_model.run import resolve_run
@@ -28,6 +29,7 @@ MODELS = {
     "sliding-window": dict(sliding_window_size=8, sliding_window_layer_stride=2),
     # the explicit attention path (Gemma 2)
     "softcapping": dict(attention_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "adapter": {},  # LLaMA-Adapter: every token also attends to the prefix
 }
 
 
@@ -46,7 +48,7 @@ def summed_loss_and_gradients(model: GPT, batches: list[tuple[torch.Tensor, ...]
         loss = loss * (targets != IGNORE_INDEX).sum()
         loss.backward()
         total += loss.item()
-    return total, {name: p.grad.clone() for name, p in model.named_parameters()}
+    return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -54,6 +56,9 @@ def test_packed_samples_give_the_unpacked_loss_and_gradients(name):
     torch.manual_seed(0)
     model = GPT(Config(**{**TINY, "block_size": 128, **MODELS[name]}))
     model.init_weights()
+    if name == "adapter":
+        apply_adapter(model, AdapterConfig(prompt_length=4, start_layer=1))
+        torch.nn.init.constant_(model.blocks[1].attn.adapter_gate, 0.5)
     dataset = instruct_dataset([20, 33, 7, 50])
     unpacked = summed_loss_and_gradients(model, [(ids[None], targets[None]) for ids, targets in dataset])
     packed_dataset = PackedDataset(dataset, 128)
