@@ -287,8 +287,10 @@ def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluati
         )
         x = torch.randint(0, vocab, (B, T))
         y = torch.randint(0, vocab, (B, T))
-        # packed samples (--packing): the positions, from which the model builds its document masks
-        packed = (lambda rows: {"positions": torch.zeros((rows, T), dtype=torch.long)}) if spec.packing else (lambda rows: {})
+        def packed(rows: int) -> dict[str, torch.Tensor]:
+            """--packing: the positions of packed samples, from which the model builds its document masks."""
+            return {"positions": torch.zeros((rows, T), dtype=torch.long)} if spec.packing else {}
+
         inputs = packed(B)
         tracker.track_external(x, y, *inputs.values())
         micro_steps = min(spec.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
