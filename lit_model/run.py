@@ -61,6 +61,7 @@ class Run:
     grad_clip: float = 1.0
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
+    packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
 
     # ---- derived ----
     @property
@@ -107,6 +108,10 @@ class Run:
     @property
     def lora_dropout(self) -> float:
         return (self.lora or LoRAConfig()).dropout
+
+    @property
+    def lora_dora(self) -> bool:
+        return (self.lora or LoRAConfig()).dora
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -238,6 +243,7 @@ def resolve_run(
         grad_clip=float(args.grad_clip),
         compile=bool(args.compile),
         checkpoint_dir=checkpoint_dir,
+        packing=bool(getattr(args, "packing", False)),
     )
 
 

@@ -115,6 +115,10 @@ class QuantLinearSim(nn.Linear):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.compute_dtype = linear.weight.dtype
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """What ``lit_model.quantize.dequantized_weight`` makes of a bitsandbytes layer: a new (out, in) tensor."""
+        return torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=self.weight.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _DequantMatmul.apply(x, self.weight, self.out_features, self.in_features, self.tracker)
         return y if self.bias is None else y + self.bias

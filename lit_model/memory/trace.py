@@ -224,6 +224,14 @@ def _adapt(model: GPT, run: Run, tracker: "_Tracker") -> None:
         freeze_layers(model, run.freeze_layers)
 
 
+def _batch(run: Run, rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Inputs and targets of ``rows`` samples; with --packing also their positions, from which the model builds
+    its document masks."""
+    shape = (rows, run.seq_len)
+    tokens = (torch.randint(0, vocab, shape), torch.randint(0, vocab, shape))
+    return (*tokens, torch.zeros(shape, dtype=torch.long)) if run.packing else tokens
+
+
 def _quant_state_bytes(model: nn.Module) -> int:
     return sum(m.quant_statistics.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
 
@@ -327,7 +335,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         step = TrainStep(fabric, model, optimizer, B, recover=False, report=lambda *_: "")
         vocab = config.padded_vocab_size
         micro_steps = min(run.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
-        samples = (torch.randint(0, vocab, (B * micro_steps, T)), torch.randint(0, vocab, (B * micro_steps, T)))
+        samples = _batch(run, B * micro_steps, vocab)
         tracker.track_external(*samples)
         results: dict[str, dict[str, int]] = {}
         dropout = _cuda_dropout if run.device_type == "cuda" else contextlib.nullcontext
@@ -339,7 +347,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 if iteration:
                     results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
         if "evaluation" in phases:
-            batch = (torch.randint(0, vocab, (run.eval_batch, T)), torch.randint(0, vocab, (run.eval_batch, T)))
+            batch = _batch(run, run.eval_batch, vocab)
             tracker.track_external(*batch)
             with tracker:
                 tracker.reset_mod_stats()

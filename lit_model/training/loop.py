@@ -49,7 +49,7 @@ CHECKPOINTS = "checkpoints"
 STATE_NAME = "state.pt"
 LINEAGE_NAME = "lineage.json"
 DATA_ORDER_NAME = "data_order.json"
-DATA_ORDER_FLAGS = ("data_path", "global_batch_size", "seed", "override_max_seq_length", "val_split_fraction")
+DATA_ORDER_FLAGS = ("data_path", "global_batch_size", "seed", "override_max_seq_length", "val_split_fraction", "packing")
 
 
 def freeze_layers(model: nn.Module, spec: Optional[Union[int, list[str]]]) -> int:
@@ -128,6 +128,12 @@ def stop_requested() -> bool:
     return STOPS.requested is not None
 
 
+def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The model's mean loss on ``(input_ids, targets)``, or on packed samples ``(input_ids, targets, positions)``."""
+    input_ids, targets, *positions = batch
+    return model(input_ids, targets=targets, positions=positions[0] if positions else None)
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[float]:
     """Mean loss over the same number of batches on every rank (no rank waits for another), or None when a stop
@@ -143,11 +149,11 @@ def evaluation_sums(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Opt
     model.eval()
     total = torch.zeros(2, device=fabric.device)
     try:
-        for input_ids, targets in batches:
+        for batch in batches:
             if any_rank(fabric, stop_requested()):
                 return None
-            loss = model(input_ids, targets=targets)
-            count = count_targets(targets)
+            loss = batch_loss(model, batch)
+            count = count_targets(batch[1])
             total += torch.stack([loss.float() * count, count.float()])
     finally:
         model.train()
@@ -431,7 +437,7 @@ class TrainStep:
         if out_of_memory:
             raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
-    def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over ``batches``; returns this rank's summed token loss and its token count.
         The ranks agree on out-of-memory and stop requests before the last micro batch's backward (its gradient
         all-reduce; the accumulation micro batches start no collective, so a rank that fails there, or is asked to
@@ -439,20 +445,20 @@ class TrainStep:
         costs no collective of its own: between micro batches it is a local check."""
         fabric = self.fabric
         chunks = split_batches(batches, self.micro_batch_size)
-        counts = [count_targets(targets) for _, targets in chunks]
+        counts = [count_targets(chunk[1]) for chunk in chunks]
         local_tokens = sum(counts)
         all_tokens = fabric.all_reduce(local_tokens.float(), reduce_op="sum") if fabric.world_size > 1 else local_tokens.float()
         scale = fabric.world_size / all_tokens.clamp(min=1)  # the ranks average their gradients
         loss_sum = torch.zeros((), device=fabric.device)
         failures: list[str] = []
         last = len(chunks) - 1
-        for index, ((input_ids, targets), count) in enumerate(zip(chunks, counts)):
+        for index, (chunk, count) in enumerate(zip(chunks, counts)):
             sync = index == last
             if self.first_skippable is not None and index >= self.first_skippable and stop_requested():
                 self.agree(failures)  # raises StepStopped on every rank
             with fabric.no_backward_sync(self.model, enabled=not sync), self.attention_backend():
                 with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
-                    loss = self.model(input_ids, targets=targets) * count
+                    loss = batch_loss(self.model, chunk) * count
                     if not sync:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                 if failures or sync:
@@ -473,7 +479,7 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batches: list[tuple[torch.Tensor, ...]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
         while True:
             try:
                 return self.accumulate(batches)
@@ -490,7 +496,7 @@ class TrainStep:
             )
 
 
-def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, torch.Tensor], val_batches: list[Any],
+def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, ...], val_batches: list[Any],
              state: dict[str, Any], config: Config, out_dir: Path, save_filter: Optional[dict[str, Any]]) -> None:
     """The run's memory-hungriest moments once, before the main loop: a step on the longest batch, the largest
     evaluation batch and a checkpoint save, so an out-of-memory shows in the first minute, not after hours.
@@ -540,7 +546,7 @@ def fit(
     max_steps: int,
     progress: Progress,
     save_filter: Optional[dict[str, Any]] = None,
-    rehearsal_batch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    rehearsal_batch: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> tuple[Progress, Run]:
     """Train ``run`` until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
     ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``). With ``--rehearse``,
