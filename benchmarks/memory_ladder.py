@@ -124,6 +124,8 @@ def finetune_rungs() -> list[Rung]:
         Rung("full fine-tune", [], "finetune/full.py"),
         Rung("full + freeze embedding + 2 blocks", ["--freeze_layers", "2"], "finetune/full.py"),
         Rung("LoRA", [], "finetune/lora.py"),
+        Rung("LoRA + packing", ["--packing", "true"], "finetune/lora.py"),
+        Rung("DoRA", ["--lora_dora", "true"], "finetune/lora.py"),
         Rung("QLoRA bnb.nf4", ["--quantize", "bnb.nf4"], "finetune/lora.py"),
         Rung("QLoRA bnb.nf4 + bf16-true", ["--quantize", "bnb.nf4", "--precision", "bf16-true"], "finetune/lora.py"),
     ]
@@ -247,6 +249,8 @@ def run_rung(rung: Rung, table: Table, out_dir: Path) -> dict:
     row.update(status="ok", processes=str(summary["devices"]), peak_mb=f"{summary['peak_memory_bytes'] / 1e6:.1f}",
                peak_all_ranks_mb=f"{summary['peak_memory_bytes_all_ranks'] / 1e6:.1f}",
                tokens_per_sec=f"{speed:.0f}", loss=f"{summary['train_loss']:.4f}")
+    if "padding_fraction" in summary:  # fine-tuning: the share of padding tokens in its micro batches
+        row["note"] = f"padding {summary['padding_fraction']:.1%} of the tokens"
     wanted = rung.flags[rung.flags.index("--precision") + 1] if "--precision" in rung.flags else None
     if wanted and summary["precision"] != wanted:
         row["note"] = f"ran as {summary['precision']}"

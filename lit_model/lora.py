@@ -7,8 +7,15 @@ base parameters keep their names (``blocks.0.attn.query.weight``) and a quantize
 adapter parameters sit beside them (``blocks.0.attn.query.lora_A``). Only adapter parameters (and, on request,
 the biases of the adapted layers) get gradients and optimizer state.
 
-Merging adds ``scaling * B @ A`` to the base weights of a checkpoint directory, in full precision, from the
-stored base weights (never from a quantized copy):
+DoRA (``dora``, Liu et al. 2024, "Weight-Decomposed Low-Rank Adaptation") trains a magnitude per output feature
+beside A and B: the layer computes ``m * (W + scaling * B @ A) x / ||W + scaling * B @ A||`` with the norm of each
+output row (PEFT's ``DoraLinearLayer``: the paper's column-wise norm of the transposed weight). As the paper
+suggests (section 4.3) and PEFT does, the norm is a constant for backward: it is computed without a graph each
+forward (of a dequantized copy of a quantized weight), which costs one (out x in) weight's memory for a moment
+and keeps nothing for backward. ``m`` starts as the base weight's row norms, so the layer starts as the base.
+
+Merging adds ``scaling * B @ A`` to the base weights of a checkpoint directory (DoRA: and rescales each row to
+its magnitude), in full precision, from the stored base weights (never from a quantized copy):
 
     python -m lit_model.lora merge --checkpoint_dir DIR    # DIR: base weights + lora.safetensors + lora.yaml
 """
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 import yaml
 
 from lit_model.errors import UsageError, UserError
+from lit_model.quantize import dequantized_weight
 
 LORA_WEIGHTS = "lora.safetensors"
 LORA_CONFIG = "lora.yaml"
@@ -54,6 +62,7 @@ class LoRAConfig:
     mlp: bool = False
     head: bool = False
     bias: bool = False  # also train the biases of the adapted layers
+    dora: bool = False  # DoRA: a trained magnitude per output feature, the direction W + scaling * B @ A normalised
     merged: bool = False  # in a checkpoint directory: the weights beside this file already include the adapter
 
     def __post_init__(self) -> None:
@@ -103,6 +112,7 @@ class LoRALayer:
 
     lora_A: nn.Parameter
     lora_B: nn.Parameter
+    lora_magnitude: Optional[nn.Parameter]  # DoRA's, per output feature; None: plain LoRA
 
     def _init_lora(self, config: LoRAConfig, dtype: torch.dtype) -> None:
         device = self.bias.device if self.bias is not None else self.weight.device
@@ -111,11 +121,29 @@ class LoRALayer:
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear; B = 0 makes the start exact
         self.lora_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self.lora_scaling = config.scaling
+        self.lora_magnitude = nn.Parameter(self.direction_norm().to(dtype)) if config.dora else None
+
+    @torch.no_grad()
+    def direction_norm(self) -> torch.Tensor:
+        """DoRA's ``||W + scaling * B @ A||`` per output row, in fp32, outside the graph (a constant for backward)."""
+        # a quantized weight dequantized: bitsandbytes' layers, or the planner's stand-in, which has its own method
+        own = getattr(self, "dequantized_weight", None)
+        weight = self.weight if self.weight.is_floating_point() else own() if own else dequantized_weight(self)
+        direction = weight + (self.lora_B @ self.lora_A).to(weight.dtype) * self.lora_scaling
+        return torch.linalg.vector_norm(direction, dim=1, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # type: ignore[misc]
-        low_rank = F.linear(F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
-        return out + (low_rank * self.lora_scaling).to(out.dtype)
+        low_rank = F.linear(F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.lora_scaling
+        if self.lora_magnitude is None:
+            return out + low_rank.to(out.dtype)
+        # DoRA: m / ||W + sBA|| * (W x + s B A x) + bias, written as the base output plus (scale - 1) * (W x + sBAx)
+        # + sBAx: backward keeps one output-sized tensor for the magnitudes' gradient (PEFT's form keeps two), and
+        # the start (scale exactly 1: the norm is cast to the magnitude's dtype; B = 0) adds exact zeros. Unlike
+        # PEFT, with dropout the base term uses the base output on x (no second base matmul on the dropped-out x).
+        scale = self.lora_magnitude / self.direction_norm().to(self.lora_magnitude.dtype)
+        base = out if self.bias is None else out - self.bias
+        return out + ((scale - 1) * (base + low_rank) + low_rank).to(out.dtype)
 
 
 _LORA_CLASSES: dict[type, type] = {}
@@ -156,8 +184,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
 
 
 def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:
-    """Base weights with the adapter added (in fp32, stored back in each weight's dtype); trained biases replace
-    the base ones. ``base`` is changed in place and returned."""
+    """Base weights with the adapter added (in fp32, stored back in each weight's dtype; DoRA: each row scaled to
+    its trained magnitude); trained biases replace the base ones. ``base`` is changed in place and returned."""
     prefixes = sorted({name[: -len(".lora_A")] for name in lora if name.endswith(".lora_A")})
     for prefix in prefixes:
         weight_name = f"{prefix}.weight"
@@ -167,9 +195,13 @@ def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor
         delta = (lora[f"{prefix}.lora_B"].float() @ lora[f"{prefix}.lora_A"].float()) * config.scaling
         if delta.shape != weight.shape:
             raise UserError(f"LoRA update for {weight_name} has shape {tuple(delta.shape)}, the weight {tuple(weight.shape)}.")
-        base[weight_name] = (weight.float() + delta).to(weight.dtype)
+        merged = weight.float() + delta
+        magnitude = lora.get(f"{prefix}.lora_magnitude")
+        if magnitude is not None:
+            merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=1))[:, None]
+        base[weight_name] = merged.to(weight.dtype)
     for name, tensor in lora.items():
-        if not name.endswith((".lora_A", ".lora_B")):  # a trained bias
+        if not name.endswith((".lora_A", ".lora_B", ".lora_magnitude")):  # a trained bias
             if name not in base:
                 raise UserError(f"The LoRA weights hold {name!r}, which the base weights do not have.")
             base[name] = tensor.to(base[name].dtype)

@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from lit_model.activations import ActivationOffloading, checkpointed, tiled
@@ -88,11 +87,13 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         input_pos: Optional[torch.Tensor] = None,
         targets: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits of shape (batch, time, vocab); with ``targets`` (-100 = ignore) the mean loss instead.
 
         ``input_pos`` (1-D, the positions of ``idx``'s tokens) switches to KV-cache decoding; see
-        ``set_kv_cache``.
+        ``set_kv_cache``. ``positions`` (batch, time), for training on packed sequences: each token's RoPE
+        position; a document starts where its position is 0 and attends only within itself.
         """
         T = idx.size(1)
         if input_pos is None:
@@ -101,27 +102,47 @@ class GPT(nn.Module):
                     f"Input of {T} tokens is longer than the model's max_seq_length={self.max_seq_length}. "
                     "Crop the input or raise max_seq_length (at most the config's block_size)."
                 )
-            cos, sin = self.cos[:T], self.sin[:T]
+            if positions is None:
+                cos, sin = self.cos[:T], self.sin[:T]
+            else:  # per token: (B, 1, T, n_elem)
+                cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        elif positions is not None:
+            raise ValueError("positions (packed training) and input_pos (KV-cache decoding) exclude each other")
         else:
             cos, sin = self.cos.index_select(0, input_pos), self.sin.index_select(0, input_pos)
 
         x = self.embed(idx)
+        masks = None
+        if positions is not None:  # per-token tables and masks: made once in attention's dtype, not in every layer
+            dtype = attention_dtype(x)
+            cos, sin, masks = as_dtype(cos, dtype), as_dtype(sin, dtype), self.document_masks(positions, dtype)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         interval, grad = self.activation_checkpointing_interval, torch.is_grad_enabled()
         # Offloading sees what the blocks save outside checkpoints: with checkpointing, only the checkpointed blocks'
-        # inputs. cos/sin are views of the model's buffers, resident anyway.
+        # inputs. cos/sin (and packing's masks) are shared by every block and alive until the end of the forward anyway.
         offload = self.activation_offloading if grad and self.activation_offloading is not None else None
-        with offload(resident=(cos, sin)) if offload is not None else contextlib.nullcontext():
+        resident = (cos, sin, *(masks or {}).values())
+        with offload(resident=resident) if offload is not None else contextlib.nullcontext():
             for i, block in enumerate(self.blocks):
                 if interval and i % interval == 0 and grad:
-                    x = checkpointed(block, x, cos, sin, input_pos, selective=self.activation_checkpointing_selective)
+                    x = checkpointed(block, x, cos, sin, input_pos, None, masks,
+                                     selective=self.activation_checkpointing_selective)
                 else:
-                    x = block(x, cos, sin, input_pos)
+                    x = block(x, cos, sin, input_pos, None, masks)
         x = self.norm_f(x)
         if targets is None:
             return self.head(x)
         return self.chunked_loss(x, targets)
+
+    def document_masks(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[Optional[int], torch.Tensor]:
+        """The additive attention masks of packed sequences, per sliding window (None: no window), built once per
+        forward and shared by every layer, in the dtype attention computes in so that no layer converts its own."""
+        T = positions.size(1)
+        windows = {self.config.sliding_window_size if self.config.layer_uses_sliding_window(i) else None
+                   for i in range(self.config.n_layer)}
+        full = document_mask(positions, None, dtype)
+        return {w: full if w is None or w >= T else document_mask(positions, w, dtype) for w in windows}
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(x)
@@ -229,9 +250,11 @@ class Block(nn.Module):
         return tiled(self.mlp, x, self.mlp_tiles) if self.mlp_tiles > 1 and x.size(1) > 1 else self.mlp(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
-                input_pos_maxp1: Optional[int] = None) -> torch.Tensor:
+                input_pos_maxp1: Optional[int] = None,
+                document_masks: Optional[dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
         x_normed = self.norm_1(x)
-        attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, input_pos_maxp1))
+        attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, input_pos_maxp1,
+                                                              document_masks))
         if self.config.parallel_residual:
             mlp_input = x_normed if self.norm_2 is None else self.norm_2(x)
             return x + attention_output + self.post_mlp_norm(self.run_mlp(mlp_input))
@@ -258,10 +281,12 @@ class CausalSelfAttention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
-                input_pos_maxp1: Optional[int] = None) -> torch.Tensor:
+                input_pos_maxp1: Optional[int] = None,
+                document_masks: Optional[dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
         """``input_pos_maxp1`` (decoding only): ``max(input_pos) + 1``, known on the host, for ``input_pos`` that
         is a contiguous range. Attention then reads only the cache positions written so far, and needs no mask
-        where causality follows from the shapes (one query, or a prefill that starts at position 0)."""
+        where causality follows from the shapes (one query, or a prefill that starts at position 0).
+        ``document_masks`` (packed training, see ``GPT.document_masks``): the mask for each sliding window."""
         B, T, _ = x.shape
         hs, n_head, n_kv = self.config.head_size, self.config.n_head, self.config.n_query_groups
         q, k, v = self.query(x), self.key(x), self.value(x)
@@ -292,6 +317,8 @@ class CausalSelfAttention(nn.Module):
                 needs_mask = windowed or T not in (1, input_pos_maxp1)
                 mask = attention_mask(input_pos, input_pos_maxp1, self.sliding_window) if needs_mask else None
             k, v = as_dtype(k, q.dtype), as_dtype(v, q.dtype)
+        elif document_masks is not None:
+            mask = document_masks[self.sliding_window]
         elif self.sliding_window is not None and T > self.sliding_window:
             mask = attention_mask(torch.arange(T, device=x.device), T, self.sliding_window)
         else:
@@ -319,7 +346,7 @@ class CausalSelfAttention(nn.Module):
             if mask is None:
                 T = q.size(2)
                 mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return [(probs @ v).transpose(1, 2)]
         if (
@@ -348,6 +375,25 @@ def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Opt
     if sliding_window is not None:
         mask &= key_pos[None, :] > input_pos[:, None] - sliding_window
     return mask
+
+
+def document_mask(positions: torch.Tensor, sliding_window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, T, T) mask of packed sequences (0: attend, -inf: not): a token sees the earlier tokens of
+    its own document (and within the last ``sliding_window``); a document starts where ``positions`` is 0."""
+    T = positions.size(1)
+    documents = (positions == 0).cumsum(dim=1)
+    index = torch.arange(T, device=positions.device)
+    visible = (documents[:, :, None] == documents[:, None, :]) & (index[None, :] <= index[:, None])
+    if sliding_window is not None:
+        visible &= index[None, :] > index[:, None] - sliding_window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+    return mask.unsqueeze(1)
+
+
+def attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in for activations ``x``: autocast's where it is on."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -394,17 +440,25 @@ class GemmaMLP(LLaMAMLP):
         return F.gelu(x, approximate=self.approximate)
 
 
+@torch.library.custom_op("lit_model::expert_tokens", mutates_args=())
 def expert_tokens(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens that chose ``expert`` (rows of ``chosen``, tokens x k) and in which of their k slots. On fake
-    tensors (the memory planner's trace) the choice is unknown: every token chose experts 0..k-1. That routing
-    needs the most memory: the experts' saved activations add up to k rows per token whatever the choice, and
-    the buffers in flight in one expert's forward and backward grow with its rows, at most one per token."""
-    if is_fake(chosen):
-        tokens, k = chosen.shape
+    """The tokens that chose ``expert`` (rows of ``chosen``, tokens x k) and in which of their k slots."""
+    pairs = (chosen == expert).nonzero()
+    return pairs[:, 0].clone(), pairs[:, 1].clone()  # a custom op's outputs may not alias each other
+
+
+@expert_tokens.register_fake
+def _expert_tokens_fake(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, k = chosen.shape
+    try:  # torch.compile: a data-dependent size
+        rows = torch.library.get_ctx().new_dynamic_size(max=tokens)
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException:
+        # Fake tensors without a shape environment (the memory planner's trace) carry no routing: the routing that
+        # needs the most memory, every token choosing experts 0..k-1 (the experts' saved activations add up to k
+        # rows per token whatever the choice; the buffers in flight in one expert's forward and backward grow with
+        # its rows, at most one per token).
         rows = tokens if expert < k else 0
-        return (torch.arange(rows, device=chosen.device),
-                torch.full((rows,), expert, dtype=torch.long, device=chosen.device))
-    return torch.where(chosen == expert)
+    return chosen.new_empty((rows,), dtype=torch.long), chosen.new_empty((rows,), dtype=torch.long)
 
 
 class LLaMAMoE(nn.Module):

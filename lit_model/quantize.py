@@ -63,6 +63,17 @@ def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """A bitsandbytes linear layer's (out, in) weight, dequantized into a new tensor (DoRA's weight norm)."""
+    bnb = import_bitsandbytes()
+    weight = module.weight
+    if isinstance(module, bnb.nn.Linear4bit):
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    # LLM.int8(): the int8 rows times their scales, which the layer's first forward moves into its state
+    scales = weight.SCB if getattr(weight, "SCB", None) is not None else module.state.SCB
+    return bnb.functional.int8_vectorwise_dequant(weight.data, scales)
+
+
 def quantize_linear(linear: nn.Linear, mode: str, compute_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """A frozen bitsandbytes copy of ``linear``, quantized on the device its weight lives on.
 

@@ -70,6 +70,7 @@ class Run:
     grad_clip: float = 1.0
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
+    packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
 
     # ---- derived ----
     @property
@@ -116,6 +117,10 @@ class Run:
     @property
     def lora_dropout(self) -> float:
         return (self.lora or LoRAConfig()).dropout
+
+    @property
+    def lora_dora(self) -> bool:
+        return (self.lora or LoRAConfig()).dora
 
     @property
     def lora_targets(self) -> tuple[str, ...]:

@@ -70,7 +70,10 @@ def test_analytic_planner_agrees_with_the_trace(family: str, precision: str, tra
     # (the evaluation phase under bf16-mixed is 1.2 % off for every architecture, these switches or not)
     for phase, rel in (("train_step", 0.01), ("evaluation", 0.02)):
         assert sum(closed[phase].values()) == pytest.approx(sum(traced[phase].values()), rel=rel), phase
-    assert closed["train_step"]["activations"] == pytest.approx(traced["train_step"]["activations"], rel=0.01)
+    # (the trace files by shape what has the vocabulary as last dimension as logits/loss memory; the closed form
+    # also counts the loss's gradient into the final norm's output there: compare activations and loss together)
+    transient = lambda phases: phases["train_step"]["activations"] + phases["train_step"]["logits_loss"]  # noqa: E731
+    assert transient(closed) == pytest.approx(transient(traced), rel=0.01)
     assert closed["train_step"]["parameters"] == traced["train_step"]["parameters"]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from lit_model import Config
 from lit_model.errors import UsageError
@@ -459,3 +460,71 @@ def test_with_the_scripts_args_dataclasses():
     qlora = plan_training(LLAMA2, module.LoRAArgs(quantize="bnb.nf4", micro_batch_size=1, override_max_seq_length=1304),
                           trainable="lora", device_memory="24GB", engine="analytic")
     assert qlora.run["quantize"] == "bnb.nf4" and qlora.peak_bytes < plan.peak_bytes
+
+
+# ---- the bitsandbytes stand-in against the real layer ----------------------------------------------------
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_quantized_stand_in_holds_and_saves_what_bitsandbytes_does(mode, dtype):
+    """The trace cannot run bitsandbytes (no fake-tensor kernels), so it builds QuantLinearSim: checked here against
+    the real layer on the CPU. Held: the packed weight and the quantization state tensors (bitsandbytes' serialised
+    metadata entry is not held in training). Saved for backward: nothing but the resident packed weight."""
+    from lit_model.memory.modules import QuantLinearSim
+    from lit_model.quantize import quantize_linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 1000, bias=False).to(dtype)
+    real, sim = quantize_linear(linear, mode).train(), QuantLinearSim(linear, mode)
+    real_state = 0
+    if mode == "bnb.int8":
+        real_state = real.weight.SCB.numel() * real.weight.SCB.element_size()
+    else:
+        for name, tensor in real.weight.quant_state.as_dict(packed=True).items():
+            real_state += 0 if name.startswith("quant_state.") else tensor.numel() * tensor.element_size()
+        real_state += 4 if mode == "bnb.nf4-dq" else 0  # the nested offset, a float32 scalar outside as_dict
+    assert sim.weight.numel() * sim.weight.element_size() == real.weight.numel() * real.weight.element_size()
+    assert sim.quant_statistics.numel() == real_state
+
+    def saved_extra(layer: nn.Module) -> int:
+        """Bytes saved for backward that are not the input or a parameter (memory the layer adds per step)."""
+        x = torch.randn(2, 8, 256, dtype=dtype, requires_grad=True)
+        resident = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+        extra = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: extra.append(t) or t, lambda t: t):
+            y = layer(x)
+        y.float().sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape and y.shape == (2, 8, 1000)
+        return sum(t.untyped_storage().nbytes() for t in extra if t.untyped_storage().data_ptr() not in resident)
+
+    assert saved_extra(real) == saved_extra(sim) == 0
+
+
+# ---- FSDP: one rank of the sharded model, traced over a fake process group ----------------------------------
+@pytest.mark.parametrize("trainable, precision, steps", [
+    ("full", "32-true", 1),
+    ("full", "bf16-true", 2),  # two micro batches a step: the gradients stay unsharded in between, as in a run
+    ("lora", "bf16-true", 1),
+])
+def test_fsdp_is_traced_per_rank(trainable, precision, steps):
+    """The trace shards the model with the scripts' shard_model over PyTorch's fake process group: a rank holds
+    its share of the parameters, gradients and optimizer state, and the gathered blocks in flight. The closed form
+    (analytic.py) is the cross-check: the resident state agrees exactly, the whole step within 15 %."""
+    def run(devices: int) -> Run:
+        settings = args(devices=devices, strategy="fsdp", precision=precision, global_batch_size=2 * devices * steps)
+        return resolved(tiny(n_layer=4), settings, trainable)
+
+    plans = {devices: trace_training(run(devices)).phases["train_step"] for devices in (1, 2, 4)}
+    closed = training_phases(run(2))["train_step"]
+    assert plans[2]["optimizer_state"] == pytest.approx(plans[1]["optimizer_state"] / 2, rel=0.01)
+    assert plans[4]["optimizer_state"] == pytest.approx(plans[1]["optimizer_state"] / 4, rel=0.02)
+    assert closed["optimizer_state"] == pytest.approx(plans[2]["optimizer_state"], rel=0.01)
+    totals = {devices: sum(phase.values()) for devices, phase in plans.items()}
+    assert totals[4] < totals[2] < totals[1]
+    assert sum(closed.values()) == pytest.approx(totals[2], rel=0.15)
+
+
+def test_fsdp_the_trace_cannot_shard_is_planned_by_the_closed_form_with_a_note():
+    plan = plan_training(tiny(), args(devices=2, strategy="fsdp", cpu_offload=True), device_type="cuda", engine="trace",
+                         detect=False, suggest=False)
+    assert plan.engine == "analytic"
+    assert any("cpu_offload keeps the shards in host memory" in note for note in plan.notes)

@@ -6,13 +6,25 @@ API (see plan.py): ``plan_run`` (a resolved ``lit_model.run.Run``), ``plan_train
 (framework overhead, lever speed factors) live in ``calibration.py``.
 """
 
-from lit_model.memory.plan import (
-    Plan, Suggestion, check_plan_fits, max_loss_chunk_size, max_micro_batch_size, plan_generation, plan_run, plan_training,
-)
-from lit_model.memory.plot import plot_plan
+from typing import Any
+
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
-__all__ = [
-    "Plan", "Suggestion", "check_plan_fits", "detect_device_memory", "format_bytes", "max_loss_chunk_size", "max_micro_batch_size", "parse_memory",
-    "plan_generation", "plan_run", "plan_training", "plot_plan",
-]
+# The planner traces the training step (lit_model.training.loop), whose modules import memory.units: the planner
+# loads on first use, so importing this package for its units does not import the training code.
+_PLAN = ("Plan", "Suggestion", "check_plan_fits", "max_loss_chunk_size", "max_micro_batch_size", "plan_generation",
+         "plan_run", "plan_training")
+
+__all__ = [*_PLAN, "detect_device_memory", "format_bytes", "parse_memory", "plot_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PLAN:
+        from lit_model.memory import plan
+
+        return getattr(plan, name)
+    if name == "plot_plan":
+        from lit_model.memory.plot import plot_plan
+
+        return plot_plan
+    raise AttributeError(f"module 'lit_model.memory' has no attribute {name!r}")

@@ -146,12 +146,12 @@ def model_bytes(spec: Run) -> ModelBytes:
             block_bytes += i * o * d
         block_bytes += o * d if bias else 0
         if name in lora_names:
-            block_bytes += (r * i + o * r) * d
+            block_bytes += (r * i + o * r + (o if spec.lora_dora else 0)) * d
     block_bytes += pc.block_norms * d
     root = (pc.embed + pc.head + pc.norm_f) * d
     lora_head = spec.trainable == "lora" and "head" in spec.lora_targets
     if lora_head:
-        root += (r * C + config.padded_vocab_size * r) * d
+        root += (r * C + config.padded_vocab_size * (r + spec.lora_dora)) * d
     params = L * block_bytes + root + buffers
     quant_state = L * block_quant
 
@@ -174,9 +174,9 @@ def model_bytes(spec: Run) -> ModelBytes:
         for _ in range(L):
             for name in lora_names:
                 i, o, _ = pc.block_linear[name]
-                trainable_tensors += [r * i, o * r]
+                trainable_tensors += [r * i, o * r] + ([o] if spec.lora_dora else [])
         if lora_head:
-            trainable_tensors += [r * C, config.padded_vocab_size * r]
+            trainable_tensors += [r * C, config.padded_vocab_size * r] + ([config.padded_vocab_size] if spec.lora_dora else [])
     else:  # adapter (litgpt's LLaMA-Adapter: a prompt per layer from adapter_start_layer, and a gate)
         for _ in range(spec.adapter_start_layer, L):
             trainable_tensors += [spec.adapter_prompt_length * C, config.n_head]
@@ -267,11 +267,16 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
         """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch without dropout."""
         return W[name] or (name in lora and p_drop == 0)
 
+    out_dims = {"attn.query": Hq, "attn.key": Hkv, "attn.value": Hkv, "attn.proj": C, "mlp.fc": I, "mlp.fc_1": I,
+                "mlp.fc_2": I, "mlp.proj": C}
+
     def lora_kept(name: str, in_dim: int, in_rg: bool, in_bytes: int) -> tuple[float, bool]:
         """Kept bytes of a LoRA branch on an input of in_dim channels; whether it makes the output require grad."""
         if name not in lora:
             return 0.0, False
         kept = spec.lora_r * dm  # A's output, kept by the B matmul
+        if spec.lora_dora:  # base + low-rank output, kept by its product with the magnitudes' scale
+            kept += out_dims[name] * d
         if p_drop > 0:
             kept += in_dim * dm  # dropout output (its half-precision cast under autocast), kept by the A matmul
             if in_rg:  # the mask, kept for the input's gradient (bool on CUDA; a noise tensor on the CPU)
@@ -498,6 +503,12 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
             first = (this, acts.transient_per_token * N)
         x_rg = acts.out_requires_grad
     kept = sum(block_kept) + 16 * N  # + the batch: input ids and targets (int64)
+    packed = 0
+    if spec.packing:  # the positions, per-token cos/sin and the document masks (one per window, shared by the layers)
+        window = config.sliding_window_size
+        masks = 1 + (window is not None and window < T)
+        packed = 8 * N + (2 * N * config.rope_n_elem + masks * B * T * T) * spec.compute_bytes
+        kept += packed
     differentiated_twice = spec.optimizer.lower() == "sophia"
     if differentiated_twice:
         # Estimate (not traced): on Hessian steps backward runs with create_graph=True, keeping the backward
@@ -565,7 +576,8 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         eval_fw += N * (4 * C * d + 8 * config.n_expert + 16 * config.n_expert_per_token)
     if config.attention_logit_softcapping is not None:
         eval_fw = max(eval_fw, B * config.n_head * T * T * (d + 4 + d))
-    eval_loss = chunk_logits  # a no-grad chunk: its logits and log-probabilities, on either path
+    eval_fw += packed  # alive for the whole forward, the loss included
+    eval_loss = chunk_logits + packed  # a no-grad chunk: its logits and log-probabilities, on either path
     if spec.autocast_dtype is not None:
         # autocast caches half-precision copies of weights that require grad, also under no_grad
         pc = param_counts(config)

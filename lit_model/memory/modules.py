@@ -1,10 +1,8 @@
-"""Stand-ins the planner builds into a model to trace memory: a LoRA layer and a bitsandbytes-shaped
-quantized linear whose tensors have exactly the sizes of the real ones.
+"""The stand-in the planner builds into a model to trace memory: a bitsandbytes-shaped quantized linear whose
+tensors have exactly the sizes of the real ones (the trace uses ``lit_model.lora`` and ``lit_model.adapter``
+themselves), and the names of the layers LoRA adapts, for the closed-form engine.
 
-``LoRALinear`` follows the usual design (litgpt, PEFT, ``lit_model.lora``): ``base(x) + B(A(dropout(x))) * alpha / r``
-with a frozen base and the same tensors as ``lit_model.lora``; the trace uses ``lit_model.lora`` itself and keeps
-this one only as a fallback. ``QuantLinearSim`` is used only under ``FakeTensorMode``: bitsandbytes' kernels have
-no fake implementation, so it reproduces what bitsandbytes 0.50 holds (packed 4-bit weight, absmax per 64-weight
+``QuantLinearSim`` is used only under ``FakeTensorMode``: bitsandbytes' kernels have no fake implementation, so it reproduces what bitsandbytes 0.50 holds (packed 4-bit weight, absmax per 64-weight
 block, double-quantized statistics; int8 weight + row scales) and what it allocates (the weight dequantized to
 the compute dtype in forward and again in backward, keeping only the packed weight for backward). It is an
 ``nn.Linear`` subclass so that ``lit_model.lora.apply_lora`` adapts it as it adapts bitsandbytes layers.
@@ -19,29 +17,6 @@ import torch
 import torch.nn as nn
 
 LORA_TARGETS = ("query", "key", "value", "projection", "mlp", "head")
-DEFAULT_LORA_TARGETS = ("query", "value")  # litgpt's and PEFT's default: --lora_query --lora_value
-
-
-class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, r: int, alpha: float = 16.0, dropout: float = 0.05) -> None:
-        super().__init__()
-        self.base = base
-        self.base.requires_grad_(False)
-        device, dtype = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=device, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=device, dtype=dtype))
-        if device.type != "meta":
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.dropout = nn.Dropout(dropout)
-        self.scaling = alpha / r
-
-    @property
-    def weight(self) -> torch.Tensor:  # so that code reading `.weight` (e.g. its dtype) keeps working
-        return self.base.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = (self.dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) * self.scaling
-        return self.base(x) + lora
 
 
 def lora_target_names(config, targets: Iterable[str]) -> list[str]:
@@ -69,21 +44,6 @@ def lora_target_names(config, targets: Iterable[str]) -> list[str]:
     return names
 
 
-def apply_lora(model: nn.Module, r: int, alpha: float = 16.0, dropout: float = 0.05,
-               targets: Iterable[str] = DEFAULT_LORA_TARGETS) -> nn.Module:
-    """Freeze ``model`` (a GPT) and wrap the targeted linear layers of every block with ``LoRALinear``."""
-    targets = tuple(targets)
-    model.requires_grad_(False)
-    for block in model.blocks:
-        for name in lora_target_names(model.config, targets):
-            parent_name, _, child = name.rpartition(".")
-            parent = block.get_submodule(parent_name)
-            setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, dropout))
-    if "head" in targets:
-        model.lm_head = LoRALinear(model.lm_head, r, alpha, dropout)
-    return model
-
-
 # ---- quantized linear (fake-mode only) ----------------------------------------------------------------
 BNB_4BIT_BLOCKSIZE = 64  # bitsandbytes' default for Linear4bit
 BNB_DQ_BLOCKSIZE = 256  # second-level blocks of the double-quantized absmax
@@ -96,7 +56,8 @@ def quantized_weight_bytes(numel: int, mode: str) -> tuple[int, int]:
     blocks = math.ceil(numel / BNB_4BIT_BLOCKSIZE)
     packed = (numel + 1) // 2
     if mode == "bnb.nf4-dq":
-        state = blocks + math.ceil(blocks / BNB_DQ_BLOCKSIZE) * 4 + 256 * 4 + 4  # uint8 absmax, fp32 absmax2, code, offset
+        # uint8 absmax, fp32 second-level absmax, 256-entry second-level code, 16-entry code, fp32 offset
+        state = blocks + math.ceil(blocks / BNB_DQ_BLOCKSIZE) * 4 + 256 * 4 + 16 * 4 + 4
     else:
         state = blocks * 4 + 16 * 4  # fp32 absmax per block, 16-entry code
     return packed, state
@@ -153,6 +114,10 @@ class QuantLinearSim(nn.Linear):
         self.register_buffer("quant_statistics", torch.empty(state, dtype=torch.uint8, device=device))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.compute_dtype = linear.weight.dtype
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """What ``lit_model.quantize.dequantized_weight`` makes of a bitsandbytes layer: a new (out, in) tensor."""
+        return torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _DequantMatmul.apply(x, self.weight, self.out_features, self.in_features, self.tracker)

@@ -31,7 +31,7 @@ from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
 from lit_model.run import Run, changed_flags, render_flags, resolve_run
-from lit_model.memory.trace import depth_segments, trace_by_layers, trace_training
+from lit_model.memory.trace import depth_segments, sharded_traceable, trace_by_layers, trace_training
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
@@ -174,8 +174,13 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, di
 
 
 # ---- engines ---------------------------------------------------------------------------------------------
+def _not_traceable(spec: Run) -> Optional[str]:
+    """Why the trace cannot run this run (None: it can)."""
+    return sharded_traceable(spec) if spec.strategy == "fsdp" else None
+
+
 def _traceable(spec: Run) -> bool:
-    return spec.strategy in ("single", "ddp") and not spec.cpu_offload
+    return _not_traceable(spec) is None
 
 
 Phases = dict[str, dict[str, int]]
@@ -197,7 +202,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
         engine = "trace" if _traceable(spec) and (small or depth_segments(spec) is not None) else "analytic"
     if engine == "trace":
         if not _traceable(spec):
-            notes.append(f"{spec.strategy} with cpu_offload={spec.cpu_offload} is planned analytically (the trace runs one unsharded rank).")
+            notes.append(f"Planned by the closed form: {_not_traceable(spec)}, which the trace does not model.")
             return phases, "analytic", host
         try:
             result = trace_training(spec) if small else trace_by_layers(spec)

@@ -1,11 +1,15 @@
 """Engine (a): the exact trace. Build the run's real GPT under ``FakeTensorMode`` (tensors have shapes and
-dtypes but no storage, so a 70B model costs nothing), run forward + backward + optimizer step twice and an
-evaluation forward under ``MemTracker``, and read the peak of live tensor bytes by category.
+dtypes but no storage, so a 70B model costs nothing), adapt it as the scripts do (LoRA, adapter, freezing; the
+bitsandbytes layers as stand-ins of the same tensors, see modules.py), set it up with a one-process Fabric of the
+run's precision and run the fit loop's own step (``TrainStep``: micro batches, loss scaling, backward, the
+optimizer update) twice and its evaluation once under ``MemTracker``; read the peak of live tensor bytes by
+category. The model carries no switch for the planner.
 
 Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
-the process); the model is built in its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` fails
-under fake mode); stats are reset before each iteration and at least two are run (the first has no
-optimizer state). What the trace cannot see is added by ``plan.py``: framework overhead, DDP buckets, FSDP.
+in autograd), so ``ops.take_paths_of`` makes the model take the planned device's kernels; the model is built in
+its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` cannot swap fake parameters); at least two
+steps run (the first has no optimizer state). What the trace cannot see is added by ``plan.py``: the process's
+runtime and allocator overhead, DDP buckets; FSDP is planned by the closed form (``analytic.py``).
 """
 
 from __future__ import annotations
@@ -16,20 +20,30 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_map_only
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import HalfPrecision
+from lightning.fabric.strategies import SingleDeviceStrategy
+from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lit_model.memory.modules import QuantLinearSim, apply_lora, quantize_model_sim
-from lit_model.run import Run
+from lit_model.adapter import apply_adapter
+from lit_model.lora import apply_lora
+from lit_model.memory.modules import QuantLinearSim, quantize_model_sim
+from lit_model.model import GPT
 from lit_model.ops import take_paths_of
-from lit_model.training.fabric import configure_model
-from lit_model.training.optimizers import needs_create_graph
+from lit_model.run import Run
+from lit_model.training.fabric import configure_model, shard_model
+from lit_model.training.loop import TrainStep, evaluation_sums, freeze_layers
+from lit_model.training.optimizers import build_optimizer
 
 try:
     from torch._guards import active_fake_mode
@@ -51,17 +65,19 @@ class _Ref(_RefType):
     QUANT = "Quant"
 
 
-_CATEGORY_REF = {"loss": _Ref.LOGITS, "quant": _Ref.QUANT}
+CPU = torch.device("cpu")
 
 
 class _Tracker(MemTracker):
-    """MemTracker that files tensors created inside ``push_category(...)`` scopes under our categories, and
-    keeps only the global peak (module-level peaks are not needed and cost time)."""
+    """MemTracker that files the tensors with the vocabulary as last dimension (logits, their softmax and its
+    gradient) as logits/loss memory and those created inside ``push_category("quant")`` scopes (the bitsandbytes
+    stand-ins) as quantization memory, and keeps only the global peak (module-level peaks cost time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self._ref_class = _Ref
         self._scopes: list[str] = []
+        self.vocab_size = vocab_size
 
     def push_category(self, name: str) -> None:
         self._scopes.append(name)
@@ -102,18 +118,31 @@ class _Tracker(MemTracker):
                 if self.debug:
                     self.peak_where = (sorted(self._mod_tracker.parents), self._mod_tracker.is_bw, list(self._scopes))
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # The step runs the root module once per micro batch; MemTracker's per-module statistics refuse that, and
+        # only the global peak is kept: forget the root's statistics when a new forward through it starts.
+        name = self._mod_tracker.get_known_fqn(module)
+        if not self._mod_tracker.is_bw and module in self.memory_tracking and set(self._mod_tracker.parents) == {"Global", name}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+    def _track_output(self, reftype: _RefType, tensor: torch.Tensor) -> None:
+        if reftype in (_Ref.ACT, _Ref.TEMP) and tensor.dim() and tensor.shape[-1] == self.vocab_size:
+            reftype = _Ref.LOGITS
+        self._track(reftype, tensor)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         res = func(*args, **(kwargs or {}))
         if active_fake_mode() is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _Ref.OPT
             elif self._scopes:
-                reftype = _CATEGORY_REF[self._scopes[-1]]
+                reftype = _Ref.QUANT
             elif self._mod_tracker.is_bw and not self._in_ac:
                 reftype = _Ref.TEMP
             else:
                 reftype = _Ref.ACT
-            tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+            tree_map_only(torch.Tensor, partial(self._track_output, reftype), res)
             self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
         return res
 
@@ -154,15 +183,13 @@ class _Sim8bitAdam(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
 
 
-def _build_optimizer(model: nn.Module, spec: Run, notes: list[str]) -> torch.optim.Optimizer:
-    from lit_model.training.optimizers import build_optimizer
-
-    name = spec.optimizer
+def _build_optimizer(model: nn.Module, run: Run) -> torch.optim.Optimizer:
+    name = run.optimizer
     if name.lower() in ("adamw8bit", "pagedadamw8bit"):
         params = [p for p in model.parameters() if p.requires_grad]
         return _Sim8bitAdam(params)
     # device_type "cuda" selects the fused AdamW a GPU run uses; fused AdamW also runs on (fake) CPU tensors.
-    return build_optimizer(model, name, learning_rate=1e-4, device_type=spec.device_type, param_dtype=spec.param_dtype)
+    return build_optimizer(model, name, learning_rate=1e-4, device_type=run.device_type, param_dtype=run.param_dtype)
 
 
 @contextlib.contextmanager
@@ -185,21 +212,81 @@ def _cuda_dropout():
         F.dropout = original
 
 
-def _apply_lora(model: nn.Module, spec: Run) -> None:
-    """The project's LoRA (``lit_model.lora``) when it is there, else the stand-in with the same tensors."""
-    try:
-        from lit_model.lora import LoRAConfig
-        from lit_model.lora import apply_lora as project_apply_lora
-    except ImportError:  # pragma: no cover - before lit_model/lora.py existed
-        apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
-        return
-    targets = {t: t in spec.lora_targets for t in ("query", "key", "value", "projection", "mlp", "head")}
-    project_apply_lora(model, LoRAConfig(r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, **targets),
-                       dtype=spec.param_dtype)
+def _adapt(model: GPT, run: Run, tracker: "_Tracker") -> None:
+    """What the scripts do to the model before Fabric sets it up: quantize while loading (bitsandbytes' layers as
+    stand-ins of the same tensors), then LoRA or the adapter, or freezing."""
+    if run.quantize is not None:
+        quantize_model_sim(model, run.quantize, tracker)
+    if run.trainable == "lora":
+        apply_lora(model, run.lora)
+    elif run.trainable == "adapter":
+        apply_adapter(model, run.adapter)
+    else:
+        freeze_layers(model, run.freeze_layers)
+
+
+def _batch(run: Run, rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Inputs and targets of ``rows`` samples; with --packing also their positions, from which the model builds
+    its document masks."""
+    shape = (rows, run.seq_len)
+    tokens = (torch.randint(0, vocab, shape), torch.randint(0, vocab, shape))
+    return (*tokens, torch.zeros(shape, dtype=torch.long)) if run.packing else tokens
 
 
 def _quant_state_bytes(model: nn.Module) -> int:
     return sum(m.quant_statistics.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
+
+
+class _BuiltInDtype(HalfPrecision):
+    """16-bit "true" precision for a model built in its dtype: ``.to(dtype)`` cannot swap fake parameters."""
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+
+class _TraceFabric(Fabric):
+    """One CPU process (the fake tensors live on the CPU) that skips FSDP's gradient reduction outside the step's
+    last micro batch, as Fabric's ModelParallelStrategy does: gradients then stay unsharded in between."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Any:
+        return _FSDPNoSync(module._forward_module, enabled)
+
+
+def _trace_fabric(run: Run) -> Fabric:
+    """The run's precision on the CPU: fp16 autocast does not run there; bf16's does and keeps the same bytes."""
+    strategy = SingleDeviceStrategy(CPU)
+    if run.precision in ("16-true", "bf16-true"):
+        return _TraceFabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[_BuiltInDtype(run.precision)])
+    precision = "bf16-mixed" if run.precision == "16-mixed" else run.precision
+    return _TraceFabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+
+
+def sharded_traceable(run: Run) -> Optional[str]:
+    """Why the trace cannot shard this FSDP run in this process (None: it can)."""
+    if run.cpu_offload:
+        return "FSDP with cpu_offload keeps the shards in host memory"
+    if run.sharding_strategy == "HYBRID_SHARD":
+        return "HYBRID_SHARD builds a two-dimensional mesh"
+    if dist.is_initialized():
+        return "this process already belongs to a process group"
+    return None
+
+
+@contextlib.contextmanager
+def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
+    """For FSDP, the run's ranks as PyTorch's fake process group (collectives that move nothing) and their mesh,
+    so that this one process holds exactly one rank's shards; None for the other strategies."""
+    if run.strategy != "fsdp":
+        yield None
+        return
+    reason = sharded_traceable(run)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (run.world_size,), mesh_dim_names=("data_parallel",))
+    finally:
+        dist.destroy_process_group()
 
 
 def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
@@ -215,127 +302,61 @@ def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
     }
 
 
-def trace_training(spec: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
-    """Peak tensor bytes of one rank of a single-device (or DDP) run, per phase and category."""
-    if spec.strategy == "fsdp":
-        raise NotImplementedError("FSDP sharding is planned analytically")
+def trace_training(run: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
+    """Peak tensor bytes of one rank, per phase and category: the fit loop's own step (``TrainStep``: its micro
+    batches, loss scaling, backward and optimizer update) and evaluation (``evaluation_sums``) on the run's model,
+    set up by a one-process Fabric with the run's precision; under FSDP the model is sharded by the scripts'
+    ``shard_model`` over a fake process group of the run's ranks."""
+    with _fake_process_group(run) as mesh:
+        return _trace(run, phases, mesh)
+
+
+def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> TraceResult:
     start = time.perf_counter()
-    notes: list[str] = []
-    config = spec.config
-    B, T = spec.micro_batch_size, spec.seq_len
-    tracker = _Tracker()
+    config = run.config
+    B, T = run.micro_batch_size, run.seq_len
+    tracker = _Tracker(vocab_size=config.padded_vocab_size)
+    fabric = _trace_fabric(run)
     old_dtype = torch.get_default_dtype()
     # take_paths_of: the fake tensors live on the CPU; the model must take the planned device's code paths
-    with FakeTensorMode(), take_paths_of(spec.device_type):
-        from lit_model.model import GPT
-
-        torch.set_default_dtype(spec.param_dtype)
+    with FakeTensorMode(), take_paths_of(run.device_type):
+        torch.set_default_dtype(run.param_dtype)
         try:
             model = GPT(config)
             model.max_seq_length = T
         finally:
             torch.set_default_dtype(old_dtype)
-        if spec.quantize is not None:  # as the finetune scripts: quantize while loading, then add the adapters
-            quantize_model_sim(model, spec.quantize, tracker)
-        if spec.trainable == "lora":
-            _apply_lora(model, spec)
-        elif spec.trainable == "adapter":
-            from lit_model.adapter import AdapterConfig, apply_adapter
-
-            apply_adapter(model, AdapterConfig(spec.adapter_prompt_length, spec.adapter_start_layer), dtype=spec.param_dtype)
-        elif spec.freeze_layers is not None:
-            from lit_model.training.loop import freeze_layers
-
-            freeze_layers(model, spec.freeze_layers)
-        configure_model(model, spec)  # as the scripts: checkpointing, offloading, MLP tiles, the loss chunk
-        model.train()
-        optimizer = _build_optimizer(model, spec, notes)
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        _adapt(model, run, tracker)
+        configure_model(model, run)
+        offloading = model.activation_offloading  # the fake tensors it drops: their bytes are host memory
+        quant_state = _quant_state_bytes(model)  # a buffer: FSDP does not shard it
+        if mesh is not None:
+            model = shard_model(model, mesh, run.replace(device_type="cpu"))  # where the fake shards live
+        model = fabric.setup(model, move_to_device=False)  # built on its (fake) device: nothing to move
+        optimizer = fabric.setup_optimizers(_build_optimizer(model, run))
+        step = TrainStep(fabric, model, optimizer, B, recover=False, report=lambda *_: "")
         vocab = config.padded_vocab_size
-
-        # Logits and loss (forward and the recomputation in backward) go to their own category ...
-        original_loss_sum = model._loss_sum
-
-        def loss_sum(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            tracker.push_category("loss")
-            try:
-                return original_loss_sum(x, targets)
-            finally:
-                tracker.pop_category()
-
-        model._loss_sum = loss_sum
-        # ... and so does the backward through the loss, until the gradient reaches the final norm's output.
-        in_loss_backward = {"active": False}
-
-        def end_loss_backward(grad: torch.Tensor) -> None:
-            if in_loss_backward["active"]:
-                in_loss_backward["active"] = False
-                tracker.pop_category()
-
-        probes: dict[str, dict[str, int]] = {}
-
-        def norm_hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            if output.requires_grad:
-                output.register_hook(end_loss_backward)
-                # what the forward keeps, seen at the end of the blocks (for calibrating the analytic engine)
-                snap = tracker.get_tracker_snapshot().get(torch.device("cpu"), {})
-                probes["forward_end"] = _map_categories(snap, _quant_state_bytes(model))
-
-        model.norm_f.register_forward_hook(norm_hook)
-
-        autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if spec.autocast_dtype is not None else contextlib.nullcontext()
-        )
-        x = torch.randint(0, vocab, (B, T))
-        y = torch.randint(0, vocab, (B, T))
-        tracker.track_external(x, y)
-        micro_steps = min(spec.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
-        create_graph = needs_create_graph(optimizer)  # Sophia: the backward keeps its own graph for the Hessian
-        model.loss_differentiable_twice = create_graph
-        # as the fit loop: the fused attention kernels have no double backward
-        attention = (lambda: sdpa_kernel([SDPBackend.MATH])) if create_graph else contextlib.nullcontext
-
-        def train_step() -> None:
-            for _ in range(micro_steps):
-                tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
-                with autocast, attention():
-                    loss = model(x, targets=y)
-                in_loss_backward["active"] = True
-                tracker.push_category("loss")
-                with attention():
-                    (loss / spec.accumulation).backward(create_graph=create_graph)
-                end_loss_backward(None)  # type: ignore[arg-type]
-                del loss
-            if spec.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(trainable, spec.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        quant_state = _quant_state_bytes(model)
+        micro_steps = min(run.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
+        samples = _batch(run, B * micro_steps, vocab)
+        tracker.track_external(*samples)
         results: dict[str, dict[str, int]] = {}
-        dropout = _cuda_dropout if spec.device_type == "cuda" else contextlib.nullcontext
-        with dropout(), tracker:  # iteration 1 creates the optimizer state
-            tracker.reset_mod_stats()
-            train_step()
-        with dropout(), tracker:  # iteration 2: the steady state
-            tracker.reset_mod_stats()
-            train_step()
-            results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
-        host: dict[str, int] = {}
-        if model.activation_offloading is not None:  # the fake tensors were dropped and their bytes counted
-            host[f"activation_offloading_{spec.activation_offloading}"] = model.activation_offloading.peak_bytes
-        if "evaluation" in phases:
-            eb = spec.eval_batch
-            xe, ye = torch.randint(0, vocab, (eb, T)), torch.randint(0, vocab, (eb, T))
-            tracker.track_external(xe, ye)
-            model.eval()
-            with tracker, torch.no_grad():
+        dropout = _cuda_dropout if run.device_type == "cuda" else contextlib.nullcontext
+        for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
+            with dropout(), tracker:
                 tracker.reset_mod_stats()
-                with autocast:
-                    model(xe, targets=ye)
-                results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")], quant_state)
-            model.train()
-    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, probes=probes, host_bytes=host)
+                step([samples], "in the plan")
+                step.update(run.grad_clip)
+                if iteration:
+                    results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+        host = {f"activation_offloading_{run.activation_offloading}": offloading.peak_bytes} if offloading else {}
+        if "evaluation" in phases:
+            batch = _batch(run, run.eval_batch, vocab)
+            tracker.track_external(*batch)
+            with tracker:
+                tracker.reset_mod_stats()
+                evaluation_sums(fabric, model, [batch])
+                results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, host_bytes=host)
 
 
 # ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------

@@ -39,7 +39,7 @@ from lit_model.memory.units import peak_rss_bytes
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
 from lit_model.training.loggers import open_loggers
-from lit_model.training.optimizers import lr_at, set_lr
+from lit_model.training.optimizers import hessian_step, lr_at, needs_create_graph, set_lr
 from lit_model.training.recovery import (
     StepOutOfMemory, any_rank, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
     simulated_memory_cap, split_batches, start_memory_history,
@@ -49,7 +49,7 @@ CHECKPOINTS = "checkpoints"
 STATE_NAME = "state.pt"
 LINEAGE_NAME = "lineage.json"
 DATA_ORDER_NAME = "data_order.json"
-DATA_ORDER_FLAGS = ("data_path", "global_batch_size", "seed", "override_max_seq_length", "val_split_fraction")
+DATA_ORDER_FLAGS = ("data_path", "global_batch_size", "seed", "override_max_seq_length", "val_split_fraction", "packing")
 
 
 def freeze_layers(model: nn.Module, spec: Optional[Union[int, list[str]]]) -> int:
@@ -128,25 +128,36 @@ def stop_requested() -> bool:
     return STOPS.requested is not None
 
 
+def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The model's mean loss on ``(input_ids, targets)``, or on packed samples ``(input_ids, targets, positions)``."""
+    input_ids, targets, *positions = batch
+    return model(input_ids, targets=targets, positions=positions[0] if positions else None)
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
-@torch.no_grad()
 def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[float]:
     """Mean loss over the same number of batches on every rank (no rank waits for another), or None when a stop
     request cut it short. Before each batch the ranks agree on stopping (one 4-byte all-reduce with several
     processes: evaluation is not the hot path, and under FSDP a rank cannot skip a forward alone)."""
+    sums = evaluation_sums(fabric, model, batches)
+    return None if sums is None else (sums[0] / sums[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
+def evaluation_sums(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[torch.Tensor]:
+    """The summed token loss and the token count over ``batches`` on all ranks (None: a stop cut it short)."""
     model.eval()
     total = torch.zeros(2, device=fabric.device)
     try:
-        for input_ids, targets in batches:
+        for batch in batches:
             if any_rank(fabric, stop_requested()):
                 return None
-            loss = model(input_ids, targets=targets)
-            count = count_targets(targets)
+            loss = batch_loss(model, batch)
+            count = count_targets(batch[1])
             total += torch.stack([loss.float() * count, count.float()])
     finally:
         model.train()
-    total = fabric.all_reduce(total, reduce_op="sum")
-    return (total[0] / total[1].clamp(min=1)).item()
+    return fabric.all_reduce(total, reduce_op="sum")
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -399,8 +410,6 @@ class TrainStep:
 
     def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, micro_batch_size: int, recover: bool,
                  report: Callable[[int, str, str], str]) -> None:
-        from lit_model.training.optimizers import needs_create_graph
-
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
         self.create_graph = needs_create_graph(optimizer)
@@ -428,7 +437,7 @@ class TrainStep:
         if out_of_memory:
             raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
-    def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over ``batches``; returns this rank's summed token loss and its token count.
         The ranks agree on out-of-memory and stop requests before the last micro batch's backward (its gradient
         all-reduce; the accumulation micro batches start no collective, so a rank that fails there, or is asked to
@@ -436,20 +445,20 @@ class TrainStep:
         costs no collective of its own: between micro batches it is a local check."""
         fabric = self.fabric
         chunks = split_batches(batches, self.micro_batch_size)
-        counts = [count_targets(targets) for _, targets in chunks]
+        counts = [count_targets(chunk[1]) for chunk in chunks]
         local_tokens = sum(counts)
         all_tokens = fabric.all_reduce(local_tokens.float(), reduce_op="sum") if fabric.world_size > 1 else local_tokens.float()
         scale = fabric.world_size / all_tokens.clamp(min=1)  # the ranks average their gradients
         loss_sum = torch.zeros((), device=fabric.device)
         failures: list[str] = []
         last = len(chunks) - 1
-        for index, ((input_ids, targets), count) in enumerate(zip(chunks, counts)):
+        for index, (chunk, count) in enumerate(zip(chunks, counts)):
             sync = index == last
             if self.first_skippable is not None and index >= self.first_skippable and stop_requested():
                 self.agree(failures)  # raises StepStopped on every rank
             with fabric.no_backward_sync(self.model, enabled=not sync), self.attention_backend():
                 with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
-                    loss = self.model(input_ids, targets=targets) * count
+                    loss = batch_loss(self.model, chunk) * count
                     if not sync:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                 if failures or sync:
@@ -461,7 +470,16 @@ class TrainStep:
             loss_sum += loss.detach()
         return loss_sum, local_tokens
 
-    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, grad_clip: float) -> None:
+        """The optimizer step after ``__call__``: gradients clipped to ``grad_clip`` (0: not clipped), stepped, freed."""
+        if grad_clip > 0:
+            self.fabric.clip_gradients(self.model, self.optimizer, max_norm=grad_clip, error_if_nonfinite=False)
+        if self.create_graph:
+            hessian_step(self.optimizer)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self, batches: list[tuple[torch.Tensor, ...]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
         while True:
             try:
                 return self.accumulate(batches)
@@ -478,7 +496,7 @@ class TrainStep:
             )
 
 
-def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, torch.Tensor], val_batches: list[Any],
+def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, ...], val_batches: list[Any],
              state: dict[str, Any], config: Config, out_dir: Path, save_filter: Optional[dict[str, Any]]) -> None:
     """The run's memory-hungriest moments once, before the main loop: a step on the longest batch, the largest
     evaluation batch and a checkpoint save, so an out-of-memory shows in the first minute, not after hours.
@@ -528,7 +546,7 @@ def fit(
     max_steps: int,
     progress: Progress,
     save_filter: Optional[dict[str, Any]] = None,
-    rehearsal_batch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    rehearsal_batch: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> tuple[Progress, Run]:
     """Train ``run`` until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
     ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``). With ``--rehearse``,
@@ -540,8 +558,6 @@ def fit(
     redone by the resumed run, and the last completed step is saved. The run then writes a summary marked
     ``"stopped": true``, prints the command that continues it and returns with ``progress.stopped`` set: the caller
     writes no final/."""
-    from lit_model.training.optimizers import hessian_step
-
     config, out_dir = run.config, args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     start_memory_history(fabric.device)
@@ -576,12 +592,7 @@ def fit(
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
                     break
-                if run.grad_clip > 0:
-                    fabric.clip_gradients(model, optimizer, max_norm=run.grad_clip, error_if_nonfinite=False)
-                if train_step.create_graph:
-                    hessian_step(optimizer)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step.update(run.grad_clip)
                 progress.step += 1
 
                 reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")

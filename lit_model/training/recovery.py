@@ -72,9 +72,10 @@ def simulated_memory_cap(model: torch.nn.Module, optimizer: Any) -> Iterator[Non
         yield
 
 
-def split_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The step's samples in micro batches of at most ``micro_batch_size`` rows, in the same order."""
-    return [pair for input_ids, targets in batches for pair in zip(input_ids.split(micro_batch_size), targets.split(micro_batch_size))]
+def split_batches(batches: list[tuple[torch.Tensor, ...]], micro_batch_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """The step's samples in micro batches of at most ``micro_batch_size`` rows, in the same order (each batch's
+    parts, e.g. input ids, targets and the positions of packed samples, split alike)."""
+    return [rows for batch in batches for rows in zip(*(part.split(micro_batch_size) for part in batch))]
 
 
 def any_rank(fabric: Fabric, flag: bool) -> bool:
