@@ -285,6 +285,7 @@ def resolve_run(
         compile=bool(args.compile),
         checkpoint_dir=checkpoint_dir,
         cuda_alloc_conf=cuda_alloc_conf(device_type),
+        packing=bool(getattr(args, "packing", False)),
     )
 
 
