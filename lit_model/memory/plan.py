@@ -30,7 +30,7 @@ from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
-from lit_model.run import Run, changed_flags, render_flags, resolve_run
+from lit_model.run import Run, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import depth_segments, trace_by_layers, trace_training
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
@@ -269,7 +269,9 @@ def _resolve_memory(device_memory: Union[int, str, None], device_type: str, dete
 
 
 def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:
-    """Plan a resolved ``Run`` (no suggestions): the inner loop of the suggestion search."""
+    """Plan a resolved ``Run`` (no suggestions): the inner loop of the suggestion search, which skips a run that
+    cannot be (a UsageError)."""
+    check_optimizer_run(spec)
     notes: list[str] = []
     phases, used = _tensor_phases(spec, engine, notes)
     return _assemble(spec, phases, device_memory, used, notes)
