@@ -83,6 +83,7 @@ def pretrain_rungs(model: str) -> list[Rung]:
               for strategy, n, offload in (("ddp", 2, False), ("fsdp", 2, False), ("fsdp", 2, True), ("fsdp", 4, False),
                                            ("fsdp", 4, True))]
     ac = ["--activation_checkpointing"]
+    in_backward = ["--optimizer_in_backward", "--grad_clip", "0"]  # the micro batch is the global batch here
     return [
         Rung("baseline"),
         *micro_rungs,
@@ -95,6 +96,9 @@ def pretrain_rungs(model: str) -> list[Rung]:
         *[Rung(o, ["--optimizer", o]) for o in ("SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit")],
         Rung("PagedAdamW8bit", ["--optimizer", "PagedAdamW8bit"], note="bitsandbytes on the CPU: 'Paged optimizers are not "
              "supported on CPU. Falling back to non-paged optimizer behavior.' (paging needs CUDA unified memory)"),
+        Rung("optimizer step in backward", in_backward),
+        *[Rung(o, ["--optimizer", o]) for o in ("GaLore", "APOLLO", "AdamMini", "AdamW4bit", "AdamWFp8")],
+        Rung("AdaLomo", ["--optimizer", "AdaLomo", "--grad_clip", "0"]),
         Rung("freeze embedding + 2 blocks", ["--freeze_layers", "2"]),
         Rung("empty cache every step", ["--empty_cache_interval", "1"]),
         Rung("torch.compile", ["--compile"]),
@@ -104,6 +108,14 @@ def pretrain_rungs(model: str) -> list[Rung]:
              ["--precision", "bf16-true", *ac, "--micro_batch_size", str(max(micro // 4, 1))]),
         Rung("stack: bf16-true + AC + micro batch 1 + AdamW8bit",
              ["--precision", "bf16-true", *ac, "--micro_batch_size", "1", "--optimizer", "AdamW8bit"]),
+        Rung("stack: bf16-true + AC + micro batch 1 + AdamW4bit",
+             ["--precision", "bf16-true", *ac, "--micro_batch_size", "1", "--optimizer", "AdamW4bit"]),
+        # stepping in backward rules out accumulation: the stack keeps the micro batch at the global batch
+        Rung("stack: bf16-true + AC + step in backward", ["--precision", "bf16-true", *ac, *in_backward]),
+        Rung("stack: bf16-true + AC + step in backward + AdamW4bit",
+             ["--precision", "bf16-true", *ac, *in_backward, "--optimizer", "AdamW4bit"]),
+        Rung("stack: bf16-true + AC + step in backward + GaLore",
+             ["--precision", "bf16-true", *ac, *in_backward, "--optimizer", "GaLore"]),
         Rung("baseline again (measurement noise)"),
     ]
 
@@ -112,6 +124,8 @@ def finetune_rungs() -> list[Rung]:
     return [
         Rung("full fine-tune", [], "finetune/full.py"),
         Rung("full + freeze embedding + 2 blocks", ["--freeze_layers", "2"], "finetune/full.py"),
+        Rung("full + optimizer step in backward", ["--optimizer_in_backward", "--grad_clip", "0"], "finetune/full.py"),
+        Rung("full + GaLore", ["--optimizer", "GaLore"], "finetune/full.py"),
         Rung("LoRA", [], "finetune/lora.py"),
         Rung("QLoRA bnb.nf4", ["--quantize", "bnb.nf4"], "finetune/lora.py"),
         Rung("QLoRA bnb.nf4 + bf16-true", ["--quantize", "bnb.nf4", "--precision", "bf16-true"], "finetune/lora.py"),

@@ -213,8 +213,10 @@ def optimizer_state_bytes(spec: Run, tensors: list[int], block_matrices: list[tu
             total += 4  # the step count
         elif name == "adammini":
             total += 4 * n + 8  # an fp32 first moment; one second moment per head or tensor (+ its size)
-        elif name == "adalomo":
-            total += 4 * n if n < 4096 else int(2 * math.sqrt(n)) * 4  # factored fp32 second moment, no first
+        elif name == "adalomo":  # a factored fp32 second moment (rows + columns; every matrix here has a side of
+            # n_embd), no first
+            C = spec.config.n_embd
+            total += 4 * (n // C + C) if n >= 4096 and n % C == 0 else 4 * n
         elif name == "sgd":
             total += d * n  # momentum buffer
         elif name == "lion":

@@ -96,6 +96,9 @@ QUALITY_PENALTY: dict[str, float] = {
     "quantize": 1.15,  # frozen base weights are approximated in 4 bits
     "precision": 1.05,  # bf16 weights/optimizer state round small updates
     "optimizer": 1.05,  # 8-bit optimizer state
+    "optimizer_4bit": 1.1,  # 4-bit optimizer state (torchao reports 4-bit AdamW close to AdamW on fine-tuning)
+    "optimizer_low_rank": 1.2,  # GaLore: the blocks' updates confined to a rank-r subspace between refreshes
+    "grad_clip": 1.05,  # --optimizer_in_backward needs --grad_clip 0: no clipping of the global gradient norm
     "devices": 1.5,  # needs more GPUs: a cost, not a slowdown
 }
 

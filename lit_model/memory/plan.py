@@ -226,6 +226,7 @@ def _run_summary(spec: Run) -> dict[str, Any]:
         "cpu_offload": spec.cpu_offload,
         "activation_checkpointing_interval": spec.ac_interval,
         "optimizer": spec.optimizer,
+        "optimizer_in_backward": spec.optimizer_in_backward,
         "quantize": spec.quantize,
         "loss_chunk_size": spec.loss_chunk_size,
     }
@@ -434,6 +435,18 @@ def _options(run: Run) -> list[_Option]:
     if run.optimizer.lower() in ("adamw", "pagedadamw8bit") and run.optimizer != "AdamW8bit":
         options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, _speed("optimizer_8bit", dev),
                                QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
+    if run.optimizer.lower() in ("adamw", "adamw8bit", "pagedadamw8bit"):
+        options.append(_Option("optimizer", {"optimizer": "AdamW4bit"}, _speed("optimizer_4bit", dev),
+                               QUALITY_PENALTY["optimizer_4bit"], "AdamW with 4-bit moments; needs torchao"))
+        if run.trainable == "full":
+            options.append(_Option("optimizer", {"optimizer": "GaLore"}, _speed("optimizer_galore", dev),
+                                   QUALITY_PENALTY["optimizer_low_rank"],
+                                   f"AdamW state of the blocks' matrices projected to rank {run.optimizer_rank}"))
+    if not run.steps_in_backward:  # refused where it cannot serve (accumulation, several processes): see check_optimizer_run
+        clip = {"grad_clip": 0.0} if run.grad_clip > 0 else {}
+        options.append(_Option("optimizer_in_backward", {"optimizer_in_backward": True, **clip},
+                               _speed("optimizer_in_backward", dev), QUALITY_PENALTY["grad_clip"] if clip else 1.0,
+                               "each gradient freed as soon as its parameter steps" + ("; no gradient clipping" if clip else "")))
     if run.trainable in ("lora", "adapter") and run.quantize is None:
         options.append(_Option("quantize", {"quantize": "bnb.nf4"}, _speed("quantize_nf4", dev),
                                QUALITY_PENALTY["quantize"], "frozen base weights in 4 bits (QLoRA); needs bitsandbytes"))
@@ -637,7 +650,7 @@ def _describe(plan: Plan) -> str:
     if r["activation_checkpointing_interval"]:
         parts.append("activation checkpointing" + (f" every {r['activation_checkpointing_interval']} blocks"
                                                    if r["activation_checkpointing_interval"] > 1 else ""))
-    parts.append(f"{r['optimizer']}")
+    parts.append(f"{r['optimizer']}" + (" stepped in backward" if r.get("optimizer_in_backward") else ""))
     unit = "GPU" if plan.device_type == "cuda" else "process"
     ranks = f"{r['world_size']} {unit}{('es' if unit == 'process' else 's') if r['world_size'] > 1 else ''}"
     parts.append(ranks + (f" ({r['strategy']}{', CPU offload' if r['cpu_offload'] else ''})" if r["world_size"] > 1 or r["cpu_offload"] else ""))

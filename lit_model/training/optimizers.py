@@ -83,11 +83,26 @@ def build_optimizer(
         return _optimizer_for_groups(groups, name, canonical, learning_rate, betas, device_type, param_dtype, extra)
 
     if not in_backward:
-        return build(groups)
-    optimizer = InBackwardOptimizer([build([{**group, "params": [p]}]) for group in groups for p in group["params"]])
-    if _is_hessian_optimizer(optimizer.optimizers[0]):
-        raise _hessian_in_backward(name)
+        optimizer = build(groups)
+    else:
+        optimizer = InBackwardOptimizer([build([{**group, "params": [p]}]) for group in groups for p in group["params"]])
+        if _is_hessian_optimizer(optimizer.optimizers[0]):
+            raise _hessian_in_backward(name)
+    if canonical in LOW_RANK:
+        optimizer.register_load_state_dict_post_hook(_projections_to_parameter_devices)
     return optimizer
+
+
+def _projections_to_parameter_devices(optimizer: torch.optim.Optimizer) -> None:
+    """After a resume: load_state_dict moves the state's tensors to their parameter's device, but not those inside
+    GaLore's projector objects (loaded on the CPU)."""
+    for param, state in optimizer.state.items():
+        projector = state.get("projector")
+        matrix = getattr(projector, "ortho_matrix", None)
+        if isinstance(matrix, tuple):
+            projector.ortho_matrix = tuple(m.to(param.device) for m in matrix)
+        elif matrix is not None:
+            projector.ortho_matrix = matrix.to(param.device)
 
 
 def _optimizer_for_groups(groups: list[dict[str, Any]], name: str, canonical: str | None, learning_rate: float,
@@ -121,6 +136,10 @@ def _optimizer_for_groups(groups: list[dict[str, Any]], name: str, canonical: st
         return _construct(cls, groups, learning_rate, {"betas": betas or ADAM_BETAS, **extra})
     if canonical in LOW_RANK:  # the settings reach the projected group through the defaults
         cls = _import_attr("pytorch_optimizer", canonical, "pip install pytorch_optimizer")
+        # each projected matrix's state holds a GaLoreProjector (plain attributes: ints, a string, tensors): let a
+        # resume's torch.load(weights_only=True) rebuild it, as it rebuilds tensors
+        torch.serialization.add_safe_globals([_import_attr("pytorch_optimizer.optimizer.utils.galore", "GaLoreProjector",
+                                                           "pip install pytorch_optimizer")])
         return _construct(cls, groups, learning_rate, {"betas": betas or ADAM_BETAS, **LOW_RANK[canonical], **extra})
     if canonical in ("AdamW4bit", "AdamWFp8"):
         cls = _torchao_optimizer(canonical, device_type)
