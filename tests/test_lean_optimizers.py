@@ -196,6 +196,19 @@ def test_rehearsal_changes_nothing(tmp_path, name, in_backward, fresh):
     assert after.getvalue() == buffer.getvalue()  # the state and the param groups, byte for byte
 
 
+def test_in_backward_out_of_memory_ends_the_run_without_a_split(monkeypatch):
+    from lit_model.errors import UserError
+    from lit_model.training.recovery import SIMULATED_CAP_ENV
+
+    _, model, _, step = fabric_step("AdamW", in_backward=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setenv(SIMULATED_CAP_ENV, "1MB")  # the forward's saved activations pass it
+    with pytest.raises(UserError, match="report"):
+        step([batch(0)], "at step 1")
+    assert step.micro_batch_size == 4  # not halved: the step could not be redone in halves
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # it failed before any backward
+
+
 # ---- the lean optimizers ---------------------------------------------------------------------------------
 def expected_state_bytes(name: str, model: GPT) -> int:
     """What each keeps, from its algorithm (fp32 model): AdamW's two moments (and a step count) per tensor, less

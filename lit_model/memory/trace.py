@@ -186,7 +186,9 @@ def _build_optimizer(model: nn.Module, spec: Run, notes: list[str]) -> torch.opt
         layout = _BLOCK_QUANTIZED[name.lower()]
         params = [p for p in model.parameters() if p.requires_grad]
         notes.append(f"{name}'s step does not run on fake tensors: the trace keeps state of the sizes it allocates "
-                     f"({layout.code_bits}-bit codes and an fp32 scale per {layout.block} elements for tensors of >= 4096).")
+                     f"({layout.code_bits}-bit codes and an fp32 scale per {layout.block} elements for tensors of >= 4096)."
+                     + (" torchao compiles that step with torch.compile, whose own memory is not counted (about 80 MB "
+                        "more process memory on the CPU for lit-model-5m, benchmarks/memory_ladder.py)." if layout.torchao else ""))
         if spec.optimizer_in_backward:
             return InBackwardOptimizer([_SimQuantizedAdam([p], layout) for p in params])
         return _SimQuantizedAdam(params, layout)

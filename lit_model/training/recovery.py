@@ -144,9 +144,14 @@ def out_of_memory_report(run: Run, args: Any, device: torch.device, where: str, 
         resume = f"The newest checkpoint is {saved[-1]}: continue with the new flags and --resume auto."
     else:  # cite only what exists: before the first save there is nothing to resume
         resume = f"No checkpoint was saved yet in {out_dir}: start again with the new flags and --overwrite."
+    # stepped in backward, the step cannot be redone in smaller micro batches (TrainStep does not try)
+    attempt = "with" if run.steps_in_backward else "even with"
     return (
-        f"Out of memory {where} even with micro batch {micro_batch_size} ({message}). Predicted memory "
+        f"Out of memory {where} {attempt} micro batch {micro_batch_size} ({message}). Predicted memory "
         f"per rank: {categories} (peak {format_bytes(plan.peak_bytes)}). Fixes, cheapest first: {fix_text}. "
         + (f"Memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz). " if snapshot else "")
+        + (f"An optimizer stepping in backward ({run.optimizer}"
+           f"{', --optimizer_in_backward' if run.optimizer_in_backward else ''}) cannot redo a step in smaller micro "
+           "batches: parameters it stepped before the failure would step twice. " if run.steps_in_backward else "")
         + resume
     )
