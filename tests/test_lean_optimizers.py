@@ -156,6 +156,20 @@ def test_in_backward_refuses_runs(flags, match):
     resolve_run(train_args(**flags), Config(**TINY), device_type="cpu")  # fine without it
 
 
+def test_plan_suggests_the_in_backward_step_and_lean_optimizers():
+    """Llama-2-7B full training in bf16 (55 GB) on a 48 GB GPU: AdamW8bit, AdamW4bit, GaLore and the step in backward
+    (with --grad_clip 0) are among the cheapest fixes; with gradient accumulation the step in backward is not."""
+    llama = Config.from_name("Llama-2-7b-hf")
+    settings = dict(precision="bf16-true", override_max_seq_length=2048, grad_clip=1.0)
+    flags = [" ".join(s.flags) for s in plan_training(llama, train_args(micro_batch_size=1, global_batch_size=1, **settings),
+                                                         device_memory="48GB", engine="analytic").suggestions]
+    assert {"--optimizer AdamW4bit", "--optimizer GaLore"} <= set(flags)
+    assert any("--optimizer_in_backward --grad_clip 0.0" in f for f in flags), flags
+    accumulating = plan_training(llama, train_args(micro_batch_size=1, global_batch_size=2, **settings),
+                                 device_memory="48GB", engine="analytic")
+    assert accumulating.suggestions and not any("in_backward" in " ".join(s.flags) for s in accumulating.suggestions)
+
+
 def test_in_backward_refuses_a_hessian_class_path():
     with pytest.raises(UsageError, match="second time"):
         build_optimizer(tiny_model(), "pytorch_optimizer.SophiaH", 1e-2, in_backward=True)
