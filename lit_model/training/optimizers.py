@@ -188,6 +188,19 @@ def _construct_model(cls: type, model: nn.Module, lr: float, options: dict[str, 
                          f"{error}. Fix or remove the offending optimizer kwargs.") from error
 
 
+def _follows_param_group(key: str) -> property:
+    """An attribute AdaLOMO reads in its hooks (``self.lr``, ``self.weight_decay``) that follows the first param group
+    once there is one (before, during its constructor, it holds the value given)."""
+
+    def get(self: Any) -> Any:
+        return self.param_groups[0][key] if "param_groups" in self.__dict__ else self.__dict__["_" + key]
+
+    def set(self: Any, value: Any) -> None:
+        self.__dict__["_" + key] = value
+
+    return property(get, set)
+
+
 def _adalomo_class(base: type) -> type:
     """pytorch_optimizer's AdaLOMO made drivable by the fit loop: its learning rate and weight decay follow the
     param group (the schedule and the rehearsal set them there, before the backward in which it steps), a step
@@ -201,11 +214,8 @@ def _adalomo_class(base: type) -> type:
             super().__init__(model, lr=lr, **{"loss_scale": 0.0, **options})
             self.num_steps = 1  # the count during the first backward, as fused_backward would have it
 
-        lr = property(lambda self: self.param_groups[0]["lr"] if hasattr(self, "param_groups") else self.__dict__["lr"],
-                      lambda self, value: self.__dict__.__setitem__("lr", value))
-        weight_decay = property(
-            lambda self: self.param_groups[0]["weight_decay"] if hasattr(self, "param_groups") else self.__dict__["weight_decay"],
-            lambda self, value: self.__dict__.__setitem__("weight_decay", value))
+        lr = _follows_param_group("lr")
+        weight_decay = _follows_param_group("weight_decay")
 
         @property
         def moments(self) -> tuple[dict[str, torch.Tensor], ...]:  # its state, kept outside ``state``
@@ -488,12 +498,10 @@ def set_group_values(optimizer: torch.optim.Optimizer, **values: float) -> None:
                 group[key] = value
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the tensors in ``optimizer.state`` (a tensor shared between parameters, such as
-    bitsandbytes' quantization map, counted once): a quantized tensor subclass (torchao's low-bit moments) by its
+def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The plain tensors an optimizer's state holds: a quantized tensor subclass (torchao's low-bit moments) by its
     inner tensors, an object (GaLore's projector) by the tensors it holds, and the moments an optimizer keeps
     outside ``state`` (AdaLomo's ``moments``) too."""
-    tensors: dict[int, torch.Tensor] = {}
     pending: list[Any] = [*optimizer.state.values(), *getattr(optimizer, "moments", ())]
     while pending:
         value = pending.pop()
@@ -501,11 +509,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             names, _ = value.__tensor_flatten__()
             pending.extend(getattr(value, name) for name in names)
         elif isinstance(value, torch.Tensor):
-            tensors[id(value)] = value
+            yield value
         elif isinstance(value, dict):
             pending.extend(value.values())
         elif isinstance(value, (list, tuple)):
             pending.extend(value)
         elif hasattr(value, "__dict__"):
             pending.extend(vars(value).values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the tensors of the optimizer's state (``state_tensors``; a tensor shared between parameters, such
+    as bitsandbytes' quantization map, counted once)."""
+    tensors = {id(t): t for t in state_tensors(optimizer)}
     return sum(t.numel() * t.element_size() for t in tensors.values())

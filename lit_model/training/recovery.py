@@ -23,6 +23,7 @@ from lightning.fabric import Fabric
 
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.run import Run
+from lit_model.training.optimizers import state_tensors
 
 SIMULATED_CAP_ENV = "LIT_MODEL_SIMULATED_MEMORY_CAP"
 
@@ -40,8 +41,7 @@ def step_tensors(model: torch.nn.Module, optimizer: Any) -> dict[int, int]:
     """The storages a training step holds besides its activations: parameters, gradients, optimizer state."""
     inner = getattr(optimizer, "optimizer", optimizer)
     grads = (p.grad for p in model.parameters() if p.grad is not None)
-    state = (v for per_param in inner.state.values() for v in per_param.values() if torch.is_tensor(v))
-    return _storages(itertools.chain(model.parameters(), grads, state))
+    return _storages(itertools.chain(model.parameters(), grads, state_tensors(inner)))
 
 
 @contextlib.contextmanager
