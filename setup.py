@@ -33,13 +33,15 @@ setup(
     ],
     extras_require={
         "quantize": ["bitsandbytes>=0.45"],
-        "optimizers": ["pytorch_optimizer>=3.0"],
+        # GaLore, APOLLO, AdamMini, AdaLomo as used here: pytorch_optimizer 4.1; AdamW4bit / AdamWFp8: torchao (no torch
+        # dependency of its own, so it keeps the torch already installed)
+        "optimizers": ["pytorch_optimizer>=4.1", "torchao>=0.18"],
         "plot": ["matplotlib"],
         "flash": ["flash-attn"],
         "data": ["datasets>=3"],  # --data NAME, .parquet/.csv and save_to_disk directories
         "loggers": LOGGERS,  # --logger tensorboard, wandb, mlflow
-        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3",
-                 *LOGGERS],
-        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=3.0", "matplotlib", "datasets>=3", *LOGGERS],
+        "test": ["pytest", "transformers>=5", "bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18", "matplotlib",
+                 "datasets>=3", *LOGGERS],
+        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18", "matplotlib", "datasets>=3", *LOGGERS],
     },
 )

@@ -86,6 +86,7 @@ def pretrain_rungs(model: str) -> list[Rung]:
     offload = ["--activation_offloading", "disk"]  # on the CPU the files are the only place to move them to
     tiles = 4
     best = ["--precision", "bf16-true", *ac, "--micro_batch_size", "1", "--optimizer", "AdamW8bit"]
+    in_backward = ["--optimizer_in_backward", "--grad_clip", "0"]  # the micro batch is the global batch here
     return [
         Rung("baseline"),
         *micro_rungs,
@@ -102,6 +103,9 @@ def pretrain_rungs(model: str) -> list[Rung]:
         *[Rung(o, ["--optimizer", o]) for o in ("SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit")],
         Rung("PagedAdamW8bit", ["--optimizer", "PagedAdamW8bit"], note="bitsandbytes on the CPU: 'Paged optimizers are not "
              "supported on CPU. Falling back to non-paged optimizer behavior.' (paging needs CUDA unified memory)"),
+        Rung("optimizer step in backward", in_backward),
+        *[Rung(o, ["--optimizer", o]) for o in ("GaLore", "APOLLO", "AdamMini", "AdamW4bit", "AdamWFp8")],
+        Rung("AdaLomo", ["--optimizer", "AdaLomo", "--grad_clip", "0"]),
         Rung("freeze embedding + 2 blocks", ["--freeze_layers", "2"]),
         Rung("empty cache every step", ["--empty_cache_interval", "1"]),
         Rung("torch.compile", ["--compile"]),
@@ -115,6 +119,14 @@ def pretrain_rungs(model: str) -> list[Rung]:
         Rung("stack with selective instead of full AC",
              ["--precision", "bf16-true", "--activation_checkpointing", "selective", "--micro_batch_size", "1",
               "--optimizer", "AdamW8bit"]),
+        Rung("stack: bf16-true + AC + micro batch 1 + AdamW4bit",
+             ["--precision", "bf16-true", *ac, "--micro_batch_size", "1", "--optimizer", "AdamW4bit"]),
+        # stepping in backward rules out accumulation: the stack keeps the micro batch at the global batch
+        Rung("stack: bf16-true + AC + step in backward", ["--precision", "bf16-true", *ac, *in_backward]),
+        Rung("stack: bf16-true + AC + step in backward + AdamW4bit",
+             ["--precision", "bf16-true", *ac, *in_backward, "--optimizer", "AdamW4bit"]),
+        Rung("stack: bf16-true + AC + step in backward + GaLore",
+             ["--precision", "bf16-true", *ac, *in_backward, "--optimizer", "GaLore"]),
         Rung("baseline again (measurement noise)"),
     ]
 
@@ -123,6 +135,8 @@ def finetune_rungs() -> list[Rung]:
     return [
         Rung("full fine-tune", [], "finetune/full.py"),
         Rung("full + freeze embedding + 2 blocks", ["--freeze_layers", "2"], "finetune/full.py"),
+        Rung("full + optimizer step in backward", ["--optimizer_in_backward", "--grad_clip", "0"], "finetune/full.py"),
+        Rung("full + GaLore", ["--optimizer", "GaLore"], "finetune/full.py"),
         Rung("LoRA", [], "finetune/lora.py"),
         Rung("LoRA + packing", ["--packing", "true"], "finetune/lora.py"),
         Rung("DoRA", ["--lora_dora", "true"], "finetune/lora.py"),

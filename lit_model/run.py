@@ -33,6 +33,7 @@ from lit_model.quantize import QUANTIZE_MODES
 Trainable = Literal["full", "lora", "adapter"]
 TRAINABLE = ("full", "lora", "adapter")
 STRATEGIES = ("single", "ddp", "fsdp")
+DEFAULT_OPTIMIZER_RANK = 128  # GaLore's paper: 128 for the 60M-130M models, 256-512 above
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Run:
     loss_chunk_auto: bool = False
     cuda_alloc_conf: Optional[str] = None  # the CUDA caching allocator's settings the run gets (cuda_alloc_conf())
     optimizer: str = "AdamW"
+    optimizer_rank: int = DEFAULT_OPTIMIZER_RANK  # GaLore / APOLLO projection rank
+    optimizer_in_backward: bool = False
     eval_batch_size: Optional[int] = None
     grad_clip: float = 1.0
     compile: bool = False
@@ -101,6 +104,11 @@ class Run:
     @property
     def accumulation(self) -> int:
         return max(1, self.per_rank_batch // self.micro_batch_size)
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """Each parameter steps as its gradient is ready (--optimizer_in_backward, or AdaLomo, which always does)."""
+        return self.optimizer_in_backward or self.optimizer.lower() == "adalomo"
 
     @property
     def eval_batch(self) -> int:
@@ -193,6 +201,33 @@ def resolve_strategy(strategy: str, world_size: int, cpu_offload: bool, sharding
     return strategy
 
 
+# Optimizers that need whole matrices (projections, per-head blocks, their own hooks): not FSDP's shards
+WHOLE_MATRIX_OPTIMIZERS = ("galore", "apollo", "adammini", "adalomo")
+
+
+def check_optimizer_run(run: "Run") -> None:
+    """What an optimizer that steps inside backward (--optimizer_in_backward, AdaLomo) or needs whole matrices
+    cannot serve in this run (the flag-level combinations are refused by the training flags' check). For every
+    resolved run, and for each run the planner's suggestion search considers."""
+    name = run.optimizer.lower()
+    if name in WHOLE_MATRIX_OPTIMIZERS and run.strategy == "fsdp":
+        raise UsageError(f"--optimizer {run.optimizer} works on whole matrices, and FSDP gives each process a shard "
+                         "(--strategy fsdp, or --cpu_offload): use DDP or one device, or AdamW4bit / AdamW8bit with FSDP.")
+    if not run.steps_in_backward:
+        return
+    what = "--optimizer_in_backward" if run.optimizer_in_backward else "--optimizer AdaLomo"
+    if run.world_size > 1 or run.strategy == "fsdp":
+        raise UsageError(f"{what} steps each parameter during backward, before DDP or FSDP has averaged (or sharded) its "
+                         "gradient: run on one device (--devices 1, no --strategy fsdp or --cpu_offload), or drop it.")
+    if run.micro_batch_auto or run.accumulation > 1:
+        raise UsageError(f"{what} steps during every backward, so gradients cannot be accumulated over micro batches: "
+                         f"give --micro_batch_size {run.global_batch_size} (the global batch), or a smaller "
+                         "--global_batch_size; --micro_batch_size auto is refused for the same reason.")
+    if run.precision == "16-mixed":
+        raise UsageError(f"{what} steps on the gradients as they come, which 16-mixed's loss scaling leaves scaled (and "
+                         "unchecked for overflow): use --precision bf16-mixed or bf16-true.")
+
+
 def resolve_run(
     args: Any,
     config: Config,
@@ -251,7 +286,7 @@ def resolve_run(
         adapter = AdapterConfig(getattr(args, "adapter_prompt_length", AdapterConfig.prompt_length),
                                 config.n_layer // 2 if start is None else int(start))  # default: the upper half
     freeze = args.freeze_layers
-    return Run(
+    run = Run(
         config=config,
         precision=precision,
         device_type=device_type,
@@ -280,6 +315,8 @@ def resolve_run(
         loss_chunk_size=DEFAULT_LOSS_CHUNK_SIZE if chunk_auto else int(args.loss_chunk_size),
         loss_chunk_auto=chunk_auto,
         optimizer=args.optimizer,
+        optimizer_rank=int(getattr(args, "optimizer_rank", DEFAULT_OPTIMIZER_RANK)),
+        optimizer_in_backward=bool(getattr(args, "optimizer_in_backward", False)),
         eval_batch_size=args.eval_batch_size,
         grad_clip=float(args.grad_clip),
         compile=bool(args.compile),
@@ -287,6 +324,8 @@ def resolve_run(
         cuda_alloc_conf=cuda_alloc_conf(device_type),
         packing=bool(getattr(args, "packing", False)),
     )
+    check_optimizer_run(run)
+    return run
 
 
 # Run field -> how the user says it; fields not here are not flags of their own
@@ -294,6 +333,7 @@ FLAG_OF = {
     "precision": "precision", "micro_batch_size": "micro_batch_size", "global_batch_size": "global_batch_size",
     "cpu_offload": "cpu_offload", "optimizer": "optimizer", "quantize": "quantize", "loss_chunk_size": "loss_chunk_size",
     "sharding_strategy": "sharding_strategy", "activation_offloading": "activation_offloading", "mlp_tiles": "mlp_tiles",
+    "optimizer_in_backward": "optimizer_in_backward", "grad_clip": "grad_clip",
 }
 
 

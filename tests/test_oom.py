@@ -116,7 +116,7 @@ def test_rehearsal_changes_nothing(fabric, tmp_path, name):
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     batches = step_batches(False)
     state = {"model": model, "optimizer": optimizer}
-    rehearse(fabric, step, batches[0], batches, state, Config(**TINY), tmp_path, None)
+    rehearse(fabric, step, batches[0], batches, state, Config(**TINY), tmp_path, None, fresh=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not optimizer.optimizer.state and all(p.grad is None for p in model.parameters())
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == groups

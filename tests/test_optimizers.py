@@ -45,8 +45,13 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> lis
     return losses
 
 
+# torchao's optimizers compile their step for each tensor shape first (seconds each on the CPU)
+TORCHAO = ("AdamW4bit", "AdamWFp8")
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # create_graph reference-cycle and bnb paged-on-CPU warnings
-@pytest.mark.parametrize("name", [*OPTIMIZERS, "torch.optim.RMSprop", "pytorch_optimizer.CAME"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in TORCHAO else n
+                                  for n in (*OPTIMIZERS, "torch.optim.RMSprop", "pytorch_optimizer.CAME")])
 def test_every_optimizer_lowers_the_loss(name: str) -> None:
     model = mlp()
     optimizer = build_optimizer(model, name, LEARNING_RATES.get(name, 1e-2))

@@ -114,6 +114,7 @@ class ModelBytes:
     quant_state: int  # absmax & co.
     trainable: int  # trainable elements
     trainable_tensors: list[int] = field(default_factory=list)  # element counts, for optimizer rules
+    block_matrices: list[tuple[int, int]] = field(default_factory=list)  # trainable blocks' weights (GaLore, APOLLO)
     frozen_linear_max: int = 0  # largest frozen quantized linear (elements): dequantization workspace
     largest_param: int = 0  # elements of the largest single parameter (FSDP full-state-dict gather)
     block_params: int = 0  # bytes of one block's parameters (FSDP gathers)
@@ -128,6 +129,7 @@ def model_bytes(spec: Run) -> ModelBytes:
     buffers = 2 * spec.seq_len * config.rope_n_elem * 4 * (1 if config.rope_local_base is None else 2)
     quant = spec.quantize
     trainable_tensors: list[int] = []
+    block_matrices: list[tuple[int, int]] = []
     frozen_embed, frozen_blocks = _frozen_blocks(spec)
     lora_names = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
     r = spec.lora_r
@@ -162,6 +164,7 @@ def model_bytes(spec: Run) -> ModelBytes:
         for b in range(frozen_blocks, L):
             for name, (i, o, bias) in pc.block_linear.items():
                 trainable_tensors.append(i * o)
+                block_matrices.append((i, o))
                 if bias:
                     trainable_tensors.append(o)
             trainable_tensors += pc.block_norm_sizes
@@ -184,13 +187,15 @@ def model_bytes(spec: Run) -> ModelBytes:
     largest = max([pc.embed, pc.head] + [i * o for i, o, _ in pc.block_linear.values()])
     return ModelBytes(
         params=params, quant_state=quant_state, trainable=sum(trainable_tensors), trainable_tensors=trainable_tensors,
+        block_matrices=block_matrices,
         frozen_linear_max=frozen_max, largest_param=largest, block_params=block_bytes + block_quant, root_params=root,
     )
 
 
 # ---- optimizer ------------------------------------------------------------------------------------
-def optimizer_state_bytes(spec: Run, tensors: list[int]) -> int:
-    """Persistent optimizer state for trainable tensors of these element counts."""
+def optimizer_state_bytes(spec: Run, tensors: list[int], block_matrices: list[tuple[int, int]] = ()) -> int:
+    """Persistent optimizer state for trainable tensors of these element counts (``block_matrices``: the shapes of
+    the blocks' trainable weights among them, which GaLore and APOLLO project)."""
     d = spec.param_bytes
     name = spec.optimizer.lower()
     total = 0
@@ -198,17 +203,57 @@ def optimizer_state_bytes(spec: Run, tensors: list[int]) -> int:
         if name in ("adamw8bit", "pagedadamw8bit"):
             # bitsandbytes: uint8 moments + fp32 absmax per 256 elements; fp32 moments below 4096 elements
             total += 2 * n + 2 * 4 * math.ceil(n / 256) if n >= 4096 else 8 * n
+        elif name in ("adamw4bit", "adamwfp8"):
+            # torchao: per moment 4-bit codes + an fp32 scale per 128 (+ a 16-entry map), or float8 codes + an fp32
+            # scale per 256, for tensors of >= 4096 elements in whole blocks; else moments in the parameter's dtype
+            block = 128 if name == "adamw4bit" else 256
+            if n >= 4096 and n % block == 0:
+                total += 2 * (n // 2 + 4 * (n // 128) + 64) if name == "adamw4bit" else 2 * (n + 4 * (n // 256))
+            else:
+                total += 2 * d * n
+            total += 4  # the step count
+        elif name == "adammini":
+            total += 4 * n + 8  # an fp32 first moment; one second moment per head or tensor (+ its size)
+        elif name == "adalomo":  # a factored fp32 second moment (rows + columns; every matrix here has a side of
+            # n_embd), no first
+            C = spec.config.n_embd
+            total += 4 * (n // C + C) if n >= 4096 and n % C == 0 else 4 * n
         elif name == "sgd":
             total += d * n  # momentum buffer
         elif name == "lion":
             total += d * n  # one moment
         elif name == "adafactor":
             total += d * n if n < 4096 else int(2 * math.sqrt(n)) * d  # factored second moment (rows + cols)
-        else:  # AdamW, Sophia (moment + hessian), unknown class paths: two moments
+        else:  # AdamW, Sophia (moment + hessian), GaLore / APOLLO before projection, class paths: two moments
             total += 2 * d * n
+    if name in ("galore", "apollo"):
+        rank = spec.optimizer_rank
+        for i, o in block_matrices:  # projected: moments of rank x the longer side, and the projection
+            if min(i, o) > rank:
+                total += (2 * rank * max(i, o) + rank * min(i, o)) * d - 2 * d * i * o
+    if name == "adammini" and spec.trainable == "full":  # the embedding and the head keep a full second moment
+        frozen_embed, _ = _frozen_blocks(spec)
+        counts = param_counts(spec.config)
+        total += 4 * (counts.head + (0 if frozen_embed else counts.embed))
     if name in ("adamw", "sophia"):
         total += 4 * len(tensors)  # fused AdamW's per-parameter `step` scalars
     return total
+
+
+def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
+    """Temporaries of the optimizer step on top of its state, for the lean optimizers (fused AdamW and the
+    block-quantized kernels keep none; the older optimizers are not modelled): GaLore's and APOLLO's foreach step
+    over the tensors they do not project keeps two or three tensors of their size at once (of one of them, stepped in
+    backward; the trace of a tiny GPT shows a third); Adam-mini and AdaLomo step one tensor at a time in fp32."""
+    name, d = spec.optimizer.lower(), spec.param_bytes
+    largest = max(mb.trainable_tensors, default=0)
+    if name in ("galore", "apollo"):
+        rank = spec.optimizer_rank
+        projected = sum(i * o for i, o in mb.block_matrices if min(i, o) > rank)
+        return 3 * d * (largest if spec.optimizer_in_backward else mb.trainable - projected)
+    if name in ("adammini", "adalomo"):
+        return 2 * 4 * largest
+    return 0
 
 
 # ---- activations ---------------------------------------------------------------------------------------
@@ -620,7 +665,7 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     mb = model_bytes(spec)
     acts = activations(spec)
     grad_bytes = mb.trainable * d
-    opt = optimizer_state_bytes(spec, mb.trainable_tensors)
+    opt = optimizer_state_bytes(spec, mb.trainable_tensors, mb.block_matrices)
     head_trainable = spec.trainable == "full"
     head_grad = V * C * d if head_trainable else 0
     dequant = mb.frozen_linear_max * spec.compute_bytes if spec.quantize else 0
@@ -656,12 +701,12 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
         grads_all += grad_bytes
 
     def point(activ: float = 0.0, logits: float = 0.0, grads: float = 0.0, quant_extra: float = 0.0, gather: float = 0.0,
-              copies: bool = True):
+              copies: bool = True, step: float = 0.0):
         c = _empty()
         c["parameters"] = params + gather
         c["quantization"] = quant_state + quant_extra
         c["gradients"] = max(grads, grads_persist)
-        c["optimizer_state"] = optimizer
+        c["optimizer_state"] = optimizer + step
         c["activations"] = activ + (acts.weight_copies if copies else 0.0)
         c["logits_loss"] = logits
         return c
@@ -671,6 +716,13 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     embed_grad = 0.0 if config.tie_embeddings or _frozen_blocks(spec)[0] else V * C * d / shards
     inputs = 16.0 * N
     tied_trainable = config.tie_embeddings and spec.trainable == "full" and not _frozen_blocks(spec)[0]
+    if spec.steps_in_backward:
+        # each gradient is stepped on and freed once complete: about one parameter's gradient at a time (AdaLomo
+        # steps the previous one when the next arrives: two), but a tied embedding's is complete only at the end
+        in_flight = (2 if spec.optimizer.lower() == "adalomo" else 1) * mb.largest_param * d
+        head_grad = V * C * d if tied_trainable else 0.0
+        block_grads, embed_grad = in_flight, 0.0
+        grads_all = head_grad + in_flight
     candidates = [
         # end of forward: the loss chunk in flight
         point(acts.kept + acts.weight_cache, acts.loss_forward, gather=gathered),
@@ -684,7 +736,7 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
         # end of backward: a tied embedding's gradient is summed with the head's (three V x C tensors at
         # once, two of them still in autograd's buffers); then the optimizer step (fused AdamW: no temporaries)
         point(inputs + (2 * V * C * d / shards if tied_trainable else 0.0), 0.0, grads=grads_all, gather=gathered_end,
-              copies=False),
+              copies=False, step=optimizer_step_bytes(spec, mb) / shards),
     ]
     train = _max_phase(candidates)
     train["activations"] = max(train["activations"], 0)

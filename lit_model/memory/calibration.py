@@ -100,6 +100,14 @@ SPEED: dict[str, dict[str, float]] = {
     "halve_micro_batch": {"cuda": 1.12, "cpu": 1.34},
     # bitsandbytes 8-bit AdamW: the optimizer step is a small part of a step (estimate on GPU, measured CPU).
     "optimizer_8bit": {"cuda": 1.02, "cpu": 1.25},
+    # torchao's 4-bit AdamW, GaLore (rank 128; its SVD every 200 steps is not in a short run) and the optimizer step
+    # inside backward (one small optimizer step per parameter). CPU: lit-model-5m pretraining, fp32, micro batch 8 x
+    # 512, against AdamW in the same invocation of benchmarks/memory_ladder.py (CPU-time tokens/s 0.87, 0.98 and
+    # 0.96 of AdamW's; full fine-tuning with GaLore 0.92), all inside that benchmark's +-20 % noise. GPU: estimates
+    # (torchao reports its low-bit AdamW close to AdamW's speed; GaLore's paper a small overhead).
+    "optimizer_4bit": {"cuda": 1.05, "cpu": 1.15},
+    "optimizer_galore": {"cuda": 1.1, "cpu": 1.05},
+    "optimizer_in_backward": {"cuda": 1.02, "cpu": 1.04},
     # 4-bit base weights: dequantization in every forward/backward matmul. litgpt's resource table
     # (Llama-2-7B LoRA, A100): 2.36 min -> 3.68 min per 1k iterations = 1.56. CPU: LoRA vs QLoRA, measured.
     "quantize_nf4": {"cuda": 1.56, "cpu": 1.10},
@@ -119,6 +127,9 @@ QUALITY_PENALTY: dict[str, float] = {
     "quantize": 1.15,  # frozen base weights are approximated in 4 bits
     "precision": 1.05,  # bf16 weights/optimizer state round small updates
     "optimizer": 1.05,  # 8-bit optimizer state
+    "optimizer_4bit": 1.1,  # 4-bit optimizer state (torchao reports 4-bit AdamW close to AdamW on fine-tuning)
+    "optimizer_low_rank": 1.2,  # GaLore: the blocks' updates confined to a rank-r subspace between refreshes
+    "grad_clip": 1.05,  # --optimizer_in_backward needs --grad_clip 0: no clipping of the global gradient norm
     "devices": 1.5,  # needs more GPUs: a cost, not a slowdown
 }
 

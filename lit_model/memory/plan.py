@@ -30,7 +30,7 @@ from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
-from lit_model.run import Run, changed_flags, render_flags, resolve_run
+from lit_model.run import Run, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import depth_segments, sharded_traceable, trace_by_layers, trace_training
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
@@ -251,6 +251,7 @@ def _run_summary(spec: Run) -> dict[str, Any]:
         "activation_offloading": spec.activation_offloading,
         "mlp_tiles": spec.mlp_tiles,
         "optimizer": spec.optimizer,
+        "optimizer_in_backward": spec.optimizer_in_backward,
         "quantize": spec.quantize,
         "loss_chunk_size": spec.loss_chunk_size,
     }
@@ -294,7 +295,9 @@ def _resolve_memory(device_memory: Union[int, str, None], device_type: str, dete
 
 
 def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:
-    """Plan a resolved ``Run`` (no suggestions): the inner loop of the suggestion search."""
+    """Plan a resolved ``Run`` (no suggestions): the inner loop of the suggestion search, which skips a run that
+    cannot be (a UsageError)."""
+    check_optimizer_run(spec)
     notes: list[str] = []
     phases, used, offloaded = _tensor_phases(spec, engine, notes)
     return _assemble(spec, phases, device_memory, used, notes, offloaded)
@@ -496,6 +499,18 @@ def _options(run: Run) -> list[_Option]:
     if run.optimizer.lower() in ("adamw", "pagedadamw8bit") and run.optimizer != "AdamW8bit":
         options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, _speed("optimizer_8bit", dev),
                                QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
+    if run.optimizer.lower() in ("adamw", "adamw8bit", "pagedadamw8bit"):
+        options.append(_Option("optimizer", {"optimizer": "AdamW4bit"}, _speed("optimizer_4bit", dev),
+                               QUALITY_PENALTY["optimizer_4bit"], "AdamW with 4-bit moments; needs torchao"))
+        if run.trainable == "full":
+            options.append(_Option("optimizer", {"optimizer": "GaLore"}, _speed("optimizer_galore", dev),
+                                   QUALITY_PENALTY["optimizer_low_rank"],
+                                   f"AdamW state of the blocks' matrices projected to rank {run.optimizer_rank}"))
+    if not run.steps_in_backward:  # refused where it cannot serve (accumulation, several processes): see check_optimizer_run
+        clip = {"grad_clip": 0.0} if run.grad_clip > 0 else {}
+        options.append(_Option("optimizer_in_backward", {"optimizer_in_backward": True, **clip},
+                               _speed("optimizer_in_backward", dev), QUALITY_PENALTY["grad_clip"] if clip else 1.0,
+                               "each gradient freed as soon as its parameter steps" + ("; no gradient clipping" if clip else "")))
     if run.trainable in ("lora", "adapter") and run.quantize is None:
         options.append(_Option("quantize", {"quantize": "bnb.nf4"}, _speed("quantize_nf4", dev),
                                QUALITY_PENALTY["quantize"], "frozen base weights in 4 bits (QLoRA); needs bitsandbytes"))
@@ -704,7 +719,7 @@ def _describe(plan: Plan) -> str:
         parts.append(f"activations offloaded to {'host memory' if r['activation_offloading'] == 'cpu' else 'disk'}")
     if r.get("mlp_tiles", 1) > 1:
         parts.append(f"MLP in {r['mlp_tiles']} tiles")
-    parts.append(f"{r['optimizer']}")
+    parts.append(f"{r['optimizer']}" + (" stepped in backward" if r.get("optimizer_in_backward") else ""))
     unit = "GPU" if plan.device_type == "cuda" else "process"
     ranks = f"{r['world_size']} {unit}{('es' if unit == 'process' else 's') if r['world_size'] > 1 else ''}"
     parts.append(ranks + (f" ({r['strategy']}{', CPU offload' if r['cpu_offload'] else ''})" if r["world_size"] > 1 or r["cpu_offload"] else ""))

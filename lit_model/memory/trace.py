@@ -43,7 +43,7 @@ from lit_model.ops import take_paths_of
 from lit_model.run import Run
 from lit_model.training.fabric import configure_model, shard_model
 from lit_model.training.loop import TrainStep, evaluation_sums, freeze_layers
-from lit_model.training.optimizers import build_optimizer
+from lit_model.training.optimizers import InBackwardOptimizer, build_optimizer
 
 try:
     from torch._guards import active_fake_mode
@@ -100,7 +100,8 @@ class _Tracker(MemTracker):
             if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
                 self._param_to_grad_hook_handles[param] = (
                     param.register_hook(grad_hook),
-                    param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
+                    # an optimizer stepping in backward may have freed the gradient already (its hook came first)
+                    param.register_post_accumulate_grad_hook(lambda p: None if p.grad is None else grad_hook(p.grad)),
                 )
         buffer_memory = 0
         for buffer in module.buffers():
@@ -156,40 +157,83 @@ class TraceResult:
     host_bytes: dict[str, int] = field(default_factory=dict)  # what the run keeps outside the device at most
 
 
-class _Sim8bitAdam(torch.optim.Optimizer):
-    """State of the sizes bitsandbytes' AdamW8bit keeps (its kernels do not run under fake tensors):
-    uint8 moments + fp32 absmax per 256-element block for tensors of >= 4096 elements, fp32 moments below."""
+@dataclass(frozen=True)
+class _BlockQuantizedState:
+    """What a block-quantized AdamW keeps per moment of a tensor: codes of ``code_bits`` per element and an fp32
+    scale per ``block`` elements (plus a quantization map of ``qmap`` fp32 values) for a tensor of at least 4096
+    elements (torchao: also a multiple of the block), else an unquantized moment (bitsandbytes: fp32; torchao:
+    the parameter's dtype); torchao keeps a float32 step count per tensor."""
 
-    def __init__(self, params, lr: float = 1e-3) -> None:
+    code_bits: int
+    block: int
+    qmap: int = 0
+    torchao: bool = False
+
+
+# bitsandbytes' AdamW8bit (its qmaps, shared by all tensors, are left out), torchao's AdamW4bit and AdamWFp8
+_BLOCK_QUANTIZED = {
+    "adamw8bit": _BlockQuantizedState(8, 256), "pagedadamw8bit": _BlockQuantizedState(8, 256),
+    "adamw4bit": _BlockQuantizedState(4, 128, qmap=16, torchao=True), "adamwfp8": _BlockQuantizedState(8, 256, torchao=True),
+}
+
+
+class _SimQuantizedAdam(torch.optim.Optimizer):
+    """State of the sizes a block-quantized AdamW keeps (bitsandbytes' kernels and torchao's compiled step do not
+    run under fake tensors); the step is in place, like theirs."""
+
+    def __init__(self, params, layout: _BlockQuantizedState, lr: float = 1e-3) -> None:
         super().__init__(params, {"lr": lr})
+        self.layout = layout
 
     @torch.no_grad()
     def step(self, closure=None):
+        layout = self.layout
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    if p.numel() >= 4096:
-                        blocks = (p.numel() + 255) // 256
-                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                    else:
-                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                    n = p.numel()
+                    quantized = n >= 4096 and (not layout.torchao or n % layout.block == 0)
+                    for moment in ("exp_avg", "exp_avg_sq"):
+                        if quantized:
+                            state[moment] = torch.zeros(n * layout.code_bits // 8, dtype=torch.uint8, device=p.device)
+                            state[moment + "_scale"] = torch.zeros(math.ceil(n / layout.block), dtype=torch.float32, device=p.device)
+                            if layout.qmap:
+                                state[moment + "_qmap"] = torch.zeros(layout.qmap, dtype=torch.float32, device=p.device)
+                        else:
+                            state[moment] = torch.zeros_like(p, dtype=p.dtype if layout.torchao else torch.float32)
+                    if layout.torchao:
+                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
 
 
-def _build_optimizer(model: nn.Module, run: Run) -> torch.optim.Optimizer:
+def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.optim.Optimizer:
     name = run.optimizer
-    if name.lower() in ("adamw8bit", "pagedadamw8bit"):
+    if name.lower() in _BLOCK_QUANTIZED:
+        layout = _BLOCK_QUANTIZED[name.lower()]
         params = [p for p in model.parameters() if p.requires_grad]
-        return _Sim8bitAdam(params)
+        notes.append(f"{name}'s step does not run on fake tensors: the trace keeps state of the sizes it allocates "
+                     f"({layout.code_bits}-bit codes and an fp32 scale per {layout.block} elements for tensors of >= 4096)."
+                     + (" torchao compiles that step with torch.compile, whose own memory is not counted (about 80 MB "
+                        "more process memory on the CPU for lit-model-5m, benchmarks/memory_ladder.py)." if layout.torchao else ""))
+        if run.optimizer_in_backward:
+            return InBackwardOptimizer([_SimQuantizedAdam([p], layout) for p in params])
+        return _SimQuantizedAdam(params, layout)
+    if name.lower() == "apollo":
+        # APOLLO's step limits its update with a Python max() over a tensor, which fake tensors cannot answer; its
+        # state is GaLore's (projected moments and the projection, plus one scalar per matrix), its projection a
+        # random matrix where GaLore's SVD needs more temporary memory: GaLore's step stands in for it
+        notes.append("APOLLO's step does not run on fake tensors: traced with GaLore's step, which keeps the same "
+                     "projected state (APOLLO adds one scalar per matrix) and needs more temporary memory.")
+        name = "GaLore"
+    if name.lower() == "galore":
+        notes.append(f"{run.optimizer} recomputes each matrix's projection every 200 steps, one matrix at a time; "
+                     "the traced steps do not include that recomputation.")
     # device_type "cuda" selects the fused AdamW a GPU run uses; fused AdamW also runs on (fake) CPU tensors.
-    return build_optimizer(model, name, learning_rate=1e-4, device_type=run.device_type, param_dtype=run.param_dtype)
+    return build_optimizer(model, name, learning_rate=1e-4, device_type=run.device_type, param_dtype=run.param_dtype,
+                           rank=run.optimizer_rank, in_backward=run.optimizer_in_backward)
 
 
 @contextlib.contextmanager
@@ -313,6 +357,7 @@ def trace_training(run: Run, phases: tuple[str, ...] = ("train_step", "evaluatio
 
 def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> TraceResult:
     start = time.perf_counter()
+    notes: list[str] = []
     config = run.config
     B, T = run.micro_batch_size, run.seq_len
     tracker = _Tracker(vocab_size=config.padded_vocab_size)
@@ -333,7 +378,11 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         if mesh is not None:
             model = shard_model(model, mesh, run.replace(device_type="cpu"))  # where the fake shards live
         model = fabric.setup(model, move_to_device=False)  # built on its (fake) device: nothing to move
-        optimizer = fabric.setup_optimizers(_build_optimizer(model, run))
+        inner = _build_optimizer(model, run, notes)
+        for moments in getattr(inner, "moments", ()):  # state an optimizer keeps outside `state` (AdaLomo's)
+            for moment in moments.values():
+                tracker._update_and_maybe_create_winfos(moment, _Ref.OPT)
+        optimizer = fabric.setup_optimizers(inner)
         step = TrainStep(fabric, model, optimizer, B, recover=False, report=lambda *_: "")
         vocab = config.padded_vocab_size
         micro_steps = min(run.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
@@ -356,7 +405,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 tracker.reset_mod_stats()
                 evaluation_sums(fabric, model, [batch])
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
-    return TraceResult(phases=results, seconds=time.perf_counter() - start, host_bytes=host)
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host)
 
 
 # ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------

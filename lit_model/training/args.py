@@ -16,9 +16,10 @@ from lit_model.data.sources import check_data_flags
 from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory.units import parse_memory
+from lit_model.run import DEFAULT_OPTIMIZER_RANK
 from lit_model.training.fabric import DistributedSettings
 from lit_model.training.loggers import check_loggers
-from lit_model.training.optimizers import check_optimizer
+from lit_model.training.optimizers import check_optimizer, check_steps_in_backward
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -51,7 +52,15 @@ class TrainArgs(DistributedSettings):
         micro_batch_size: samples per forward/backward; auto picks the largest that fits
         global_batch_size: samples per optimizer step over all ranks (gradient accumulation makes up the rest)
         override_max_seq_length: cap on sequence length; memory grows with it
-        optimizer: AdamW, SGD, Lion, Sophia, Adafactor, AdamW8bit, PagedAdamW8bit, or a class path
+        optimizer: AdamW, SGD, Lion, Sophia, Adafactor, AdamW8bit and PagedAdamW8bit (bitsandbytes), AdamW4bit and
+            AdamWFp8 (torchao: AdamW with 4-bit / float8 moments), GaLore and APOLLO (low-rank projected AdamW
+            state of the blocks' matrices), AdamMini (one second moment per head / tensor), AdaLomo (factored second
+            moment, no first, steps inside backward), or a class path
+        optimizer_rank: GaLore, APOLLO: rank of the gradient projection; matrices with a side this small or smaller
+            keep full state
+        optimizer_in_backward: step each parameter as soon as its gradient is ready and free the gradient, so the
+            gradients never all exist at once; one process, micro batch = global batch, --grad_clip 0, and an
+            out-of-memory inside a step ends the run (the step cannot be redone in smaller micro batches)
         learning_rate: peak learning rate
         min_lr: learning rate at the end of the cosine decay
         warmup_steps: linear warmup steps
@@ -94,6 +103,8 @@ class TrainArgs(DistributedSettings):
     global_batch_size: int = 32
     override_max_seq_length: Optional[int] = None
     optimizer: str = "AdamW"
+    optimizer_rank: int = DEFAULT_OPTIMIZER_RANK
+    optimizer_in_backward: bool = False
     learning_rate: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 20
@@ -130,7 +141,7 @@ class TrainArgs(DistributedSettings):
 AT_LEAST: dict[str, int] = {
     "devices": 1, "micro_batch_size": 1, "global_batch_size": 1, "eval_batch_size": 1, "num_nodes": 1, "log_interval": 1, "eval_interval": 1,
     "eval_iters": 1, "keep_last": 1, "max_steps": 1, "max_tokens": 1, "override_max_seq_length": 1,
-    "activation_checkpointing_interval": 1, "adapter_prompt_length": 1, "mlp_tiles": 1,
+    "activation_checkpointing_interval": 1, "adapter_prompt_length": 1, "mlp_tiles": 1, "optimizer_rank": 1,
     "warmup_steps": 0, "save_interval": 0, "empty_cache_interval": 0, "loss_chunk_size": 0, "seed": 0,
     "adapter_start_layer": 0, "weight_decay": 0, "grad_clip": 0, "min_lr": 0,
 }
@@ -173,6 +184,7 @@ def check_args(args: TrainArgs) -> None:
         raise UsageError("--freeze_layers [] names no parameter: give patterns such as '[blocks.[0-3].*]', or drop it.")
     check_activation_flags(args)
     check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
+    check_steps_in_backward(args.optimizer, args.optimizer_in_backward, args.grad_clip)
     check_loggers(args.logger)
     if args.device_memory is not None:
         parse_memory(args.device_memory)

@@ -39,7 +39,9 @@ from lit_model.memory.units import peak_rss_bytes
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
 from lit_model.training.loggers import open_loggers
-from lit_model.training.optimizers import hessian_step, lr_at, needs_create_graph, set_lr
+from lit_model.training.optimizers import (
+    hessian_step, lr_at, needs_create_graph, paused_in_backward, set_group_values, set_lr, steps_in_backward,
+)
 from lit_model.training.recovery import (
     StepOutOfMemory, any_rank, catch_out_of_memory, count_targets, out_of_memory_report, raise_if_any_rank_failed,
     simulated_memory_cap, split_batches, start_memory_history,
@@ -411,6 +413,9 @@ class TrainStep:
     def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, micro_batch_size: int, recover: bool,
                  report: Callable[[int, str, str], str]) -> None:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
+        # An optimizer that steps in backward has stepped part of the parameters when backward runs out of memory:
+        # the step cannot be redone in smaller micro batches (nor could they be accumulated)
+        recover = recover and not steps_in_backward(optimizer)
         self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
         self.create_graph = needs_create_graph(optimizer)
         unwrap(model).loss_differentiable_twice = self.create_graph
@@ -497,24 +502,24 @@ class TrainStep:
 
 
 def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, ...], val_batches: list[Any],
-             state: dict[str, Any], config: Config, out_dir: Path, save_filter: Optional[dict[str, Any]]) -> None:
+             state: dict[str, Any], config: Config, out_dir: Path, save_filter: Optional[dict[str, Any]], fresh: bool) -> None:
     """The run's memory-hungriest moments once, before the main loop: a step on the longest batch, the largest
     evaluation batch and a checkpoint save, so an out-of-memory shows in the first minute, not after hours.
-    A fresh run's rehearsal changes nothing: its optimizer step has learning rate and weight decay 0, and the
-    optimizer state it creates is dropped afterwards. A resumed run skips the optimizer step (its loaded state
-    already holds that memory)."""
+    A ``fresh`` run's rehearsal changes nothing: its optimizer step has learning rate and weight decay 0 (set before
+    the backward, where an optimizer that steps in backward steps), and the optimizer's state and param groups are
+    restored afterwards from a copy taken before (a fresh optimizer's state is empty, or small). A resumed run
+    skips the optimizer step (its loaded state already holds that memory): in backward, it only frees gradients."""
     start = time.perf_counter()
     model, optimizer = train_step.model, train_step.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
-    fresh = not inner.state
-    saved_groups = copy.deepcopy([{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups])
-    train_step([batch], "in the rehearsal step on the longest batch")
     if fresh:
-        for group in inner.param_groups:
-            group["lr"] = 0.0
-            if "weight_decay" in group:
-                group["weight_decay"] = 0.0
+        saved = copy.deepcopy(inner.state_dict())
+        set_group_values(inner, lr=0.0, weight_decay=0.0)
+        train_step([batch], "in the rehearsal step on the longest batch")
         optimizer.step()
+    else:
+        with paused_in_backward(inner):
+            train_step([batch], "in the rehearsal step on the longest batch")
     optimizer.zero_grad(set_to_none=True)
     evaluate(fabric, model, [max(val_batches, key=lambda b: b[0].numel())])
     tmp = out_dir / CHECKPOINTS / ".rehearsal.tmp"
@@ -522,11 +527,7 @@ def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, .
     if fabric.global_rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if fresh:
-        inner.state.clear()
-        for group, saved in zip(inner.param_groups, saved_groups):  # also drops keys the step added ("step")
-            params = group["params"]
-            group.clear()
-            group.update(saved, params=params)
+        inner.load_state_dict(saved)
     fabric.print(
         f"Rehearsal passed in {time.perf_counter() - start:.1f} s: a step on the longest batch "
         f"({batch[0].shape[0]} x {batch[0].shape[1]} tokens), the largest evaluation batch and a checkpoint save; "
@@ -569,7 +570,7 @@ def fit(
     # The data position is progress.step: the sampler is a pure function of the step, so it needs no state.
     state = {"model": model, "optimizer": optimizer, "run": progress}
     if args.rehearse and rehearsal_batch is not None:
-        rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter)
+        rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter, progress.step == 0)
     metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, progress.step)
     window_start, window_tokens = time.perf_counter(), 0
     fit_start = time.perf_counter() - progress.fit_seconds

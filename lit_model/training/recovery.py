@@ -23,6 +23,7 @@ from lightning.fabric import Fabric
 
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.run import Run
+from lit_model.training.optimizers import state_tensors
 
 SIMULATED_CAP_ENV = "LIT_MODEL_SIMULATED_MEMORY_CAP"
 
@@ -40,8 +41,7 @@ def step_tensors(model: torch.nn.Module, optimizer: Any) -> dict[int, int]:
     """The storages a training step holds besides its activations: parameters, gradients, optimizer state."""
     inner = getattr(optimizer, "optimizer", optimizer)
     grads = (p.grad for p in model.parameters() if p.grad is not None)
-    state = (v for per_param in inner.state.values() for v in per_param.values() if torch.is_tensor(v))
-    return _storages(itertools.chain(model.parameters(), grads, state))
+    return _storages(itertools.chain(model.parameters(), grads, state_tensors(inner)))
 
 
 @contextlib.contextmanager
@@ -145,9 +145,14 @@ def out_of_memory_report(run: Run, args: Any, device: torch.device, where: str, 
         resume = f"The newest checkpoint is {saved[-1]}: continue with the new flags and --resume auto."
     else:  # cite only what exists: before the first save there is nothing to resume
         resume = f"No checkpoint was saved yet in {out_dir}: start again with the new flags and --overwrite."
+    # stepped in backward, the step cannot be redone in smaller micro batches (TrainStep does not try)
+    attempt = "with" if run.steps_in_backward else "even with"
     return (
-        f"Out of memory {where} even with micro batch {micro_batch_size} ({message}). Predicted memory "
+        f"Out of memory {where} {attempt} micro batch {micro_batch_size} ({message}). Predicted memory "
         f"per rank: {categories} (peak {format_bytes(plan.peak_bytes)}). Fixes, cheapest first: {fix_text}. "
         + (f"Memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz). " if snapshot else "")
+        + (f"An optimizer stepping in backward ({run.optimizer}"
+           f"{', --optimizer_in_backward' if run.optimizer_in_backward else ''}) cannot redo a step in smaller micro "
+           "batches: parameters it stepped before the failure would step twice. " if run.steps_in_backward else "")
         + resume
     )

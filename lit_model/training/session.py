@@ -108,6 +108,8 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, run: Run, args: TrainA
         weight_decay=args.weight_decay,
         device_type=run.device_type,
         param_dtype=run.param_dtype,
+        rank=run.optimizer_rank,
+        in_backward=run.optimizer_in_backward,
     )
     return model, fabric.setup_optimizers(optimizer)
 
