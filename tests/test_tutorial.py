@@ -235,6 +235,8 @@ def test_command_plans(command: tuple[str, list[str]]) -> None:
         pytest.skip(f"{entry} is not a training script (no --plan): it needs a checkpoint's weights, and "
                     "--quantize in generation a bitsandbytes build for the device")
     code, out = run_entry_point(entry, plan_argv(entry, args))
-    assert code == 0, f"{command_id(command)} --plan json failed"
+    # 1: the plan's verdict that the run does not fit this machine's free memory (a 7B fine-tune's final merge on
+    # a CPU, say), not an invalid command; a bad flag exits with 2 and prints no plan
+    assert code in (0, 1), f"{command_id(command)} --plan json failed"
     plan = json.loads(out[out.index("{"):])
     assert plan["peak_bytes"] > 0

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lit_model.checkpoint import WEIGHTS_NAME
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
@@ -260,8 +261,23 @@ def _run_summary(spec: Run) -> dict[str, Any]:
     return summary
 
 
+def lora_merge_bytes(spec: Run) -> int:
+    """Host memory of a LoRA run's final save on rank 0 (``lora.save_merged_checkpoint``): the base checkpoint read
+    whole as stored (its file's size; without one, bf16 as downloaded checkpoints mostly are), and the largest
+    adapted weight twice in fp32 while the adapter is added to it."""
+    stored = spec.checkpoint_dir / WEIGHTS_NAME if spec.checkpoint_dir is not None else None
+    base = stored.stat().st_size if stored is not None and stored.is_file() else analytic.param_counts(spec.config).total * 2
+    config = spec.config
+    largest = config.n_embd * max(config.intermediate_size, config.n_head * config.head_size)
+    return base + 2 * 4 * largest
+
+
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
               notes: list[str], offloaded: Optional[dict[str, int]] = None) -> Plan:
+    merge = lora_merge_bytes(spec) if spec.trainable == "lora" else 0
+    if merge and spec.device_type == "cpu" and "checkpoint_save" in phases:
+        save = phases["checkpoint_save"]
+        phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge}}
     if spec.device_type == "cpu" and "checkpoint_save" in phases:
         phases = {**phases, "sample": _sample_phase(spec, phases["checkpoint_save"])}
     phases = _finish_phases(phases, spec)
@@ -275,7 +291,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
     fits = True if device_memory is None else peak <= device_memory
     host = dict(offloaded or {})
     if spec.device_type == "cuda":
-        host["checkpoint_save_rank0"] = analytic.host_checkpoint_bytes(spec)
+        host["checkpoint_save_rank0"] = analytic.host_checkpoint_bytes(spec) + merge
     return Plan(
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,

@@ -21,7 +21,7 @@ from lit_model.model import GPT
 from lit_model.training.args import TrainArgs
 from lit_model.run import Run
 from lit_model.training.fabric import configure_model
-from lit_model.training.loop import Progress, freeze_layers, start_lineage, STATE_NAME
+from lit_model.training.loop import Progress, freeze_layers, release_cached_memory, start_lineage, STATE_NAME
 from lit_model.training.optimizers import build_optimizer
 
 
@@ -220,6 +220,9 @@ def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, ma
         return (f"[no sample: generating from {final_dir} in fp32 takes about {format_bytes(need)} and "
                 f"{format_bytes(free)} is free; `python generate/base.py --checkpoint_dir {final_dir} --precision "
                 "bf16-true` (or --quantize bnb.nf4) samples it in less]")
+    # glibc keeps the heap the run freed (the training step's activations, a LoRA merge's copy of the base
+    # weights): give it back first, or the fp32 copy comes on top of it (measured: +2.2 GB for a 1.1B QLoRA run)
+    release_cached_memory(torch.device("cpu"))
     model = GPT.from_checkpoint(final_dir, device="cpu", dtype=torch.float32)
     result = generate(
         model, prompt_ids, new_tokens, temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
