@@ -127,6 +127,8 @@ def pretrain_rungs(model: str) -> list[Rung]:
              ["--precision", "bf16-true", *ac, *in_backward, "--optimizer", "AdamW4bit"]),
         Rung("stack: bf16-true + AC + step in backward + GaLore",
              ["--precision", "bf16-true", *ac, *in_backward, "--optimizer", "GaLore"]),
+        Rung("stack: bf16-true + AC + offloading to disk + AdaLomo",
+             ["--precision", "bf16-true", *ac, *offload, "--optimizer", "AdaLomo", "--grad_clip", "0"]),
         Rung("baseline again (measurement noise)"),
     ]
 

@@ -88,6 +88,7 @@ def train(fabric: Fabric, run: Run, args: AdapterArgs) -> None:
         derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES,
                               overwrite=True)  # this run's own final/ (check_out_dir)
     fabric.barrier()
+    del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
     finetune.finish(fabric, run, args, setup, progress, final_dir)
 
 

@@ -63,6 +63,7 @@ def train(fabric: Fabric, run: Run, args: FullArgs) -> None:
 
     final_dir = args.out_dir / "final"
     save_final(fabric, model, run.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
+    del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
     finetune.finish(fabric, run, args, setup, progress, final_dir)
 
 

@@ -91,6 +91,7 @@ def train(fabric: Fabric, run: Run, args: LoRAArgs) -> None:
         save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, lora, final_dir, setup.style.save, finetune.DERIVED_FILES,
                                overwrite=True)  # this run's own final/ (check_out_dir)
     fabric.barrier()
+    del model, optimizer, adapter_weights  # the sample reloads final/: the trained copy and the optimizer state go first
     finetune.finish(fabric, run, args, setup, progress, final_dir)
 
 

@@ -114,6 +114,7 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
 
     final_dir = args.out_dir / "final"
     save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)
+    del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
     baseline = unigram_loss(train_data.tokens, val_data.tokens, config.padded_vocab_size)
     sample = session.sample_text(fabric, final_dir, tokenizer, args.sample_prompt)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)

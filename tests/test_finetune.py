@@ -351,3 +351,41 @@ def test_config_hub_yamls_parse_into_flags():
             assert parse(args_cls, ["--config", str(path)]).precision in (None, "bf16-true")
         default = ROOT / "config_hub" / "finetune" / "lit-model-5m" / f"{method}.yaml"
         assert parse(args_cls, ["--config", str(default)]) == parse(args_cls, [])  # the YAML spells out the defaults
+
+
+# ---- the end of a run -----------------------------------------------------------------------------------------
+def live(kind: type) -> int:
+    import gc
+
+    gc.collect()
+    return sum(isinstance(o, kind) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("full", ()), ("lora", ()), ("adapter", ()),
+    ("full", ("--optimizer_in_backward", "--grad_clip", "0", "--micro_batch_size", "8")),  # hooks on every parameter
+    ("full", ("--optimizer", "AdaLomo", "--grad_clip", "0", "--micro_batch_size", "8")),
+])
+def test_the_sample_at_the_end_runs_after_the_trained_model_and_optimizer_are_gone(ft, tmp_path, monkeypatch, method, extra):
+    """The sample reloads final/ in fp32; the plan's sample phase holds that copy alone (test_memory_plan), so the
+    scripts must have dropped the model they trained and its optimizer state by then."""
+    from lit_model import GPT
+    from lit_model.cli import parse
+    from lit_model.training import session
+
+    before = (live(GPT), live(torch.optim.Optimizer))
+    seen = []
+    real = session.sample_text
+
+    def sample_text(*args, **kwargs):
+        seen.append((live(GPT), live(torch.optim.Optimizer)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "sample_text", sample_text)
+    monkeypatch.setenv("LIT_MODEL_CACHE", str(ft["cache"]))
+    module = load_script(method)
+    args_cls = getattr(module, {"lora": "LoRAArgs", "full": "FullArgs", "adapter": "AdapterArgs"}[method])
+    argv = ["--checkpoint_dir", ft["base"], "--data_path", ft["data"], "--out_dir", tmp_path / "out", "--micro_batch_size",
+            "2", "--global_batch_size", "8", "--max_steps", "2", "--eval_iters", "1", *extra]
+    module.main(parse(args_cls, [str(a) for a in argv]))
+    assert seen == [before]

@@ -153,16 +153,14 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
     return sum(cpu_overhead_terms(categories, world_size).values())
 
 
-def _sample_phase(spec: Run, save: dict[str, int]) -> dict[str, int]:
-    """CPU: rank 0 reloads final/ in fp32 for the sample at the end while the run's model and optimizer state
-    are still alive (the tensors of generate/base.py's plan on top of the save phase's, without its copy)."""
+def _sample_phase(spec: Run) -> dict[str, int]:
+    """CPU: rank 0 reloads final/ in fp32 for the sample at the end, after the scripts dropped the trained model and
+    its optimizer state (session.sample_text): the tensors of generate/base.py's plan alone."""
     new_tokens = min(CPU_SAMPLE_NEW_TOKENS, spec.config.block_size // 2)  # prompt and new tokens within the context
     prompt = min(spec.seq_len, spec.config.block_size - new_tokens)
     generation = plan_generation(spec.config, max(prompt, 1), new_tokens, dtype=torch.float32,
                                  device_type="cpu", detect=False).phase_categories["prefill"]
-    out = {c: save.get(c, 0) + (generation.get(c, 0) if c != "overhead" else 0) for c in CATEGORIES}
-    out["checkpoint"] = 0  # the state dict written to final/ is gone
-    return out
+    return {c: generation.get(c, 0) for c in CATEGORIES if c != "overhead"}
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
@@ -279,12 +277,12 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         save = phases["checkpoint_save"]
         phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge}}
     if spec.device_type == "cpu" and "checkpoint_save" in phases:
-        phases = {**phases, "sample": _sample_phase(spec, phases["checkpoint_save"])}
+        phases = {**phases, "sample": _sample_phase(spec)}
     phases = _finish_phases(phases, spec)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
-        notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 beside the run's state "
-                     f"would take {format_bytes(by_phase.pop('sample'))}.")
+        notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 would take "
+                     f"{format_bytes(by_phase.pop('sample'))}.")
         del phases["sample"]
     peak_phase = max(by_phase, key=by_phase.get)
     peak = by_phase[peak_phase]

@@ -29,6 +29,7 @@ import contextlib
 import importlib
 import inspect
 import math
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -266,8 +267,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             optimizer.state = self.state
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
+        # Weak references: autograd keeps the hook as long as the parameter lives, and a strong one would keep this
+        # optimizer, its state and through its groups every parameter alive after the run drops them (a cycle
+        # through autograd's C++ side, which the garbage collector cannot see).
+        this, own = weakref.ref(self), weakref.ref(optimizer)
+
         def step_and_free(param: torch.Tensor) -> None:
-            if self.stepping:
+            owner, optimizer = this(), own()
+            if owner is not None and optimizer is not None and owner.stepping:
                 optimizer.step()
             param.grad = None
 
