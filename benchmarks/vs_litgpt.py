@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Optional
 
 from _tables import csv_text, markdown_table
+from _venvs import LITGPT_VERSION, litgpt_python
 from lit_model.files import atomic_write
 
 HERE = Path(__file__).resolve().parent
-LITGPT_VENV = HERE / ".venv-litgpt"
-LITGPT_VERSION = "0.5.13"
 BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags (both implementations run each), what)
     "train": ("_train_worker.py", ["tokens_per_sec"], [[], ["--compile"]],
               "Each implementation takes its training step as its pretrain script does: lit-model's fused chunked "
@@ -40,15 +39,6 @@ BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags (
     "generate": ("_generate_worker.py", ["decode_tokens_per_sec", "step_tokens_per_sec"], [[]],
                  "Greedy decoding with a KV cache: 32 prompt tokens, 256 new."),
 }
-
-
-def litgpt_python() -> str:
-    python = LITGPT_VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(LITGPT_VENV)], check=True)
-        # The CPU build of torch first, pinned, so litgpt's own torch requirement installs nothing more.
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", f"litgpt=={LITGPT_VERSION}"], check=True)
-    return str(python)
 
 
 def run(python: str, worker: str, impl: str, precision: str, flags: list[str], threads: Optional[int]) -> dict:

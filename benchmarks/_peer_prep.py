@@ -1,0 +1,108 @@
+"""The one-time preparations of vs_peers.py, each run by the interpreter that has the library it needs, so that
+the benchmark's own process imports neither torch nor a peer (its peak RSS stays far below every measured one):
+
+    _peer_prep.py tokenizer CORPUS_DIR VOCAB OUT_DIR      # lit-model's env: one byte-level BPE (`tokenizers`)
+    _peer_prep.py lit_data CORPUS_DIR TOKENIZER BLOCK     # lit-model's env: fill its token cache
+    _peer_prep.py hf_config MODEL_YAML OUT_DIR            # lit-model's env: the equivalent transformers config.json
+    _peer_prep.py lit_to_hf CHECKPOINT OUT_DIR            # lit-model's env: its converter to a transformers dir
+    _peer_prep.py instruct CORPUS_DIR TOKENIZER N OUT     # lit-model's env: a deterministic instruction JSON
+    _peer_prep.py litgpt_data DATA_DIR TOKENIZER BLOCK    # litgpt's env: TextFiles.prepare_data (litdata chunks)
+    _peer_prep.py litgpt_from_hf HF_DIR MODEL_YAML OUT    # litgpt's env: its own HF->litgpt weight copy
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def tokenizer(corpus: str, vocab: str, out_dir: str) -> None:
+    from lit_model.tokenizer import train_bpe
+
+    train_bpe(sorted(Path(corpus).glob("*.txt")), int(vocab), out_dir)
+
+
+def lit_data(corpus: str, tokenizer_dir: str, block: str) -> None:
+    from lit_model.data.text import load_pretrain_data
+    from lit_model.tokenizer import Tokenizer
+
+    load_pretrain_data(Path(corpus), Tokenizer(tokenizer_dir), int(block))
+
+
+def hf_config(model_yaml: str, out_dir: str) -> None:
+    from lit_model.config import Config
+    from lit_model.convert import config_to_hf
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "config.json").write_text(json.dumps(config_to_hf(Config.from_file(model_yaml)), indent=1))
+
+
+def lit_to_hf(checkpoint: str, out_dir: str) -> None:
+    from lit_model.convert import lit_to_hf as convert
+
+    convert(checkpoint, out_dir, overwrite=True)
+    for name in TOKENIZER_FILES:  # a transformers model directory carries its tokenizer
+        shutil.copy(Path(checkpoint) / name, Path(out_dir) / name)
+
+
+def instruct(corpus: str, tokenizer_dir: str, count: str, out: str) -> None:
+    """Records whose instruction, input and output are consecutive pieces of the corpus, cut at token counts
+    (16 + 64 + 96 tokens, the same for every record), so every implementation's batches hold about the same tokens
+    whatever its padding; the mean length of a record as lit-model's alpaca template tokenizes it is written
+    beside it (``.stats.json``): the tokens each sample counts for in the fine-tuning rows."""
+    from lit_model.prompts import PromptStyle
+    from lit_model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_dir)
+    ids = [i for path in sorted(Path(corpus).glob("*.txt")) for i in tok.encode(path.read_text()).tolist()]
+    pieces, records, start = (16, 64, 96), [], 0
+    while len(records) < int(count):
+        parts = []
+        for n in pieces:
+            parts.append(tok.decode(ids[start:start + n]).strip() or "pass")
+            start += n
+        records.append({"instruction": "Continue the code. " + parts[0], "input": parts[1], "output": parts[2]})
+    style = PromptStyle.from_name("alpaca")
+    lengths = [len(tok.encode(style.apply(r["instruction"], input=r["input"]) + r["output"])) + 1 for r in records]
+    Path(out).write_text(json.dumps(records, indent=1))
+    Path(out).with_suffix(".stats.json").write_text(json.dumps({"mean_tokens": statistics.mean(lengths),
+                                                                "max_tokens": max(lengths), "records": len(records)}))
+
+
+def litgpt_data(data_dir: str, tokenizer_dir: str, block: str) -> None:
+    from litgpt.data import TextFiles
+    from litgpt.tokenizer import Tokenizer
+
+    data = TextFiles(train_data_path=Path(data_dir))
+    data.connect(Tokenizer(tokenizer_dir), batch_size=1, max_seq_length=int(block))
+    data.prepare_data()
+
+
+def litgpt_from_hf(hf_dir: str, model_yaml: str, out_dir: str) -> None:
+    """litgpt's convert_hf_checkpoint takes only architectures of its registry; for a custom one its own weight
+    copy (copy_weights_hf_llama) with the config read from the YAML does the same."""
+    import torch
+    import yaml
+    from litgpt import Config
+    from litgpt.scripts.convert_hf_checkpoint import copy_weights_hf_llama
+    from litgpt.utils import save_config
+    from safetensors.torch import load_file
+
+    config = Config(**yaml.safe_load(Path(model_yaml).read_text()))
+    state_dict: dict = {}
+    copy_weights_hf_llama(config, {}, state_dict, load_file(Path(hf_dir) / "model.safetensors"))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state_dict, out / "lit_model.pth")
+    save_config(config, out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(hf_dir) / name, out / name)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
