@@ -293,7 +293,7 @@ def lit_model_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons
     if row.kind == "generate":
         argv = ["generate/base.py", "--checkpoint_dir", setup.base, "--prompt", GENERATE["prompt"],
                 "--max_new_tokens", GENERATE["max_new_tokens"], "--temperature", 0, "--precision", row.precision]
-        return Command(as_argv(sys.executable, argv), lit_env(), ROOT, None, 0)
+        return Command(as_argv(pythons["lit_model"], argv), lit_env(), ROOT, None, 0)
     loop = ["--micro_batch_size", row.micro, "--global_batch_size", row.micro, "--max_steps", steps,
             "--learning_rate", schedule["lr"], "--min_lr", schedule["min_lr"], "--warmup_steps", schedule["warmup"],
             "--weight_decay", schedule["weight_decay"], "--grad_clip", schedule["grad_clip"], "--seed", schedule["seed"],
@@ -305,7 +305,7 @@ def lit_model_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons
         argv = ["finetune/lora.py", "--checkpoint_dir", setup.base, "--data_path", setup.instruct,
                 "--prompt_style", "alpaca", "--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"],
                 "--lora_dropout", FINETUNE["dropout"], *lora_targets("lit"), *loop, *common]
-    return Command(as_argv(sys.executable, argv), lit_env(), ROOT, re.compile(r"^step (\d+)/\d+ \|"),
+    return Command(as_argv(pythons["lit_model"], argv), lit_env(), ROOT, re.compile(r"^step (\d+)/\d+ \|"),
                    tokens_per_step(row, setup))
 
 
@@ -587,7 +587,8 @@ def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int
 
 # ---- report --------------------------------------------------------------------------------------
 def versions(pythons: dict[str, str]) -> dict[str, str]:
-    probes = {"lit_model": (sys.executable, "torch transformers peft lightning"),
+    probes = {"lit_model": (pythons.get("lit_model"), "lit-model torch lightning"),
+              "hf": (sys.executable, "torch transformers peft"),
               "litgpt": (pythons.get("litgpt"), "litgpt torch lightning litdata"),
               "torchtune": (pythons.get("torchtune"), "torchtune torchao torch")}
     found = {}
@@ -675,7 +676,10 @@ TORCHTUNE_NOTE = (
 def peer_pythons(impls: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """Each peer's interpreter, installed on first use; a peer that does not install is left out, with the error."""
     pythons, failed = {}, {}
-    installers = {"litgpt": lambda: litgpt_python(("litdata",)),
+    # lit-model as its README installs it (`pip install -e .`: no test extras, so no transformers, which lightning's
+    # torchmetrics would otherwise import at start-up); the HF driver and the preparation run in this environment
+    installers = {"lit_model": lambda: venv_python(HERE / ".venv-lit-model", ["-e", str(ROOT)]),
+                  "litgpt": lambda: litgpt_python(("litdata",)),
                   "torchtune": lambda: venv_python(HERE / ".venv-torchtune", list(TORCHTUNE))}
     for impl, installer in installers.items():
         if impl in impls:
