@@ -2,7 +2,7 @@
 project had before offloading, stepping in backward and the lean optimizers against the stacks that use them; and
 one stack training a model whose plain AdamW state alone is larger than the stack's whole peak.
 
-    python benchmarks/memory_target.py            # ~25 minutes on 2 cores
+    python benchmarks/memory_target.py            # ~30 minutes on 2 cores
 
 Each row runs the real `pretrain/main.py` in a fresh process, measured as `memory_ladder.py` measures a rung (its
 docstring says how: peak resident memory of the process from summary.json, tokens/s per second of CPU time with one
@@ -51,6 +51,7 @@ def rungs(large_config: Path) -> list[Rung]:
         Rung("bf16-true + AC + offloading + step in backward + AdamW4bit", [*AC, *OFFLOAD, *IN_BACKWARD, "--optimizer", "AdamW4bit"]),
         Rung("bf16-true + AC + offloading + step in backward + GaLore", [*AC, *OFFLOAD, *IN_BACKWARD, "--optimizer", "GaLore"]),
         Rung("bf16-true + AC + offloading + AdaLomo", LEANEST),
+        Rung("bf16-true + AC + offloading + AdaLomo + MLP in 4 tiles", [*LEANEST, "--mlp_tiles", "4"]),
         Rung("bf16-true + selective AC + offloading + step in backward + AdamW4bit",
              ["--precision", "bf16-true", "--activation_checkpointing", "selective", *OFFLOAD, *IN_BACKWARD, "--optimizer", "AdamW4bit"]),
         Rung("287M model: bf16-true + AC + offloading + AdaLomo, micro batch 1",
