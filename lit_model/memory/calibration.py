@@ -75,22 +75,22 @@ OVERHEAD = Overhead()
 SPEED: dict[str, dict[str, float]] = {
     # One extra forward of every checkpointed block: 4/3 when forward is 1/3 of the step.
     "activation_checkpointing": {"cuda": 1.33, "cpu": 1.25},
-    # The four levers below: "cpu" measured on lit-model-5m (fp32, micro batch 4 x 256 tokens, forward + backward,
-    # the five runs interleaved in one process, the fastest of 6 rounds each) on this machine while it was shared
-    # (load ~7 on 2 cores): noisy, +-20 %. The plain run took 2.74 s, full checkpointing 3.55 s (1.30, near the 1.25
-    # above). Whole 3-step runs of benchmarks/memory_ladder.py (lit-model-5m, same load) were faster: tokens/s x0.93
-    # (selective), x0.98 (disk), x0.86 (tiles); the slower figures are kept, so these levers are not over-ranked.
-    # Selective checkpointing (activations.py): only the element-wise ops are recomputed. CPU: 3.30 s. GPU (estimate):
+    # The levers below, "cpu": the whole-run ladder (benchmarks/results/memory_ladder.md, lit-model-5m, fp32,
+    # micro batch 8 x 512 tokens, CPU-time tokens/s against the baseline in the same invocation, +-20 % noise):
+    # selective 0.93x, disk offloading 1.00x, AC + disk 0.89x, MLP in 4 tiles 0.97x. An earlier step-only
+    # measurement (micro batch 4 x 256, load ~7) gave 1.2, 1.75 and 2.9 for the same levers: small tiles of a small
+    # model are slower, and files cost more when the page cache is short. The factors below are the ladder's,
+    # rounded towards slower, so no lever is ranked as free.
+    # Selective checkpointing (activations.py): only the element-wise ops are recomputed. GPU (estimate):
     # torchtitan reports op-level SAC at a few % over no AC.
-    "activation_checkpointing_selective": {"cuda": 1.1, "cpu": 1.2},
+    "activation_checkpointing_selective": {"cuda": 1.1, "cpu": 1.1},
     # Offloading saved activations: to pinned host memory on a side stream (GPU, estimate: the copies overlap the
-    # forward, the way back in backward does not), to files (disk).
+    # forward, the way back in backward does not), to files (disk; lit-model-40m at 4 x 1,024 tokens in
+    # benchmarks/results/memory_target.md: 0.91x with AdamW4bit against AdamW8bit).
     "activation_offloading_cpu": {"cuda": 1.2, "cpu": 1.2},  # CPU: refused (nothing to move to); not suggested
-    "activation_offloading_disk": {"cuda": 2.0, "cpu": 1.75},  # CPU: 4.74 s (files in /tmp); GPU: estimate
-    # --mlp_tiles 4: every MLP's forward runs twice. CPU: 7.98 s, far above the recomputation's own cost (small tiles
-    # of a small model: four weight-gradient matmuls and their sums per linear); GPU (estimate): the MLP is about 2/3
-    # of a block's matmuls, so about 1.25.
-    "mlp_tiles": {"cuda": 1.25, "cpu": 2.9},
+    "activation_offloading_disk": {"cuda": 2.0, "cpu": 1.15},
+    # --mlp_tiles 4: every MLP's forward runs twice (GPU, estimate: the MLP is about 2/3 of a block's matmuls).
+    "mlp_tiles": {"cuda": 1.25, "cpu": 1.1},
     # fp32 -> bf16-true: tensor cores on GPU (estimate 0.5). On this CPU (bf16 matmul support) measured 0.93;
     # lit_model/precision.py reports 4-7x slower bf16 on other CPUs, so treat the CPU value as machine-specific.
     "precision_bf16_true_from_32": {"cuda": 0.5, "cpu": 0.93},
@@ -102,9 +102,10 @@ SPEED: dict[str, dict[str, float]] = {
     "optimizer_8bit": {"cuda": 1.02, "cpu": 1.25},
     # torchao's 4-bit AdamW, GaLore (rank 128; its SVD every 200 steps is not in a short run) and the optimizer step
     # inside backward (one small optimizer step per parameter). CPU: lit-model-5m pretraining, fp32, micro batch 8 x
-    # 512, against AdamW in the same invocation of benchmarks/memory_ladder.py (CPU-time tokens/s 0.87, 0.98 and
-    # 0.96 of AdamW's; full fine-tuning with GaLore 0.92), all inside that benchmark's +-20 % noise. GPU: estimates
-    # (torchao reports its low-bit AdamW close to AdamW's speed; GaLore's paper a small overhead).
+    # 512, against AdamW in the same invocation of benchmarks/memory_ladder.py (CPU-time tokens/s 0.98, 1.01 and
+    # 1.05 of AdamW's in the committed ladder; 0.87, 0.98 and 0.96 in an earlier run; full fine-tuning with GaLore
+    # 0.92), all inside that benchmark's +-20 % noise: the slower figures are kept. GPU: estimates (torchao reports
+    # its low-bit AdamW close to AdamW's speed; GaLore's paper a small overhead).
     "optimizer_4bit": {"cuda": 1.05, "cpu": 1.15},
     "optimizer_galore": {"cuda": 1.1, "cpu": 1.05},
     "optimizer_in_backward": {"cuda": 1.02, "cpu": 1.04},
