@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import yaml
 from _tables import csv_text, markdown_table
 from _venvs import litgpt_python, venv_python
 
@@ -168,13 +169,11 @@ def write_corpus() -> None:
 
 
 def write_yaml(path: Path, fields: dict) -> None:
-    """One `key: value` a line; a float always with a dot and a signed exponent (1.0e-05), which YAML reads as a number."""
-    text = lambda v: f"{v:.1e}" if isinstance(v, float) and "e" in repr(v) else json.dumps(v)  # noqa: E731
-    path.write_text("".join(f"{k}: {text(v)}\n" for k, v in fields.items()))
+    path.write_text(yaml.safe_dump(fields, sort_keys=False))  # a float as 1.0e-05, which YAML reads as a number
 
 
 def yaml_fields(path: Path) -> dict:
-    return {k: json.loads(v) for k, v in (line.split(": ", 1) for line in path.read_text().splitlines())}
+    return yaml.safe_load(path.read_text())
 
 
 def model_yaml(block: int) -> Path:

@@ -273,11 +273,10 @@ def lora_merge_bytes(spec: Run) -> int:
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
               notes: list[str], offloaded: Optional[dict[str, int]] = None) -> Plan:
     merge = lora_merge_bytes(spec) if spec.trainable == "lora" else 0
-    if merge and spec.device_type == "cpu" and "checkpoint_save" in phases:
+    if spec.device_type == "cpu" and "checkpoint_save" in phases:  # the merge and the sample are in this process
         save = phases["checkpoint_save"]
-        phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge}}
-    if spec.device_type == "cpu" and "checkpoint_save" in phases:
-        phases = {**phases, "sample": _sample_phase(spec)}
+        phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
+                  "sample": _sample_phase(spec)}
     phases = _finish_phases(phases, spec)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it

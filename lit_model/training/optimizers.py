@@ -74,7 +74,7 @@ def build_optimizer(
     extra = dict(kwargs or {})
     learning_rate = extra.pop("lr", learning_rate)
     weight_decay = extra.pop("weight_decay", weight_decay)
-    canonical = {n.lower(): n for n in OPTIMIZERS}.get(name.lower())
+    canonical = canonical_name(name)
     check_steps_in_backward(name, in_backward, grad_clip=0.0)
     if canonical in MODEL_OPTIMIZERS:
         return _model_optimizer(model, canonical, learning_rate, weight_decay, betas, extra)
@@ -309,6 +309,11 @@ def paused_in_backward(optimizer: Any) -> contextlib.AbstractContextManager:
     return inner.paused() if steps_in_backward(inner) else contextlib.nullcontext()
 
 
+def canonical_name(name: str) -> str | None:
+    """The ``OPTIMIZERS`` spelling of ``name`` (flags are matched case-insensitively); None for a class path."""
+    return {n.lower(): n for n in OPTIMIZERS}.get(name.lower())
+
+
 def _unknown_optimizer(name: str) -> UsageError:
     return UsageError(
         f"Unknown optimizer {name!r}. Use one of {', '.join(OPTIMIZERS)}, or the import path of an optimizer"
@@ -321,7 +326,7 @@ def check_optimizer(name: str, learning_rate: float, weight_decay: float) -> Non
     a closure, on dense gradients: a class path is built over a small parameter and stepped once that way,
     which fails for e.g. torch.optim.LBFGS (needs a closure) and SparseAdam (sparse gradients only). The names
     in ``OPTIMIZERS`` are known to work and are checked when built (their packages, the device)."""
-    if name.lower() in {n.lower() for n in OPTIMIZERS}:
+    if canonical_name(name) is not None:
         return
     if "." not in name:
         raise _unknown_optimizer(name)
@@ -347,7 +352,7 @@ def check_optimizer(name: str, learning_rate: float, weight_decay: float) -> Non
 def check_steps_in_backward(name: str, in_backward: bool, grad_clip: float) -> None:
     """The flag combinations an optimizer that steps inside backward cannot serve (the run-level ones, one process
     and no gradient accumulation, are checked in ``resolve_run``)."""
-    canonical = {n.lower(): n for n in OPTIMIZERS}.get(name.lower())
+    canonical = canonical_name(name)
     if in_backward and canonical in MODEL_OPTIMIZERS:
         reason = "steps inside backward by itself" if canonical == "AdaLomo" else "is built from the whole model, not one parameter at a time"
         raise UsageError(f"--optimizer {canonical} {reason}: drop --optimizer_in_backward.")
