@@ -254,10 +254,7 @@ def load_model_weights(
             state: dict[str, torch.Tensor] = {}
             for name in file.shapes:
                 if name.startswith(prefix):
-                    tensor = file.read(name)
-                    if dtype is not None and tensor.is_floating_point():
-                        tensor = tensor.to(dtype)
-                    state[name[len(prefix):]] = tensor.to(part_device)
+                    state[name[len(prefix):]] = file.read(name, dtype).to(part_device)
             if tied and part_name == "lm_head":
                 state["weight"] = model.embed.weight
             if not state:
@@ -288,6 +285,7 @@ class SafetensorsReader:
         "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
         "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     }
+    STAGING_BYTES = 16 << 20  # a cast reads through this much at a time
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -301,20 +299,41 @@ class SafetensorsReader:
             raise UserError(f"Could not read {self.path}: {error!r}. The file is damaged; re-create or re-convert it.") from None
         self.base = 8 + length
         self.shapes = {name: tuple(entry[1]) for name, entry in self.entries.items()}
+        self.staging: Optional[torch.Tensor] = None
 
-    def read(self, name: str) -> torch.Tensor:
-        dtype, shape, start, end = self.entries[name]
+    def read(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The stored tensor, or (``dtype``) a tensor of that dtype converted from it through one small reused
+        buffer: a bf16 copy of every tensor allocated and freed around the cast interleaves short- and long-lived
+        blocks on glibc's heap, which then keeps the holes (measured: +0.7 GB loading a 1.1B model in fp32)."""
+        stored, shape, start, end = self.entries[name]
+        dtype = stored if dtype is None or not stored.is_floating_point else dtype
         tensor = torch.empty(shape, dtype=dtype)
-        buffer = tensor.reshape(-1).view(torch.uint8).numpy()
-        self.file.seek(self.base + start)
-        if end - start != buffer.nbytes or self.file.readinto(memoryview(buffer)) != buffer.nbytes:
-            raise UserError(f"{self.path} is truncated or damaged at tensor {name!r}; re-create or re-convert it.")
+        if dtype == stored:
+            self._read_into(tensor.reshape(-1).view(torch.uint8), start, end, name)
+            return tensor
+        flat, size = tensor.reshape(-1), torch.empty((), dtype=stored).element_size()
+        if end - start != flat.numel() * size:
+            raise UserError(f"{self.path} is damaged at tensor {name!r}: its header's size and shape disagree.")
+        if self.staging is None:
+            self.staging = torch.empty(self.STAGING_BYTES, dtype=torch.uint8)
+        step = self.STAGING_BYTES // size
+        for first in range(0, flat.numel(), step):
+            count = min(step, flat.numel() - first)
+            chunk = self.staging[: count * size]
+            self._read_into(chunk, start + first * size, start + (first + count) * size, name)
+            flat[first : first + count].copy_(chunk.view(stored))
         return tensor
+
+    def _read_into(self, buffer: torch.Tensor, start: int, end: int, name: str) -> None:
+        self.file.seek(self.base + start)
+        if end - start != buffer.numel() or self.file.readinto(memoryview(buffer.numpy())) != end - start:
+            raise UserError(f"{self.path} is truncated or damaged at tensor {name!r}; re-create or re-convert it.")
 
     def __enter__(self) -> "SafetensorsReader":
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.staging = None
         self.file.close()
 
 

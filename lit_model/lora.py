@@ -185,7 +185,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
 
 def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:
     """Base weights with the adapter added (in fp32, stored back in each weight's dtype; DoRA: each row scaled to
-    its trained magnitude); trained biases replace the base ones. ``base`` is changed in place and returned."""
+    its trained magnitude); trained biases replace the base ones. ``base`` and its adapted weights are changed in place; returns ``base``."""
     prefixes = sorted({name[: -len(".lora_A")] for name in lora if name.endswith(".lora_A")})
     for prefix in prefixes:
         weight_name = f"{prefix}.weight"
@@ -199,7 +199,7 @@ def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor
         magnitude = lora.get(f"{prefix}.lora_magnitude")
         if magnitude is not None:
             merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=1))[:, None]
-        base[weight_name] = merged.to(weight.dtype)
+        weight.copy_(merged)  # in place: a new bf16 tensor per layer would leave the old one's hole on the heap
     for name, tensor in lora.items():
         if not name.endswith((".lora_A", ".lora_B", ".lora_magnitude")):  # a trained bias
             if name not in base:

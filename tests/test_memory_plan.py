@@ -15,7 +15,7 @@ from lit_model.errors import UsageError
 from lit_model.memory import (
     Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
 )
-from lit_model.memory.analytic import CATEGORIES, training_phases
+from lit_model.memory.analytic import CATEGORIES, param_counts, training_phases
 from lit_model.run import Run, resolve_run
 from lit_model.training.args import TrainArgs
 from lit_model.memory.trace import trace_training
@@ -74,21 +74,22 @@ def test_cpu_overhead_terms_add_up(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
-    assert terms == {"runtime": 480 * MB, "data": 64 * MiB, "allocator_retention": int(0.20 * 600 * MB)}
+    assert terms == {"runtime": 480 * MB, "data": 64 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
     assert overhead_bytes(cats, "cpu") == sum(terms.values())
     # a second process adds its process group; persistent tensors (parameters) leave no retained heap
     assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 480 * MB + OVERHEAD.cpu_distributed
     assert cpu_overhead_terms({"parameters": 5 * 10**9})["allocator_retention"] == 0
+    # a quantized model's dequantized weights are freed each pass: part of them stays on the heap
+    with_dequantized = cpu_overhead_terms(cats, dequantized=1000 * MB)["allocator_retention"]
+    assert with_dequantized == int(OVERHEAD.cpu_allocator_retention * 600 * MB + OVERHEAD.cpu_allocator_retention_dequantized * 1000 * MB)
     # glibc's defaults keep freed blocks; a low mmap threshold returns them
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.025 * 600 * MB)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 20))  # a high threshold keeps the default retention
-    assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.20 * 600 * MB)
+    assert cpu_overhead_terms(cats)["allocator_retention"] == int(OVERHEAD.cpu_allocator_retention * 600 * MB)
 
 
 def test_cpu_sample_phase_holds_only_the_fp32_copy():
-    from lit_model.memory.analytic import param_counts
-
     plan = plan_training(tiny(), args(), device_type="cpu", engine="analytic", suggest=False, detect=False)
     sample = plan.phase_categories["sample"]
     # the scripts drop the trained model and its optimizer before the sample (test_finetune: nothing of them lives on)
@@ -529,3 +530,19 @@ def test_fsdp_the_trace_cannot_shard_is_planned_by_the_closed_form_with_a_note()
                          detect=False, suggest=False)
     assert plan.engine == "analytic"
     assert any("cpu_offload keeps the shards in host memory" in note for note in plan.notes)
+
+
+def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
+    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.memory.plan import dequantized_bytes
+
+    config = tiny()
+    run = resolved(config, args(precision="bf16-true"), "lora", "cpu", quantize="bnb.nf4")
+    linear = sum(i * o for i, o, _ in param_counts(config).block_linear.values())
+    assert dequantized_bytes(run) == config.n_layer * linear * 2 and dequantized_bytes(resolved(config, args(), "lora", "cpu")) == 0
+    plans = {q: plan_training(config, args(precision="bf16-true"), trainable="lora", quantize=q, device_type="cpu",
+                              engine="trace", suggest=False, detect=False) for q in (None, "bnb.nf4")}
+    for phase in ("train_step", "evaluation"):  # the phases that run the model; the save and the sample do not
+        extra = plans["bnb.nf4"].phase_categories[phase]["overhead"] - plans[None].phase_categories[phase]["overhead"]
+        assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention_dequantized * dequantized_bytes(run), abs=2)
+    assert plans["bnb.nf4"].phase_categories["sample"]["overhead"] == plans[None].phase_categories["sample"]["overhead"]

@@ -60,8 +60,17 @@ class Overhead:
     # glibc at its default settings keeps freed heap blocks (mmap threshold adapts up to 32 MiB): peak RSS ran
     # above the traced tensor peak by this fraction of the transient bytes (activations, logits, gradients of a
     # step). With MALLOC_MMAP_THRESHOLD_ <= 1 MiB freed blocks go back at once: ~2.5 % (old step-only grid).
-    cpu_allocator_retention: float = 0.20
+    # 0.20 fitted the grid's pretraining runs but left LoRA pythia-70m 32-true mb4 x 256 at -6.2 % (its step held
+    # 211 MB more than with MALLOC_MMAP_THRESHOLD_=65536, on 197 MB of transient tensors); 0.30 leaves no run of the
+    # grid under by more than 5 % and over-predicts the AC and 2-process runs by up to 15 % (never optimistic).
+    cpu_allocator_retention: float = 0.30
     cpu_allocator_retention_mmap: float = 0.025
+    # A quantized model dequantizes each frozen weight into a new tensor in forward and again in backward and frees
+    # it at once; at default settings glibc keeps part of that churn. Fraction of one pass's dequantized bytes
+    # (benchmarks/plan_accuracy.py, QLoRA nf4, bf16; step peak at default settings minus the same step with
+    # MALLOC_MMAP_THRESHOLD_=65536): SmolLM2-135M mb2 x 256 0.33, TinyLlama-1.1B mb1 x 128 0.10-0.26; one
+    # TinyLlama run of eight held 0.7 (2.9 GB; not reproduced). Rounded up from the other seven.
+    cpu_allocator_retention_dequantized: float = 0.35
 
 
 OVERHEAD = Overhead()

@@ -128,19 +128,31 @@ def _cpu_allocator_retention() -> float:
     return OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention
 
 
-def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1) -> dict[str, int]:
+def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
-    imported runtime, the training data, and the heap glibc keeps from freed transient tensors."""
+    imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
+    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model)."""
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + categories.get("gradients", 0)
+    tuned = _cpu_allocator_retention() == OVERHEAD.cpu_allocator_retention_mmap
+    churn = (OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention_dequantized) * dequantized
     return {
         "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
-        "allocator_retention": int(_cpu_allocator_retention() * transient),
+        "allocator_retention": int(_cpu_allocator_retention() * transient + churn),
     }
 
 
+def dequantized_bytes(spec: Run) -> int:
+    """The weights a quantized run dequantizes (to the compute dtype) in one pass through the model: every
+    block's linear layers (the head stays unquantized)."""
+    if spec.quantize is None:
+        return 0
+    counts = analytic.param_counts(spec.config)
+    return counts.block_linear_weights * counts.n_layer * spec.param_bytes
+
+
 def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
-                   cuda_alloc_conf: Optional[str] = None) -> int:
+                   cuda_alloc_conf: Optional[str] = None, dequantized: int = 0) -> int:
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
     fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``)."""
     if device_type == "cuda":
@@ -150,7 +162,7 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
         expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
         fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
         return int(fixed + fragmentation * transient)
-    return sum(cpu_overhead_terms(categories, world_size).values())
+    return sum(cpu_overhead_terms(categories, world_size, dequantized).values())
 
 
 def _sample_phase(spec: Run) -> dict[str, int]:
@@ -163,11 +175,16 @@ def _sample_phase(spec: Run) -> dict[str, int]:
     return {c: generation.get(c, 0) for c in CATEGORIES if c != "overhead"}
 
 
+def _phase_dequantized(phase: str, spec: Run) -> int:
+    return dequantized_bytes(spec) if phase in ("train_step", "evaluation") else 0
+
+
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf)
+        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
+                                          _phase_dequantized(name, spec))
         out[name] = cats
     return out
 
@@ -293,7 +310,8 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=cpu_overhead_terms(phases[peak_phase], spec.world_size) if spec.device_type == "cpu" else {},
+        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, _phase_dequantized(peak_phase, spec))
+                        if spec.device_type == "cpu" else {}),
     )
 
 
