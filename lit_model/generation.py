@@ -24,6 +24,7 @@ from lit_model.errors import UsageError, UserError
 from lit_model.model import GPT, KVCache
 from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
+from lit_model.run import resolve_devices as run_devices
 from lit_model.tokenizer import Tokenizer
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")  # what `python pretrain/main.py` writes
@@ -34,22 +35,16 @@ DEFAULT_CHECKPOINT = Path("out/pretrain/final")  # what `python pretrain/main.py
 
 
 def resolve_devices(devices: int) -> list[torch.device]:
-    """``--devices N``: N CUDA GPUs running consecutive blocks (a pipeline), or the one CPU."""
-    if not isinstance(devices, int) or devices < 1:
-        raise UsageError(f"--devices must be a positive number of GPUs, not {devices!r}.")
-    if torch.cuda.is_available():
-        if devices > torch.cuda.device_count():
-            raise UsageError(
-                f"--devices {devices} asks for more GPUs than the {torch.cuda.device_count()} visible here. "
-                f"Pass --devices {torch.cuda.device_count()} or fewer."
-            )
-        return [torch.device("cuda", i) for i in range(devices)]
-    if devices > 1:
+    """``--devices N``: N CUDA GPUs running consecutive blocks (a pipeline), or the one CPU; the count is checked
+    as every script checks it (``run.resolve_devices``)."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    count = run_devices(devices, device_type)
+    if device_type == "cpu" and count > 1:
         raise UsageError(
-            f"--devices {devices} splits the model over several GPUs, and none is available: on the CPU "
+            f"--devices {count} splits the model over several GPUs, and none is available: on the CPU "
             "generation runs on one device. Pass --devices 1."
         )
-    return [torch.device("cpu")]
+    return [torch.device(device_type, i) for i in range(count)] if device_type == "cuda" else [torch.device("cpu")]
 
 
 @dataclass

@@ -527,7 +527,7 @@ def _options(run: Run) -> list[_Option]:
         halvings = math.log2(run.micro_batch_size / m)
         options.append(_Option("micro_batch_size", {"micro_batch_size": m}, _speed("halve_micro_batch", dev) ** halvings,
                                note=f"{per_rank // m} accumulation steps keep the global batch of {run.global_batch_size}"))
-    if run.optimizer.lower() in ("adamw", "pagedadamw8bit") and run.optimizer != "AdamW8bit":
+    if run.optimizer.lower() in ("adamw", "pagedadamw8bit"):
         options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, _speed("optimizer_8bit", dev),
                                QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
     if run.optimizer.lower() in ("adamw", "adamw8bit", "pagedadamw8bit"):
