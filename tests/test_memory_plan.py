@@ -245,7 +245,22 @@ def test_prediction_orders():
     offload = peak(LLAMA2, args(micro_batch_size=1, global_batch_size=16, cpu_offload=True))
     assert offload < four
     ddp = peak(config, args(**base, devices=2, strategy="ddp"))
-    assert ddp > peak(config, args(**base))  # DDP's gradient buckets
+    assert ddp > peak(config, args(**base))  # NCCL's buffers
+
+
+@pytest.mark.parametrize("engine", ["analytic", "trace"])
+def test_ddp_gradients_are_one_copy_in_its_buckets(engine):
+    """DDP runs with gradient_as_bucket_view (training/fabric.py): the buckets, allocated when DDP wraps the model,
+    hold the gradients in every phase, and no second copy exists while they are reduced."""
+    config = tiny(block_size=512)
+    base = dict(precision="32-true", micro_batch_size=4, global_batch_size=16, override_max_seq_length=512)
+    plans = [plan_training(config, args(**base, **extra), engine=engine, device_type="cpu", suggest=False, detect=False)
+             for extra in ({}, dict(devices=2, strategy="ddp"))]
+    single, ddp = (plan.phase_categories for plan in plans)
+    trainable = param_counts(config).total * 4
+    assert ddp["train_step"]["gradients"] == single["train_step"]["gradients"] == trainable  # accumulating
+    assert ddp["evaluation"]["gradients"] == ddp["checkpoint_save"]["gradients"] == trainable
+    assert single["evaluation"]["gradients"] == 0
 
 
 def test_sophia_is_traced_with_its_double_backward():

@@ -695,10 +695,9 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
             # shards, gradients and optimizer state live in CPU memory; the device holds gathered parameters
             params, quant_state, optimizer, grads_persist, grads_all, head_grad = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     elif spec.strategy == "ddp":
-        # DDP's gradient buckets: a second copy of the trainable gradients for the all-reduce
+        # DDP's all-reduce buckets, allocated when it wraps the model; the gradients are views into them
         buckets = float(grad_bytes)
-        grads_persist += buckets
-        grads_all += grad_bytes
+        grads_persist = buckets
 
     def point(activ: float = 0.0, logits: float = 0.0, grads: float = 0.0, quant_extra: float = 0.0, gather: float = 0.0,
               copies: bool = True, step: float = 0.0):

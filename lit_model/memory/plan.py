@@ -230,10 +230,10 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             return phases, "analytic", host
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
-        if spec.strategy == "ddp":  # DDP's gradient buckets (not in the single-process trace)
+        if spec.strategy == "ddp":  # the gradients are views into DDP's buckets, allocated when it wraps the model
             buckets = analytic.model_bytes(spec).trainable * spec.param_bytes
             for cats in traced.values():
-                cats["gradients"] = cats.get("gradients", 0) + buckets
+                cats["gradients"] = max(cats.get("gradients", 0), buckets)
         traced["checkpoint_save"] = phases["checkpoint_save"]
         return traced, "trace", result.host_bytes
     if spec.optimizer.lower() == "sophia":

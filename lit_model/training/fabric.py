@@ -85,7 +85,9 @@ def setup_fabric(run: Run) -> Fabric:
     if run.strategy == "single":
         strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if run.device_type == "cuda" else "cpu"))
     elif run.strategy == "ddp":
-        strategy = DDPStrategy(process_group_backend=backend, timeout=timeout)
+        # gradients as views into DDP's all-reduce buckets: one copy of them instead of two (PyTorch's
+        # DistributedDataParallel docs, gradient_as_bucket_view); the optimizer and clipping read them as usual
+        strategy = DDPStrategy(process_group_backend=backend, timeout=timeout, gradient_as_bucket_view=True)
     else:
         strategy = ModelParallelStrategy(
             parallelize_fn=lambda model, mesh: shard_model(model, mesh, run),
