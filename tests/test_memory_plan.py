@@ -197,7 +197,7 @@ def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, set
 
     run = resolved(tiny(**config_kw), args(**settings_kw), trainable, device_type="cpu")
     whole, extrapolated = trace_training(run), trace_by_layers(run)
-    assert extrapolated.phases == whole.phases and extrapolated.mapped == whole.mapped
+    assert extrapolated.phases == whole.phases
     assert "extrapolated to" in extrapolated.notes[-1]
 
 
@@ -561,26 +561,3 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
         extra = plans["bnb.nf4"].phase_categories[phase]["overhead"] - plans[None].phase_categories[phase]["overhead"]
         assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention_dequantized * dequantized_bytes(run), abs=2)
     assert plans["bnb.nf4"].phase_categories["sample"]["overhead"] == plans[None].phase_categories["sample"]["overhead"]
-
-
-def test_transient_tensors_glibc_maps_leave_no_retained_heap(monkeypatch):
-    """glibc maps every block of 32 MiB or more and unmaps it when freed: the trace counts such transient bytes at
-    each phase's peak (here the logits of a 50,000-token vocabulary), and the CPU plan's allocator retention
-    leaves them out."""
-    from lit_model.memory.calibration import OVERHEAD
-    from lit_model.memory.trace import GLIBC_MMAP_THRESHOLD_MAX
-
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    settings = args(precision="32-true", micro_batch_size=4, global_batch_size=4, loss_chunk_size=0)
-    run = resolved(tiny(vocab_size=50_000), settings, "full", device_type="cpu")
-    traced = trace_training(run)
-    logits = 4 * 128 * 50_000 * 4
-    assert logits > GLIBC_MMAP_THRESHOLD_MAX and traced.mapped["evaluation"] >= logits
-    assert 0 < traced.mapped["train_step"] <= sum(traced.phases["train_step"].values())
-    small = resolved(tiny(), settings, "full", device_type="cpu")
-    assert trace_training(small).mapped == {"train_step": 0, "evaluation": 0}  # 1,024-token vocabulary: all small
-    plan = plan_training(tiny(vocab_size=50_000), settings, device_type="cpu", engine="trace", suggest=False, detect=False)
-    step = plan.phase_categories["train_step"]
-    transient = step["activations"] + step["logits_loss"] + step["gradients"] - traced.mapped["train_step"]
-    retention = step["overhead"] - OVERHEAD.cpu_runtime - OVERHEAD.cpu_data
-    assert retention == int(OVERHEAD.cpu_allocator_retention * transient)

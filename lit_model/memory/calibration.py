@@ -63,7 +63,6 @@ class Overhead:
     # 0.20 fitted the grid's pretraining runs but left LoRA pythia-70m 32-true mb4 x 256 at -6.2 % (its step held
     # 211 MB more than with MALLOC_MMAP_THRESHOLD_=65536, on 197 MB of transient tensors); 0.30 leaves no run of the
     # grid under by more than 5 % and over-predicts the AC and 2-process runs by up to 15 % (never optimistic).
-    # Transient tensors of 32 MiB or more are left out (glibc maps and unmaps them; the trace counts them).
     cpu_allocator_retention: float = 0.30
     cpu_allocator_retention_mmap: float = 0.025
     # A quantized model dequantizes each frozen weight into a new tensor in forward and again in backward and frees

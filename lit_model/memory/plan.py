@@ -128,13 +128,11 @@ def _cpu_allocator_retention() -> float:
     return OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention
 
 
-def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0, mapped: int = 0) -> dict[str, int]:
+def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
-    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``mapped``:
-    the transient bytes in blocks glibc maps and unmaps, which leave nothing behind, trace.GLIBC_MMAP_THRESHOLD_MAX)."""
+    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model)."""
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + categories.get("gradients", 0)
-    transient = max(transient - mapped, 0)
     tuned = _cpu_allocator_retention() == OVERHEAD.cpu_allocator_retention_mmap
     churn = (OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention_dequantized) * dequantized
     return {
@@ -154,7 +152,7 @@ def dequantized_bytes(spec: Run) -> int:
 
 
 def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
-                   cuda_alloc_conf: Optional[str] = None, dequantized: int = 0, mapped: int = 0) -> int:
+                   cuda_alloc_conf: Optional[str] = None, dequantized: int = 0) -> int:
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
     fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``)."""
     if device_type == "cuda":
@@ -164,7 +162,7 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
         expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
         fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
         return int(fixed + fragmentation * transient)
-    return sum(cpu_overhead_terms(categories, world_size, dequantized, mapped).values())
+    return sum(cpu_overhead_terms(categories, world_size, dequantized).values())
 
 
 def _sample_phase(spec: Run) -> dict[str, int]:
@@ -177,19 +175,16 @@ def _sample_phase(spec: Run) -> dict[str, int]:
     return {c: generation.get(c, 0) for c in CATEGORIES if c != "overhead"}
 
 
-def _heap_churn(phase: str, spec: Run, mapped: dict[str, int]) -> dict[str, int]:
-    """The CPU allocator terms of a phase besides its tensors: what the phase dequantizes (the phases that run the
-    model) and its transient bytes in mapped blocks (traced; 0 from the closed form, which rounds up)."""
-    running = phase in ("train_step", "evaluation")
-    return {"dequantized": dequantized_bytes(spec) if running else 0, "mapped": mapped.get(phase, 0)}
+def _phase_dequantized(phase: str, spec: Run) -> int:
+    return dequantized_bytes(spec) if phase in ("train_step", "evaluation") else 0
 
 
-def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, mapped: dict[str, int]) -> dict[str, dict[str, int]]:
+def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
         cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
-                                          **_heap_churn(name, spec, mapped))
+                                          _phase_dequantized(name, spec))
         out[name] = cats
     return out
 
@@ -207,10 +202,9 @@ def _traceable(spec: Run) -> bool:
 Phases = dict[str, dict[str, int]]
 
 
-def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int], dict[str, int]]:
-    """Tensor bytes per phase (no overhead) from the chosen engine, the engine used, the bytes the run keeps
-    outside the device (offloaded activations) and each phase's transient bytes in blocks glibc maps (traced
-    phases only); the checkpoint phase is always analytic."""
+def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int]]:
+    """Tensor bytes per phase (no overhead) from the chosen engine, the engine used, and the bytes the run keeps
+    outside the device (offloaded activations); the checkpoint phase is always analytic."""
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
     phases = analytic.training_phases(spec)
@@ -225,15 +219,15 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
     if engine == "trace":
         if not _traceable(spec):
             notes.append(f"Planned by the closed form: {_not_traceable(spec)}, which the trace does not model.")
-            return phases, "analytic", host, {}
+            return phases, "analytic", host
         try:
             result = trace_training(spec) if small else trace_by_layers(spec)
             if result is None:  # --freeze_layers patterns on a model too big to trace whole
                 notes.append("The blocks of this run differ by parameter-name patterns: planned analytically.")
-                return phases, "analytic", host, {}
+                return phases, "analytic", host
         except Exception as error:  # an op without a fake-tensor implementation (e.g. Adafactor's .item())
             notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
-            return phases, "analytic", host, {}
+            return phases, "analytic", host
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
         if spec.strategy == "ddp":  # the gradients are views into DDP's buckets, allocated when it wraps the model
@@ -241,10 +235,10 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             for cats in traced.values():
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
         traced["checkpoint_save"] = phases["checkpoint_save"]
-        return traced, "trace", result.host_bytes, result.mapped
+        return traced, "trace", result.host_bytes
     if spec.optimizer.lower() == "sophia":
         notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
-    return phases, "analytic", host, {}
+    return phases, "analytic", host
 
 
 def _analytic_host_bytes(spec: Run) -> dict[str, int]:
@@ -294,14 +288,13 @@ def lora_merge_bytes(spec: Run) -> int:
 
 
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
-              notes: list[str], offloaded: Optional[dict[str, int]] = None, mapped: Optional[dict[str, int]] = None) -> Plan:
-    mapped = mapped or {}
+              notes: list[str], offloaded: Optional[dict[str, int]] = None) -> Plan:
     merge = lora_merge_bytes(spec) if spec.trainable == "lora" else 0
     if spec.device_type == "cpu" and "checkpoint_save" in phases:  # the merge and the sample are in this process
         save = phases["checkpoint_save"]
         phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
                   "sample": _sample_phase(spec)}
-    phases = _finish_phases(phases, spec, mapped)
+    phases = _finish_phases(phases, spec)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
         notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 would take "
@@ -317,7 +310,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, **_heap_churn(peak_phase, spec, mapped))
+        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, _phase_dequantized(peak_phase, spec))
                         if spec.device_type == "cpu" else {}),
     )
 
@@ -337,8 +330,8 @@ def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "ana
     cannot be (a UsageError)."""
     check_optimizer_run(spec)
     notes: list[str] = []
-    phases, used, offloaded, mapped = _tensor_phases(spec, engine, notes)
-    return _assemble(spec, phases, device_memory, used, notes, offloaded, mapped)
+    phases, used, offloaded = _tensor_phases(spec, engine, notes)
+    return _assemble(spec, phases, device_memory, used, notes, offloaded)
 
 
 # ---- public API ------------------------------------------------------------------------------------------
@@ -389,8 +382,8 @@ def plan_run(
         chunk = max_loss_chunk_size(run, memory) if memory else DEFAULT_LOSS_CHUNK_SIZE
         run = run.replace(loss_chunk_size=chunk, loss_chunk_auto=False)
         notes.append(f"--loss_chunk_size auto: {chunk} tokens (the largest whose logits fit with a 10 % margin)")
-    phases, used, offloaded, mapped = _tensor_phases(run, engine, notes)
-    plan = _assemble(run, phases, memory, used, notes, offloaded, mapped)
+    phases, used, offloaded = _tensor_phases(run, engine, notes)
+    plan = _assemble(run, phases, memory, used, notes, offloaded)
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
     if run.compile:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
 from torch.utils._pytree import tree_map_only
 import torch.distributed as dist
 from lightning.fabric import Fabric
@@ -66,15 +66,6 @@ class _Ref(_RefType):
 
 
 CPU = torch.device("cpu")
-# glibc maps every block of at least this size (its mmap threshold adapts up to 32 MiB on 64-bit systems) and
-# unmaps it when freed: such transient tensors leave nothing on the heap (plan.py's allocator retention)
-GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
-MAPPED = "mapped_transient"  # the key of those bytes in a snapshot
-_TRANSIENT = (_Ref.ACT, _Ref.TEMP, _Ref.OTH, _Ref.LOGITS, _Ref.GRAD)
-
-
-def _mapped(reftype: Optional[_RefType], nbytes: int) -> int:
-    return nbytes if reftype in _TRANSIENT and nbytes >= GLIBC_MMAP_THRESHOLD_MAX else 0
 
 
 class _Tracker(MemTracker):
@@ -136,24 +127,6 @@ class _Tracker(MemTracker):
             del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
-    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Optional[int] = None,
-                     old_reftype: Optional[_RefType] = None) -> None:
-        """MemTracker's bookkeeping, plus the transient bytes in blocks glibc always maps (``MAPPED``)."""
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-        snap = self._curr_mem_snap.get(winfo.device)
-        if snap is None:  # nothing left on the device
-            return
-        now = _mapped(winfo.reftype, winfo.mem_consumed)
-        if u_type == _UpdateType.ADD:
-            change = now
-        elif u_type == _UpdateType.DEL:
-            change = -now
-        elif u_type == _UpdateType.REF:
-            change = now - _mapped(old_reftype, winfo.mem_consumed)
-        else:  # SIZE
-            change = now - _mapped(winfo.reftype, old_mem_consumed or 0)
-        snap[MAPPED] = snap.get(MAPPED, 0) + change
-
     def _track_output(self, reftype: _RefType, tensor: torch.Tensor) -> None:
         if reftype in (_Ref.ACT, _Ref.TEMP) and tensor.dim() and tensor.shape[-1] == self.vocab_size:
             reftype = _Ref.LOGITS
@@ -182,7 +155,6 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     probes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_bytes: dict[str, int] = field(default_factory=dict)  # what the run keeps outside the device at most
-    mapped: dict[str, int] = field(default_factory=dict)  # phase -> transient bytes at its peak in blocks glibc maps
 
 
 @dataclass(frozen=True)
@@ -417,7 +389,6 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         samples = _batch(run, B * micro_steps, vocab)
         tracker.track_external(*samples)
         results: dict[str, dict[str, int]] = {}
-        mapped: dict[str, int] = {}
         dropout = _cuda_dropout if run.device_type == "cuda" else contextlib.nullcontext
         for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
             with dropout(), tracker:
@@ -425,8 +396,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 step([samples], "in the plan")
                 step.update(run.grad_clip)
                 if iteration:
-                    peak = tracker.get_tracker_snapshot("peak")[CPU]
-                    results["train_step"], mapped["train_step"] = _map_categories(peak, quant_state), peak.get(MAPPED, 0)
+                    results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
         host = {f"activation_offloading_{run.activation_offloading}": offloading.peak_bytes} if offloading else {}
         if "evaluation" in phases:
             batch = _batch(run, run.eval_batch, vocab)
@@ -434,9 +404,8 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             with tracker:
                 tracker.reset_mod_stats()
                 evaluation_sums(fabric, model, [batch])
-                peak = tracker.get_tracker_snapshot("peak")[CPU]
-                results["evaluation"], mapped["evaluation"] = _map_categories(peak, quant_state), peak.get(MAPPED, 0)
-    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host, mapped=mapped)
+                results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host)
 
 
 # ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------
@@ -489,7 +458,7 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
     start = time.perf_counter()
     reference = trace_training(with_segments(run, base), phases)
     result = {phase: dict(categories) for phase, categories in reference.phases.items()}
-    host, mapped = dict(reference.host_bytes), dict(reference.mapped)
+    host = dict(reference.host_bytes)
     traced_depths = [sum(base)]
     for index, (length, shallow) in enumerate(zip(segments, base)):
         periods = (length - shallow) // period
@@ -503,9 +472,6 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
                 categories[category] += periods * (step.phases[phase][category] - reference.phases[phase][category])
         for key in host:
             host[key] += periods * (step.host_bytes[key] - reference.host_bytes[key])
-        for key in mapped:
-            mapped[key] += periods * (step.mapped[key] - reference.mapped[key])
     note = (f"Traced with {', '.join(map(str, traced_depths))} blocks and extrapolated to {run.config.n_layer} "
             f"(the blocks' kinds repeat every {period}).")
-    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host,
-                       mapped=mapped)
+    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host)
