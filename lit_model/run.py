@@ -36,6 +36,18 @@ STRATEGIES = ("single", "ddp", "fsdp")
 DEFAULT_OPTIMIZER_RANK = 128  # GaLore's paper: 128 for the 60M-130M models, 256-512 above
 
 
+# --optimizer names (matched case-insensitively; training/optimizers.py builds them)
+OPTIMIZERS = ("AdamW", "SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit", "PagedAdamW8bit", "GaLore", "APOLLO",
+              "AdamMini", "AdaLomo", "AdamW4bit", "AdamWFp8")
+# Optimizers built from the model itself (its parameter names, heads, hooks): never one per parameter
+MODEL_OPTIMIZERS = ("AdamMini", "AdaLomo")
+
+
+def canonical_name(name: str) -> Optional[str]:
+    """The ``OPTIMIZERS`` spelling of ``name`` (flags are matched case-insensitively); None for a class path."""
+    return {n.lower(): n for n in OPTIMIZERS}.get(name.lower())
+
+
 @dataclass(frozen=True)
 class Run:
     config: Config
@@ -66,7 +78,7 @@ class Run:
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE  # with loss_chunk_auto: a placeholder until it is chosen
     loss_chunk_auto: bool = False
     cuda_alloc_conf: Optional[str] = None  # the CUDA caching allocator's settings the run gets (cuda_alloc_conf())
-    optimizer: str = "AdamW"
+    optimizer: str = "AdamW"  # an OPTIMIZERS name as spelled there, or an optimizer class's import path
     optimizer_rank: int = DEFAULT_OPTIMIZER_RANK  # GaLore / APOLLO projection rank
     optimizer_in_backward: bool = False
     eval_batch_size: Optional[int] = None
@@ -74,6 +86,9 @@ class Run:
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
     packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
+
+    def __post_init__(self) -> None:  # every comparison downstream is with the OPTIMIZERS spelling
+        object.__setattr__(self, "optimizer", canonical_name(self.optimizer) or self.optimizer)
 
     # ---- derived ----
     @property
@@ -108,7 +123,7 @@ class Run:
     @property
     def steps_in_backward(self) -> bool:
         """Each parameter steps as its gradient is ready (--optimizer_in_backward, or AdaLomo, which always does)."""
-        return self.optimizer_in_backward or self.optimizer.lower() == "adalomo"
+        return self.optimizer_in_backward or self.optimizer == "AdaLomo"
 
     @property
     def eval_batch(self) -> int:
@@ -202,15 +217,14 @@ def resolve_strategy(strategy: str, world_size: int, cpu_offload: bool, sharding
 
 
 # Optimizers that need whole matrices (projections, per-head blocks, their own hooks): not FSDP's shards
-WHOLE_MATRIX_OPTIMIZERS = ("galore", "apollo", "adammini", "adalomo")
+WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
 
 
 def check_optimizer_run(run: "Run") -> None:
     """What an optimizer that steps inside backward (--optimizer_in_backward, AdaLomo) or needs whole matrices
     cannot serve in this run (the flag-level combinations are refused by the training flags' check). For every
     resolved run, and for each run the planner's suggestion search considers."""
-    name = run.optimizer.lower()
-    if name in WHOLE_MATRIX_OPTIMIZERS and run.strategy == "fsdp":
+    if run.optimizer in WHOLE_MATRIX_OPTIMIZERS and run.strategy == "fsdp":
         raise UsageError(f"--optimizer {run.optimizer} works on whole matrices, and FSDP gives each process a shard "
                          "(--strategy fsdp, or --cpu_offload): use DDP or one device, or AdamW4bit / AdamW8bit with FSDP.")
     if not run.steps_in_backward:

@@ -177,3 +177,19 @@ def test_lr_schedule() -> None:
     optimizer = build_optimizer(mlp(hidden=4), "AdamW", lr)
     set_lr(optimizer, 5e-4)
     assert [group["lr"] for group in optimizer.param_groups] == [5e-4, 5e-4]
+
+
+def test_a_run_holds_the_optimizer_as_spelled_in_the_list():
+    """--optimizer is matched case-insensitively once, when the run is resolved; every comparison downstream (the
+    planner, the checks) reads that spelling, and a class path stays as given."""
+    from lit_model.config import Config
+    from lit_model.run import resolve_run
+    from lit_model.training.args import TrainArgs
+
+    config = Config.from_name("lit-model-5m")
+    for flag, resolved in (("adamw8bit", "AdamW8bit"), ("ADALOMO", "AdaLomo"), ("torch.optim.RMSprop", "torch.optim.RMSprop")):
+        run = resolve_run(TrainArgs(optimizer=flag, micro_batch_size=2, global_batch_size=2), config, "full", "cpu",
+                          present=False)
+        assert run.optimizer == resolved and run.replace(micro_batch_size=1).optimizer == resolved
+    assert resolve_run(TrainArgs(optimizer="adalomo", micro_batch_size=2, global_batch_size=2), config, "full", "cpu",
+                       present=False).steps_in_backward

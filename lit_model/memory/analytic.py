@@ -197,45 +197,45 @@ def optimizer_state_bytes(spec: Run, tensors: list[int], block_matrices: list[tu
     """Persistent optimizer state for trainable tensors of these element counts (``block_matrices``: the shapes of
     the blocks' trainable weights among them, which GaLore and APOLLO project)."""
     d = spec.param_bytes
-    name = spec.optimizer.lower()
+    name = spec.optimizer
     total = 0
     for n in tensors:
-        if name in ("adamw8bit", "pagedadamw8bit"):
+        if name in ("AdamW8bit", "PagedAdamW8bit"):
             # bitsandbytes: uint8 moments + fp32 absmax per 256 elements; fp32 moments below 4096 elements
             total += 2 * n + 2 * 4 * math.ceil(n / 256) if n >= 4096 else 8 * n
-        elif name in ("adamw4bit", "adamwfp8"):
+        elif name in ("AdamW4bit", "AdamWFp8"):
             # torchao: per moment 4-bit codes + an fp32 scale per 128 (+ a 16-entry map), or float8 codes + an fp32
             # scale per 256, for tensors of >= 4096 elements in whole blocks; else moments in the parameter's dtype
-            block = 128 if name == "adamw4bit" else 256
+            block = 128 if name == "AdamW4bit" else 256
             if n >= 4096 and n % block == 0:
-                total += 2 * (n // 2 + 4 * (n // 128) + 64) if name == "adamw4bit" else 2 * (n + 4 * (n // 256))
+                total += 2 * (n // 2 + 4 * (n // 128) + 64) if name == "AdamW4bit" else 2 * (n + 4 * (n // 256))
             else:
                 total += 2 * d * n
             total += 4  # the step count
-        elif name == "adammini":
+        elif name == "AdamMini":
             total += 4 * n + 8  # an fp32 first moment; one second moment per head or tensor (+ its size)
-        elif name == "adalomo":  # a factored fp32 second moment (rows + columns; every matrix here has a side of
+        elif name == "AdaLomo":  # a factored fp32 second moment (rows + columns; every matrix here has a side of
             # n_embd), no first
             C = spec.config.n_embd
             total += 4 * (n // C + C) if n >= 4096 and n % C == 0 else 4 * n
-        elif name == "sgd":
+        elif name == "SGD":
             total += d * n  # momentum buffer
-        elif name == "lion":
+        elif name == "Lion":
             total += d * n  # one moment
-        elif name == "adafactor":
+        elif name == "Adafactor":
             total += d * n if n < 4096 else int(2 * math.sqrt(n)) * d  # factored second moment (rows + cols)
         else:  # AdamW, Sophia (moment + hessian), GaLore / APOLLO before projection, class paths: two moments
             total += 2 * d * n
-    if name in ("galore", "apollo"):
+    if name in ("GaLore", "APOLLO"):
         rank = spec.optimizer_rank
         for i, o in block_matrices:  # projected: moments of rank x the longer side, and the projection
             if min(i, o) > rank:
                 total += (2 * rank * max(i, o) + rank * min(i, o)) * d - 2 * d * i * o
-    if name == "adammini" and spec.trainable == "full":  # the embedding and the head keep a full second moment
+    if name == "AdamMini" and spec.trainable == "full":  # the embedding and the head keep a full second moment
         frozen_embed, _ = _frozen_blocks(spec)
         counts = param_counts(spec.config)
         total += 4 * (counts.head + (0 if frozen_embed else counts.embed))
-    if name in ("adamw", "sophia"):
+    if name in ("AdamW", "Sophia"):
         total += 4 * len(tensors)  # fused AdamW's per-parameter `step` scalars
     return total
 
@@ -245,13 +245,13 @@ def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
     block-quantized kernels keep none; the older optimizers are not modelled): GaLore's and APOLLO's foreach step
     over the tensors they do not project keeps two or three tensors of their size at once (of one of them, stepped in
     backward; the trace of a tiny GPT shows a third); Adam-mini and AdaLomo step one tensor at a time in fp32."""
-    name, d = spec.optimizer.lower(), spec.param_bytes
+    name, d = spec.optimizer, spec.param_bytes
     largest = max(mb.trainable_tensors, default=0)
-    if name in ("galore", "apollo"):
+    if name in ("GaLore", "APOLLO"):
         rank = spec.optimizer_rank
         projected = sum(i * o for i, o in mb.block_matrices if min(i, o) > rank)
         return 3 * d * (largest if spec.optimizer_in_backward else mb.trainable - projected)
-    if name in ("adammini", "adalomo"):
+    if name in ("AdamMini", "AdaLomo"):
         return 2 * 4 * largest
     return 0
 
@@ -554,7 +554,7 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         masks = 1 + (window is not None and window < T)
         packed = 8 * N + (2 * N * config.rope_n_elem + masks * B * T * T) * spec.compute_bytes
         kept += packed
-    differentiated_twice = spec.optimizer.lower() == "sophia"
+    differentiated_twice = spec.optimizer == "Sophia"
     if differentiated_twice:
         # Estimate (not traced): on Hessian steps backward runs with create_graph=True, keeping the backward
         # graph (about as much again), and the fit loop switches to the math attention kernel, which keeps the
@@ -718,7 +718,7 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     if spec.steps_in_backward:
         # each gradient is stepped on and freed once complete: about one parameter's gradient at a time (AdaLomo
         # steps the previous one when the next arrives: two), but a tied embedding's is complete only at the end
-        in_flight = (2 if spec.optimizer.lower() == "adalomo" else 1) * mb.largest_param * d
+        in_flight = (2 if spec.optimizer == "AdaLomo" else 1) * mb.largest_param * d
         head_grad = V * C * d if tied_trainable else 0.0
         block_grads, embed_grad = in_flight, 0.0
         grads_all = head_grad + in_flight

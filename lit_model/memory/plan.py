@@ -209,7 +209,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
     phases = analytic.training_phases(spec)
     host = _analytic_host_bytes(spec)
-    if spec.optimizer.lower() in ("adafactor", "lion") or "." in spec.optimizer:
+    if spec.optimizer in ("Adafactor", "Lion") or "." in spec.optimizer:
         if engine == "trace":
             notes.append(f"The trace cannot run {spec.optimizer}'s step on fake tensors; analytic estimate used.")
         engine = "analytic"
@@ -236,7 +236,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
         traced["checkpoint_save"] = phases["checkpoint_save"]
         return traced, "trace", result.host_bytes
-    if spec.optimizer.lower() == "sophia":
+    if spec.optimizer == "Sophia":
         notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
     return phases, "analytic", host
 
@@ -393,7 +393,7 @@ def plan_run(
         plan.notes.append("Not modelled: half-precision matmuls on the CPU cache kernels for every new expert row "
                           "count, so the process grows over the first steps beyond this plan (a 20M-parameter MoE: "
                           "+230 MB after 20 steps, benchmarks/results/moe_plan.md); leave room for it.")
-    if run.optimizer.lower() == "pagedadamw8bit" and run.device_type == "cuda":
+    if run.optimizer == "PagedAdamW8bit" and run.device_type == "cuda":
         plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
                           "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
     if run.device_type == "cuda":
@@ -508,7 +508,7 @@ def _options(run: Run) -> list[_Option]:
                                note="keeps the matmul and attention outputs, recomputes the element-wise ops"))
     # offloading: to host memory from a GPU, to files from the CPU's RAM (not with Sophia's second backward or
     # torch.compile, see training/args.py)
-    if run.activation_offloading is None and run.optimizer.lower() != "sophia" and not run.compile:
+    if run.activation_offloading is None and run.optimizer != "Sophia" and not run.compile:
         target = "cpu" if dev == "cuda" else "disk"
         options.append(_Option("activation_offloading", {"activation_offloading": target},
                                _speed(f"activation_offloading_{target}", dev),
@@ -527,10 +527,10 @@ def _options(run: Run) -> list[_Option]:
         halvings = math.log2(run.micro_batch_size / m)
         options.append(_Option("micro_batch_size", {"micro_batch_size": m}, _speed("halve_micro_batch", dev) ** halvings,
                                note=f"{per_rank // m} accumulation steps keep the global batch of {run.global_batch_size}"))
-    if run.optimizer.lower() in ("adamw", "pagedadamw8bit"):
+    if run.optimizer in ("AdamW", "PagedAdamW8bit"):
         options.append(_Option("optimizer", {"optimizer": "AdamW8bit"}, _speed("optimizer_8bit", dev),
                                QUALITY_PENALTY["optimizer"], "needs bitsandbytes"))
-    if run.optimizer.lower() in ("adamw", "adamw8bit", "pagedadamw8bit"):
+    if run.optimizer in ("AdamW", "AdamW8bit", "PagedAdamW8bit"):
         options.append(_Option("optimizer", {"optimizer": "AdamW4bit"}, _speed("optimizer_4bit", dev),
                                QUALITY_PENALTY["optimizer_4bit"], "AdamW with 4-bit moments; needs torchao"))
         if run.trainable == "full":

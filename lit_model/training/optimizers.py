@@ -37,12 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lit_model.errors import UsageError
-from lit_model.run import DEFAULT_OPTIMIZER_RANK
-
-OPTIMIZERS = ("AdamW", "SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit", "PagedAdamW8bit", "GaLore", "APOLLO",
-              "AdamMini", "AdaLomo", "AdamW4bit", "AdamWFp8")
-# Optimizers built from the model itself (its parameter names, heads, hooks): never one per parameter
-MODEL_OPTIMIZERS = ("AdamMini", "AdaLomo")
+from lit_model.run import DEFAULT_OPTIMIZER_RANK, MODEL_OPTIMIZERS, OPTIMIZERS, canonical_name
 # Low-rank gradient projection of the blocks' matrices (GaLore, APOLLO): the rank, the steps between refreshes
 # of the projection, and the scale of the projected-back update (GaLore's paper: 0.25; APOLLO's: 1 per channel)
 LOW_RANK = {"GaLore": {"update_proj_gap": 200, "scale": 0.25, "projection_type": "std"},
@@ -307,11 +302,6 @@ def paused_in_backward(optimizer: Any) -> contextlib.AbstractContextManager:
     """A context in which an optimizer that steps in backward does not step (others: nothing changes)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
     return inner.paused() if steps_in_backward(inner) else contextlib.nullcontext()
-
-
-def canonical_name(name: str) -> str | None:
-    """The ``OPTIMIZERS`` spelling of ``name`` (flags are matched case-insensitively); None for a class path."""
-    return {n.lower(): n for n in OPTIMIZERS}.get(name.lower())
 
 
 def _unknown_optimizer(name: str) -> UsageError:
