@@ -325,6 +325,19 @@ def test_max_micro_batch_size_confirmed_by_trace():
     assert max_micro_batch_size(resolved(config, settings, device_type="cpu"), budget, confirm_with_trace=True) == 2
 
 
+def test_the_traced_micro_batch_is_the_largest_whose_trace_fits():
+    """Traced at 1 and 2 and extended along the line, then settled by the trace: the same answer as tracing every
+    divisor of the per-rank batch."""
+    config = tiny()
+    settings = args(global_batch_size=16, override_max_seq_length=256, micro_batch_size=1)
+    run = resolved(config, settings, device_type="cpu")
+    peaks = {m: plan_training(config, args(**{**vars(settings), "micro_batch_size": m}), device_type="cpu",
+                              engine="trace", detect=False, suggest=False).peak_bytes for m in (1, 2, 4, 8, 16)}
+    for budget in (peaks[1] - 1, peaks[1], peaks[4] + 1, (peaks[8] + peaks[16]) // 2, peaks[16] * 2):
+        expected = max((m for m, peak in peaks.items() if peak <= budget * 0.9), default=0)
+        assert max_micro_batch_size(run, budget, confirm_with_trace=True) == expected, budget
+
+
 # ---- generation -----------------------------------------------------------------------------------------
 def test_generation_plan_grows_with_new_tokens_not_block_size():
     short = plan_generation(LLAMA2, 512, 128, detect=False)

@@ -433,8 +433,10 @@ def max_micro_batch_size(
 ) -> int:
     """The largest micro batch whose predicted peak is at most ``budget_bytes * (1 - margin)`` and that divides
     the per-rank batch (``global_batch_size / world_size``), so gradient accumulation keeps the global batch.
-    0 when not even 1 fits. Binary search on the analytic model; confirmed with the exact trace when that is
-    cheap (``confirm_with_trace=None``: models under 2B parameters that the trace can run)."""
+    0 when not even 1 fits. With the exact trace (``confirm_with_trace=None``: models under 2B parameters that the
+    trace can run): each phase traced at micro batches 1 and 2 and extended along that line, which never
+    under-estimates (activations grow linearly with the micro batch, chunked logits less), then the choice
+    settled by tracing it and the next larger one. Otherwise a binary search on the closed form."""
     budget = _resolve_memory(budget_bytes, run.device_type, detect=True)
     if budget is None:
         raise UsageError("max_micro_batch_size needs a memory budget: pass budget_bytes (e.g. '24GB').")
@@ -443,23 +445,31 @@ def max_micro_batch_size(
     per_rank = base.per_rank_batch
     candidates = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
-    def peak(m: int, engine: str) -> int:
-        return plan_spec(base.replace(micro_batch_size=m), budget, engine).peak_bytes
+    def phases(m: int, engine: str) -> dict[str, int]:
+        return plan_spec(base.replace(micro_batch_size=m), budget, engine).by_phase
 
-    lo, hi, best = 0, len(candidates) - 1, -1
-    while lo <= hi:  # peak grows with the micro batch
-        mid = (lo + hi) // 2
-        if peak(candidates[mid], "analytic") <= limit:
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    if best < 0:
-        return 0
+    def fits(m: int, engine: str) -> bool:
+        return max(phases(m, engine).values()) <= limit
+
     if confirm_with_trace is None:
         confirm_with_trace = _traceable(base) and analytic.param_counts(run.config).total < 2e9
     if confirm_with_trace:
-        while best >= 0 and peak(candidates[best], "trace") > limit:
-            best -= 1
+        one = phases(1, "trace")
+        two = phases(2, "trace") if per_rank > 1 else one
+        line = lambda m: max(one[p] + (m - 1) * (two[p] - one[p]) for p in one)  # noqa: E731
+        best = max((i for i, m in enumerate(candidates) if line(m) <= limit), default=-1)
+        if best < 0:
+            return 0
+        while best + 1 < len(candidates) and fits(candidates[best + 1], "trace"):
+            best += 1
+        return candidates[best]
+    lo, hi, best = 0, len(candidates) - 1, -1
+    while lo <= hi:  # peak grows with the micro batch
+        mid = (lo + hi) // 2
+        if fits(candidates[mid], "analytic"):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
     return candidates[best] if best >= 0 else 0
 
 
