@@ -436,7 +436,7 @@ def max_micro_batch_size(
     0 when not even 1 fits. With the exact trace (``confirm_with_trace=None``: models under 2B parameters that the
     trace can run): each phase traced at micro batches 1 and 2 and extended along that line, which never
     under-estimates (activations grow linearly with the micro batch, chunked logits less), then the choice
-    settled by tracing it and the next larger one. Otherwise a binary search on the closed form."""
+    settled by tracing it and the next larger ones. Otherwise a binary search on the closed form."""
     budget = _resolve_memory(budget_bytes, run.device_type, detect=True)
     if budget is None:
         raise UsageError("max_micro_batch_size needs a memory budget: pass budget_bytes (e.g. '24GB').")
@@ -445,8 +445,15 @@ def max_micro_batch_size(
     per_rank = base.per_rank_batch
     candidates = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
+    traced: dict[int, dict[str, int]] = {}
+
     def phases(m: int, engine: str) -> dict[str, int]:
-        return plan_spec(base.replace(micro_batch_size=m), budget, engine).by_phase
+        if engine == "trace" and m in traced:
+            return traced[m]
+        by_phase = plan_spec(base.replace(micro_batch_size=m), budget, engine).by_phase
+        if engine == "trace":
+            traced[m] = by_phase
+        return by_phase
 
     def fits(m: int, engine: str) -> bool:
         return max(phases(m, engine).values()) <= limit
@@ -458,6 +465,8 @@ def max_micro_batch_size(
         two = phases(2, "trace") if per_rank > 1 else one
         line = lambda m: max(one[p] + (m - 1) * (two[p] - one[p]) for p in one)  # noqa: E731
         best = max((i for i, m in enumerate(candidates) if line(m) <= limit), default=-1)
+        while best >= 0 and not fits(candidates[best], "trace"):  # should the line ever be below the trace
+            best -= 1
         if best < 0:
             return 0
         while best + 1 < len(candidates) and fits(candidates[best + 1], "trace"):
