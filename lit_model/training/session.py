@@ -71,6 +71,7 @@ def choose_micro_batch_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
     from lit_model.memory import format_bytes, max_micro_batch_size
 
     budget = memory_budget(fabric, run, args)
+    fabric.print(f"--micro_batch_size auto: planning micro batches for {format_bytes(budget)} per process...", flush=True)
     found = max_micro_batch_size(run, budget)
     found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item()) if run.world_size > 1 else found
     if found == 0:
