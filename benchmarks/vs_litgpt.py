@@ -31,6 +31,7 @@ from lit_model.files import atomic_write
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags (both implementations run each), what)
     "train": ("_train_worker.py", ["tokens_per_sec"], [[], ["--compile"]],
+              "Step level, not user level: the training step alone in a worker process, eager and compiled, which the whole-script comparison (benchmarks/vs_peers.py, results/vs_peers.md) cannot separate. "
               "Each implementation takes its training step as its pretrain script does: lit-model's fused chunked "
               "cross-entropy and its optimizer factory's AdamW (fused), litgpt's full logits then "
               "chunked_cross_entropy and AdamW as its pretrain.py builds it (fused only on CUDA). Both run eager "
