@@ -311,7 +311,7 @@ class SafetensorsReader:
         if dtype == stored:
             self._read_into(tensor.reshape(-1).view(torch.uint8), start, end, name)
             return tensor
-        flat, size = tensor.reshape(-1), torch.empty((), dtype=stored).element_size()
+        flat, size = tensor.reshape(-1), stored.itemsize
         if end - start != flat.numel() * size:
             raise UserError(f"{self.path} is damaged at tensor {name!r}: its header's size and shape disagree.")
         if self.staging is None:

@@ -185,7 +185,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
 
 def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:
     """Base weights with the adapter added (in fp32, stored back in each weight's dtype; DoRA: each row scaled to
-    its trained magnitude); trained biases replace the base ones. ``base`` and its adapted weights are changed in place; returns ``base``."""
+    its trained magnitude); trained biases replace the base ones. ``base`` and its adapted weights are changed in
+    place; returns ``base``."""
     prefixes = sorted({name[: -len(".lora_A")] for name in lora if name.endswith(".lora_A")})
     for prefix in prefixes:
         weight_name = f"{prefix}.weight"

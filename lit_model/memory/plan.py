@@ -120,12 +120,10 @@ class Plan:
 CPU_SAMPLE_NEW_TOKENS = 100  # the sample at the end of a run (session.sample_text): at most this many new tokens
 
 
-def _cpu_allocator_retention() -> float:
-    """glibc's retained heap as a share of the transient bytes: at its default settings, or with
-    MALLOC_MMAP_THRESHOLD_ <= 1 MiB (freed blocks go back to the OS at once)."""
+def _glibc_returns_freed_blocks() -> bool:
+    """MALLOC_MMAP_THRESHOLD_ <= 1 MiB: freed blocks go back to the OS at once (else glibc's defaults)."""
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    tuned = threshold is not None and threshold.isdigit() and int(threshold) <= 1 << 20
-    return OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention
+    return threshold is not None and threshold.isdigit() and int(threshold) <= 1 << 20
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0) -> dict[str, int]:
@@ -133,12 +131,14 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model)."""
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + categories.get("gradients", 0)
-    tuned = _cpu_allocator_retention() == OVERHEAD.cpu_allocator_retention_mmap
-    churn = (OVERHEAD.cpu_allocator_retention_mmap if tuned else OVERHEAD.cpu_allocator_retention_dequantized) * dequantized
+    if _glibc_returns_freed_blocks():
+        retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
+    else:
+        retained = OVERHEAD.cpu_allocator_retention * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
     return {
         "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
-        "allocator_retention": int(_cpu_allocator_retention() * transient + churn),
+        "allocator_retention": int(retained),
     }
 
 

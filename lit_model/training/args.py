@@ -16,7 +16,7 @@ from lit_model.data.sources import check_data_flags
 from lit_model.errors import UsageError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory.units import parse_memory
-from lit_model.run import DEFAULT_OPTIMIZER_RANK
+from lit_model.run import DEFAULT_OPTIMIZER_RANK, canonical_name
 from lit_model.training.fabric import DistributedSettings
 from lit_model.training.loggers import check_loggers
 from lit_model.training.optimizers import check_optimizer, check_steps_in_backward
@@ -204,7 +204,7 @@ def check_activation_flags(args: TrainArgs) -> None:
                          "--activation_offloading disk, or drop --offload_dir.")
     if args.offload_dir is not None and Path(args.offload_dir).exists() and not Path(args.offload_dir).is_dir():
         raise UsageError(f"--offload_dir {args.offload_dir} is a file, not a directory. Pick another --offload_dir.")
-    if args.activation_offloading is not None and args.optimizer.lower() == "sophia":
+    if args.activation_offloading is not None and canonical_name(args.optimizer) == "Sophia":
         raise UsageError(f"--activation_offloading {args.activation_offloading} brings saved tensors back detached from "
                          "the graph, so Sophia's second backward (its Hessian) cannot run through them: use another "
                          "--optimizer, or drop --activation_offloading.")
