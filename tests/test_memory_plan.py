@@ -143,6 +143,17 @@ def test_every_suggestion_fits_when_applied():
         assert settings.global_batch_size % s.changes["micro_batch_size"] == 0
 
 
+def test_suggestions_of_a_traced_plan_show_the_trace_of_the_changed_run():
+    """The closed form screens the combinations; each suggestion offered is the changed run's trace, and fits."""
+    settings = args(micro_batch_size=1, global_batch_size=8, override_max_seq_length=1024)
+    plan = plan_training(LLAMA2, settings, trainable="lora", device_memory="12GB", max_suggestions=3)
+    assert plan.engine == "trace" and not plan.fits and plan.suggestions
+    for suggestion in plan.suggestions:
+        traced = plan.replan(suggestion, engine="trace")
+        assert traced.engine == "trace" and traced.fits
+        assert suggestion.peak_bytes == traced.peak_bytes and suggestion.by_category == traced.by_category
+
+
 def test_lora_suggestions_include_quantization_and_offload_on_gpu():
     plan = plan_training(LLAMA2, args(micro_batch_size=1, global_batch_size=1, override_max_seq_length=1024),
                          trainable="lora", device_memory="12GB", engine="analytic")
@@ -553,11 +564,60 @@ def test_fsdp_is_traced_per_rank(trainable, precision, steps):
     assert sum(closed.values()) == pytest.approx(totals[2], rel=0.15)
 
 
-def test_fsdp_the_trace_cannot_shard_is_planned_by_the_closed_form_with_a_note():
-    plan = plan_training(tiny(), args(devices=2, strategy="fsdp", cpu_offload=True), device_type="cuda", engine="trace",
+@pytest.mark.parametrize("optimizer, moments", [("Lion", 1), ("torch.optim.Adam", 2)])
+def test_lion_and_optimizer_classes_are_traced(optimizer, moments):
+    """The trace runs any optimizer whose step runs on fake tensors: a class path too (its own state, not a guess)."""
+    config = tiny()
+    plan = plan_training(config, args(optimizer=optimizer), device_type="cpu", detect=False, suggest=False)
+    assert plan.engine == "trace"
+    weights = param_counts(config).total * 2  # bf16
+    assert plan.phase_categories["checkpoint_save"]["optimizer_state"] == pytest.approx(moments * weights, abs=512)
+
+
+def test_adafactor_is_planned_by_the_closed_form_with_the_reason():
+    plan = plan_training(tiny(), args(optimizer="Adafactor"), device_type="cpu", engine="trace", detect=False,
+                         suggest=False)
+    assert plan.engine == "analytic" and any("Adafactor's step reads a tensor's value" in n for n in plan.notes)
+
+
+def test_fsdp_cpu_offload_is_traced_with_shards_gradients_and_optimizer_state_in_host_memory():
+    """The trace runs the offloading FSDP step; what lives in host memory (the rank's shards, their gradients and
+    the optimizer state) is taken off the device's bytes in every phase and reported as host memory."""
+    config = tiny(n_layer=4)
+    base = resolved(config, args(devices=4, strategy="fsdp", global_batch_size=8), "full")
+    plain, offload = trace_training(base), trace_training(base.replace(cpu_offload=True))
+    shards = plain.phases["checkpoint_save"]["parameters"] - offload.phases["checkpoint_save"]["parameters"]
+    assert shards == pytest.approx(param_counts(config).total * 2 / 4, rel=0.01)  # bf16, a quarter each
+    state = plain.phases["checkpoint_save"]["optimizer_state"]
+    assert state > 0 and offload.host_bytes["cpu_offload"] == 2 * shards + state  # full training: a gradient each
+    for phase, categories in offload.phases.items():
+        assert categories["parameters"] == plain.phases[phase]["parameters"] - shards
+        assert categories["optimizer_state"] == 0
+        for name in ("gradients", "activations", "logits_loss"):
+            assert categories[name] == plain.phases[phase][name]
+    plan = plan_training(config, args(devices=4, strategy="fsdp", global_batch_size=8, cpu_offload=True),
+                         device_type="cuda", engine="auto", detect=False, suggest=False)
+    assert plan.engine == "trace" and plan.host_bytes["cpu_offload"] == offload.host_bytes["cpu_offload"]
+
+
+def test_fsdp_hybrid_shard_is_traced_over_its_two_dimensional_mesh():
+    """HYBRID_SHARD shards within a node and replicates across nodes: per rank, FSDP over one node's devices."""
+    config = tiny(n_layer=4)
+    hybrid = resolved(config, args(devices=2, num_nodes=2, strategy="fsdp", sharding_strategy="HYBRID_SHARD",
+                                   global_batch_size=8), "full")
+    one_node = resolved(config, args(devices=2, strategy="fsdp", global_batch_size=4), "full")
+    assert hybrid.world_size == 4 and hybrid.micro_batch_size == one_node.micro_batch_size
+    assert trace_training(hybrid).phases == trace_training(one_node).phases
+
+
+def test_fsdp_in_a_process_that_already_has_a_process_group_is_planned_by_the_closed_form_with_a_note(monkeypatch):
+    import lit_model.memory.trace as trace
+
+    monkeypatch.setattr(trace.dist, "is_initialized", lambda: True)
+    plan = plan_training(tiny(), args(devices=2, strategy="fsdp"), device_type="cuda", engine="trace",
                          detect=False, suggest=False)
     assert plan.engine == "analytic"
-    assert any("cpu_offload keeps the shards in host memory" in note for note in plan.notes)
+    assert any("already belongs to a process group" in note for note in plan.notes)
 
 
 def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():

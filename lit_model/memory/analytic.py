@@ -764,12 +764,19 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     s["quantization"] = quant_state
     s["optimizer_state"] = optimizer
     s["gradients"] = buckets
-    if spec.strategy == "fsdp":
-        s["checkpoint"] = mb.largest_param * d
-        if spec.device_type == "cpu":
-            s["checkpoint"] += param_counts(config).total * d  # rank 0's full copy
+    s["checkpoint"] = checkpoint_gather_bytes(spec)
     save = {k: int(round(v)) for k, v in s.items()}
     return {"train_step": train, "evaluation": evaluation, "checkpoint_save": save}
+
+
+def checkpoint_gather_bytes(spec: Run) -> int:
+    """What saving adds to a rank's resident state (both engines): under FSDP the full state dict gathers one
+    parameter at a time (the largest), and on the CPU rank 0 holds the whole gathered copy of the weights."""
+    if spec.strategy != "fsdp":
+        return 0
+    counts = param_counts(spec.config)
+    largest = max([counts.embed, counts.head] + [i * o for i, o, _ in counts.block_linear.values()])
+    return (largest + (counts.total if spec.device_type == "cpu" else 0)) * spec.param_bytes
 
 
 def host_checkpoint_bytes(spec: Run) -> int:

@@ -38,8 +38,9 @@ from lit_model.memory.units import detect_device_memory, format_bytes, parse_mem
 PHASES = ("train_step", "evaluation", "checkpoint_save")
 MLP_TILES_FROM = 2048  # suggest --mlp_tiles for sequences this long: below, the MLP's activations are rarely the issue
 SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare (analytic vs trace: <1 %)
-MAX_TRACE_LAYERS = 48  # "auto" traces models up to this depth and size whole (a 32-layer 7B traces in 10-25 s
-MAX_TRACE_PARAMETERS = 15e9  # here); deeper or bigger ones are traced at a few blocks and extrapolated exactly
+WHOLE_TRACE_LAYERS = 8  # deeper models are traced at a few blocks and extrapolated (equal to the whole trace)
+MAX_TRACE_LAYERS = 48  # ... and where their blocks do not repeat (--freeze_layers patterns) traced whole up to this
+MAX_TRACE_PARAMETERS = 15e9  # depth and size (a 32-layer 7B traces whole in 10-25 s here), else planned analytically
 
 
 # ---- results -----------------------------------------------------------------------------------------------
@@ -191,8 +192,23 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, di
 
 # ---- engines ---------------------------------------------------------------------------------------------
 def _not_traceable(spec: Run) -> Optional[str]:
-    """Why the trace cannot run this run (None: it can)."""
-    return sharded_traceable(spec) if spec.strategy == "fsdp" else None
+    """Why the trace cannot plan this run (None: it can)."""
+    if spec.optimizer == "Adafactor":
+        return "Adafactor's step reads a tensor's value (.item()), which fake tensors cannot answer"
+    if spec.strategy == "fsdp" and sharded_traceable(spec) is not None:
+        return sharded_traceable(spec)
+    if not _traced_whole(spec) and not _traced_by_layers(spec):
+        return (f"its blocks differ by parameter-name patterns (--freeze_layers) and it is too large to trace whole "
+                f"(over {MAX_TRACE_LAYERS} blocks or {MAX_TRACE_PARAMETERS / 1e9:.0f}B parameters)")
+    return None
+
+
+def _traced_whole(spec: Run) -> bool:
+    return spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
+
+
+def _traced_by_layers(spec: Run) -> bool:
+    return spec.config.n_layer > WHOLE_TRACE_LAYERS and depth_segments(spec) is not None
 
 
 def _traceable(spec: Run) -> bool:
@@ -203,42 +219,37 @@ Phases = dict[str, dict[str, int]]
 
 
 def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int]]:
-    """Tensor bytes per phase (no overhead) from the chosen engine, the engine used, and the bytes the run keeps
-    outside the device (offloaded activations); the checkpoint phase is always analytic."""
+    """Tensor bytes per phase (no overhead) from the chosen engine ("auto": the trace wherever it can plan the
+    run), the engine used, and the bytes the run keeps outside the device (offloaded activations, FSDP's offloaded
+    shards)."""
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
-    phases = analytic.training_phases(spec)
-    host = _analytic_host_bytes(spec)
-    if spec.optimizer in ("Adafactor", "Lion") or "." in spec.optimizer:
-        if engine == "trace":
-            notes.append(f"The trace cannot run {spec.optimizer}'s step on fake tensors; analytic estimate used.")
-        engine = "analytic"
-    small = spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
     if engine == "auto":
-        engine = "trace" if _traceable(spec) and (small or depth_segments(spec) is not None) else "analytic"
+        engine = "trace" if _traceable(spec) else "analytic"
     if engine == "trace":
         if not _traceable(spec):
-            notes.append(f"Planned by the closed form: {_not_traceable(spec)}, which the trace does not model.")
-            return phases, "analytic", host
+            notes.append(f"Planned by the closed form: {_not_traceable(spec)}.")
+            return _analytic_phases(spec)
         try:
-            result = trace_training(spec) if small else trace_by_layers(spec)
-            if result is None:  # --freeze_layers patterns on a model too big to trace whole
-                notes.append("The blocks of this run differ by parameter-name patterns: planned analytically.")
-                return phases, "analytic", host
-        except Exception as error:  # an op without a fake-tensor implementation (e.g. Adafactor's .item())
+            result = trace_by_layers(spec) if _traced_by_layers(spec) else trace_training(spec)
+        except Exception as error:  # an op without a fake-tensor implementation (a custom optimizer's .item())
             notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
-            return phases, "analytic", host
+            return _analytic_phases(spec)
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
         if spec.strategy == "ddp":  # the gradients are views into DDP's buckets, allocated when it wraps the model
             buckets = analytic.model_bytes(spec).trainable * spec.param_bytes
             for cats in traced.values():
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
-        traced["checkpoint_save"] = phases["checkpoint_save"]
+        traced["checkpoint_save"]["checkpoint"] = analytic.checkpoint_gather_bytes(spec)
         return traced, "trace", result.host_bytes
     if spec.optimizer == "Sophia":
         notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
-    return phases, "analytic", host
+    return _analytic_phases(spec)
+
+
+def _analytic_phases(spec: Run) -> tuple[Phases, str, dict[str, int]]:
+    return analytic.training_phases(spec), "analytic", _analytic_host_bytes(spec)
 
 
 def _analytic_host_bytes(spec: Run) -> dict[str, int]:
@@ -408,7 +419,7 @@ def plan_run(
             f"{format_bytes(plan.host_bytes.get('checkpoint_save_rank0', 0))} of host RAM."
         )
     if suggest and memory is not None and not plan.fits:
-        plan.suggestions = suggest_changes(run, memory, max_suggestions)
+        plan.suggestions = suggest_changes(run, memory, max_suggestions, engine=engine)
         if not plan.suggestions:
             plan.notes.append("No combination of up to 3 flag changes fits this device.")
     return plan
@@ -433,8 +444,7 @@ def max_micro_batch_size(
 ) -> int:
     """The largest micro batch whose predicted peak is at most ``budget_bytes * (1 - margin)`` and that divides
     the per-rank batch (``global_batch_size / world_size``), so gradient accumulation keeps the global batch.
-    0 when not even 1 fits. With the exact trace (``confirm_with_trace=None``: models under 2B parameters that the
-    trace can run): each phase traced at micro batches 1 and 2 and extended along that line, which never
+    0 when not even 1 fits. With the exact trace (``confirm_with_trace=None``: every run the trace can plan): each phase traced at micro batches 1 and 2 and extended along that line, which never
     under-estimates (activations grow linearly with the micro batch, chunked logits less), then the choice
     settled by tracing it and the next larger ones. Otherwise a binary search on the closed form."""
     budget = _resolve_memory(budget_bytes, run.device_type, detect=True)
@@ -459,7 +469,7 @@ def max_micro_batch_size(
         return max(phases(m, engine).values()) <= limit
 
     if confirm_with_trace is None:
-        confirm_with_trace = _traceable(base) and analytic.param_counts(run.config).total < 2e9
+        confirm_with_trace = _traceable(base)
     if confirm_with_trace:
         one = phases(1, "trace")
         two = phases(2, "trace") if per_rank > 1 else one
@@ -588,10 +598,13 @@ def _options(run: Run) -> list[_Option]:
     return options
 
 
-def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: int = 3) -> list[Suggestion]:
-    """The cheapest combinations of up to ``max_changes`` flag changes whose analytic plan fits, ranked by
-    predicted slowdown (times a penalty for changes that alter what is trained; see calibration.py). Each is a
-    changed run; its flags are the difference of the two runs."""
+def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: int = 3,
+                    engine: str = "auto") -> list[Suggestion]:
+    """The cheapest combinations of up to ``max_changes`` flag changes that fit, ranked by predicted slowdown (times
+    a penalty for changes that alter what is trained; see calibration.py). Each is a changed run; its flags are the
+    difference of the two runs. The closed form screens every combination (microseconds each); each one offered is
+    then planned by ``engine`` (the trace: a second or two, see _tensor_phases), whose figures it shows, and
+    dropped if that plan does not fit."""
     options = _options(run)
     budget = device_memory * (1.0 - SUGGESTION_MARGIN)
     fitting: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
@@ -614,11 +627,14 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                 fitting.append((speed * penalty, size, combo, plan, speed))
     fitting.sort(key=lambda f: (f[0], f[1], f[3].peak_bytes))
     chosen: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
-    for item in fitting:
-        cost, _, combo, _, _ = item
+    for cost, size, combo, plan, speed in fitting:
         if any(set(c[2]) <= set(combo) and c[0] <= cost for c in chosen):
             continue  # dominated: a subset already fits at no higher cost
-        chosen.append(item)
+        if engine != "analytic":
+            plan = plan_spec(plan.planned, device_memory, engine)
+            if plan.peak_bytes > budget:
+                continue
+        chosen.append((cost, size, combo, plan, speed))
         if len(chosen) >= limit:
             break
     suggestions = []

@@ -3,13 +3,15 @@ dtypes but no storage, so a 70B model costs nothing), adapt it as the scripts do
 bitsandbytes layers as stand-ins of the same tensors, see modules.py), set it up with a one-process Fabric of the
 run's precision and run the fit loop's own step (``TrainStep``: micro batches, loss scaling, backward, the
 optimizer update) twice and its evaluation once under ``MemTracker``; read the peak of live tensor bytes by
-category. The model carries no switch for the planner.
+category, and the state left after the step (what a checkpoint is saved from). FSDP runs are sharded by the
+scripts' own ``shard_model`` over PyTorch's fake process group, so this process holds one rank's share (HYBRID_SHARD
+and cpu_offload included). The model carries no switch for the planner.
 
 Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
 in autograd), so ``ops.take_paths_of`` makes the model take the planned device's kernels; the model is built in
 its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` cannot swap fake parameters); at least two
 steps run (the first has no optimizer state). What the trace cannot see is added by ``plan.py``: the process's
-runtime and allocator overhead, DDP buckets; FSDP is planned by the closed form (``analytic.py``).
+runtime and allocator overhead, DDP buckets, the full state dict FSDP gathers when saving.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from lit_model.memory.modules import QuantLinearSim, quantize_model_sim
 from lit_model.model import GPT
 from lit_model.ops import take_paths_of
 from lit_model.run import Run
-from lit_model.training.fabric import configure_model, shard_model
+from lit_model.training.fabric import configure_model, fsdp_mesh, shard_model
 from lit_model.training.loop import TrainStep, evaluation_sums, freeze_layers
 from lit_model.training.optimizers import InBackwardOptimizer, build_optimizer
 
@@ -307,10 +309,6 @@ def _trace_fabric(run: Run) -> Fabric:
 
 def sharded_traceable(run: Run) -> Optional[str]:
     """Why the trace cannot shard this FSDP run in this process (None: it can)."""
-    if run.cpu_offload:
-        return "FSDP with cpu_offload keeps the shards in host memory"
-    if run.sharding_strategy == "HYBRID_SHARD":
-        return "HYBRID_SHARD builds a two-dimensional mesh"
     if dist.is_initialized():
         return "this process already belongs to a process group"
     return None
@@ -318,8 +316,10 @@ def sharded_traceable(run: Run) -> Optional[str]:
 
 @contextlib.contextmanager
 def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
-    """For FSDP, the run's ranks as PyTorch's fake process group (collectives that move nothing) and their mesh,
-    so that this one process holds exactly one rank's shards; None for the other strategies."""
+    """For FSDP, the run's ranks as PyTorch's fake process group (collectives that move nothing) and the mesh the
+    scripts shard over (``fsdp_mesh`` of Fabric's mesh; HYBRID_SHARD's is two-dimensional), so that this one
+    process holds exactly one rank's shards; None for the other strategies. Made before the fake tensors: a mesh
+    reads its ranks from a real tensor."""
     if run.strategy != "fsdp":
         yield None
         return
@@ -328,9 +328,16 @@ def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
         raise NotImplementedError(reason)
     dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
     try:
-        yield init_device_mesh("cpu", (run.world_size,), mesh_dim_names=("data_parallel",))
+        mesh = init_device_mesh("cpu", (run.world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        yield fsdp_mesh(mesh, run.replace(device_type="cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def _local_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard)."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
@@ -377,6 +384,10 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         quant_state = _quant_state_bytes(model)  # a buffer: FSDP does not shard it
         if mesh is not None:
             model = shard_model(model, mesh, run.replace(device_type="cpu"))  # where the fake shards live
+        # FSDP's cpu_offload: the shards (and their gradients and the optimizer state) live in host memory, where
+        # the optimizer steps; the fake tensors all live on the CPU, so their bytes are taken off the device's below
+        shards = _local_bytes(model.parameters()) if run.cpu_offload else 0
+        grad_shards = _local_bytes(p for p in model.parameters() if p.requires_grad) if run.cpu_offload else 0
         model = fabric.setup(model, move_to_device=False)  # built on its (fake) device: nothing to move
         inner = _build_optimizer(model, run, notes)
         for moments in getattr(inner, "moments", ()):  # state an optimizer keeps outside `state` (AdaLomo's)
@@ -397,6 +408,9 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 step.update(run.grad_clip)
                 if iteration:
                     results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+        # what a checkpoint is saved from: the state left after a step (the optimizer's, DDP's buckets)
+        results["checkpoint_save"] = _map_categories(tracker.get_tracker_snapshot()[CPU], quant_state)
+        optimizer_state = results["checkpoint_save"]["optimizer_state"]
         host = {f"activation_offloading_{run.activation_offloading}": offloading.peak_bytes} if offloading else {}
         if "evaluation" in phases:
             batch = _batch(run, run.eval_batch, vocab)
@@ -405,6 +419,13 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 tracker.reset_mod_stats()
                 evaluation_sums(fabric, model, [batch])
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+    if run.cpu_offload:
+        # Taking the resident shards and optimizer state off every moment's total bounds the device's peak from
+        # above; the sharded gradients on the host stay counted (at most one rank's share of the gradients).
+        for categories in results.values():
+            categories["parameters"] -= shards
+            categories["optimizer_state"] = max(categories["optimizer_state"] - optimizer_state, 0)
+        host["cpu_offload"] = shards + grad_shards + optimizer_state
     return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host)
 
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_model.activations import ActivationOffloading
 from lit_model.errors import STOPS, UserError
@@ -90,7 +91,7 @@ def setup_fabric(run: Run) -> Fabric:
         strategy = DDPStrategy(process_group_backend=backend, timeout=timeout, gradient_as_bucket_view=True)
     else:
         strategy = ModelParallelStrategy(
-            parallelize_fn=lambda model, mesh: shard_model(model, mesh, run),
+            parallelize_fn=lambda model, mesh: shard_model(model, fsdp_mesh(mesh, run), run),
             data_parallel_size=run.world_size,
             tensor_parallel_size=1,
             process_group_backend=backend,
@@ -143,18 +144,21 @@ def launch(fabric: Fabric, run: Run, function: Callable[..., Any], *args: Any) -
         ) from None
 
 
-def shard_model(model: nn.Module, mesh, run: Run) -> nn.Module:
-    """FSDP2: one shard group per transformer block, then the root (embedding, final norm, head)."""
+def fsdp_mesh(mesh: DeviceMesh, run: Run) -> DeviceMesh:
+    """The mesh FSDP shards over: Fabric's data-parallel dimension, or for HYBRID_SHARD a two-dimensional mesh
+    (replicas across the nodes, shards within a node)."""
+    if run.sharding_strategy == "HYBRID_SHARD":
+        per_node = mesh.size() // run.num_nodes
+        return init_device_mesh(run.device_type, (run.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    return mesh["data_parallel"]
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, run: Run) -> nn.Module:
+    """FSDP2 over ``mesh`` (``fsdp_mesh``): one shard group per transformer block, then the root (embedding, final
+    norm, head)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     accelerator = run.device_type
-    if run.sharding_strategy == "HYBRID_SHARD":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        per_node = mesh.size() // run.num_nodes
-        mesh = init_device_mesh(accelerator, (run.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = mesh["data_parallel"]
     kwargs = {
         "mesh": mesh,
         # SHARD_GRAD_OP keeps gathered parameters between forward and backward: less communication, more memory.

@@ -130,7 +130,7 @@ def out_of_memory_report(run: Run, args: Any, device: torch.device, where: str, 
     from lit_model.training.loop import lineage  # loop imports this module: import at call time
 
     out_dir, micro_batch_size = args.out_dir, run.micro_batch_size
-    plan = plan_run(run, engine="analytic", suggest=False, detect=False)
+    plan = plan_run(run, suggest=False, detect=False)
     memory = parse_memory(args.device_memory) if args.device_memory else detect_device_memory(run.device_type, device.index or 0)
     # It ran out, so the real budget is below this run's peak even where the plan thought it fits: ask for a
     # quarter less tensor memory (the framework overhead stays).
