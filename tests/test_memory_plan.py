@@ -212,6 +212,25 @@ def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, set
     assert "extrapolated to" in extrapolated.notes[-1]
 
 
+def test_layers_extrapolate_each_stretch_of_the_step_where_the_peak_moves_with_depth():
+    """With a large tied vocabulary, 2 blocks peak in backward (the embedding's gradient) and 12 at the end of
+    forward (the activations): each stretch's peak is extrapolated, then the largest taken."""
+    def run(n_layer: int) -> Run:
+        config = tiny(n_layer=n_layer, vocab_size=49152, n_embd=576, n_head=9, n_query_groups=3, intermediate_size=1536)
+        settings = args(micro_batch_size=4, global_batch_size=4, override_max_seq_length=256, loss_chunk_size=128)
+        return resolved(config, settings, device_type="cpu")
+
+    def peak_stretch(result) -> str:
+        stretches = result.regions["train_step"]
+        return max(stretches, key=lambda key: sum(stretches[key].values())).split(":")[1]
+
+    from lit_model.memory.trace import trace_by_layers
+
+    shallow, deep = trace_training(run(2)), trace_training(run(12))
+    assert (peak_stretch(shallow), peak_stretch(deep)) == ("backward", "forward")
+    assert trace_by_layers(run(12)).phases == deep.phases
+
+
 def test_what_the_plan_does_not_model_it_says():
     plan = plan_training(tiny(), args(compile=True, optimizer="PagedAdamW8bit"), trainable="lora", engine="analytic",
                          detect=False)

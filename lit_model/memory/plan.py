@@ -231,7 +231,12 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             notes.append(f"Planned by the closed form: {_not_traceable(spec)}.")
             return _analytic_phases(spec)
         try:
-            result = trace_by_layers(spec) if _traced_by_layers(spec) else trace_training(spec)
+            result = trace_by_layers(spec) if _traced_by_layers(spec) else None
+            if result is None and not _traced_whole(spec):
+                notes.append("The shallow traces of this run differ in the order of their forward, backward and "
+                             "optimizer stretches (an optimizer stepping in backward): planned by the closed form.")
+                return _analytic_phases(spec)
+            result = result or trace_training(spec)
         except Exception as error:  # an op without a fake-tensor implementation (a custom optimizer's .item())
             notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
             return _analytic_phases(spec)

@@ -113,7 +113,28 @@ class _Tracker(MemTracker):
 
     debug = False
 
-    def _update_peak_stats(self, peak_state) -> None:  # global peak only
+    def __enter__(self) -> "_Tracker":
+        if self._depth == 0:
+            self.region_peaks: dict[str, dict] = {}
+            self._region: tuple[int, str] = (0, "")
+        return super().__enter__()
+
+    def _region_key(self) -> str:
+        """The stretch of the step this moment belongs to: the n-th run of forward, backward or optimizer ops."""
+        mode = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+        index, last = self._region
+        if mode != last:
+            self._region = (index + 1, mode)
+        return f"{self._region[0]}:{mode}"
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # The global peak, and the peak of each stretch of forward, backward or optimizer ops (trace_by_layers
+        # extrapolates each stretch's peak: where in a stretch the peak falls does not depend on the depth).
+        snap = self._curr_mem_snap.get(CPU)
+        if snap is not None:
+            key = self._region_key()
+            if self.region_peaks.get(key, {}).get(_TOTAL_KEY, -1) < snap[_TOTAL_KEY]:
+                self.region_peaks[key] = dict(snap)
         for dev, dev_snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
@@ -157,6 +178,8 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     probes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_bytes: dict[str, int] = field(default_factory=dict)  # what the run keeps outside the device at most
+    # phase -> stretch of forward, backward or optimizer ops ("3:backward") -> category -> bytes at its peak
+    regions: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -400,6 +423,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         samples = _batch(run, B * micro_steps, vocab)
         tracker.track_external(*samples)
         results: dict[str, dict[str, int]] = {}
+        regions: dict[str, dict[str, dict[str, int]]] = {}
         dropout = _cuda_dropout if run.device_type == "cuda" else contextlib.nullcontext
         for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
             with dropout(), tracker:
@@ -408,6 +432,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 step.update(run.grad_clip)
                 if iteration:
                     results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+                    regions["train_step"] = _map_regions(tracker, quant_state)
         # what a checkpoint is saved from: the state left after a step (the optimizer's, DDP's buckets)
         results["checkpoint_save"] = _map_categories(tracker.get_tracker_snapshot()[CPU], quant_state)
         optimizer_state = results["checkpoint_save"]["optimizer_state"]
@@ -419,14 +444,21 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 tracker.reset_mod_stats()
                 evaluation_sums(fabric, model, [batch])
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+                regions["evaluation"] = _map_regions(tracker, quant_state)
     if run.cpu_offload:
         # Taking the resident shards and optimizer state off every moment's total bounds the device's peak from
         # above; the sharded gradients on the host stay counted (at most one rank's share of the gradients).
-        for categories in results.values():
+        for categories in [*results.values(), *(c for stretch in regions.values() for c in stretch.values())]:
             categories["parameters"] -= shards
             categories["optimizer_state"] = max(categories["optimizer_state"] - optimizer_state, 0)
         host["cpu_offload"] = shards + grad_shards + optimizer_state
-    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host)
+    regions["checkpoint_save"] = {"0:saved": dict(results["checkpoint_save"])}
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host,
+                       regions=regions)
+
+
+def _map_regions(tracker: _Tracker, quant_state: int) -> dict[str, dict[str, int]]:
+    return {key: _map_categories(snap, quant_state) for key, snap in tracker.region_peaks.items()}
 
 
 # ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------
@@ -466,19 +498,26 @@ def with_segments(run: Run, lengths: list[int]) -> Run:
 
 
 def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> Optional[TraceResult]:
-    """The trace of a deep model from traces of shallow ones: a block's memory is the same in every period of
-    blocks, so each category of each phase is linear in the number of periods of each segment. Trace the run
-    with one period more than each segment's remainder, then with one more period in each segment in turn,
-    and extrapolate. None when the run's blocks do not form segments (see depth_segments)."""
+    """The trace of a deep model from traces of shallow ones. A block's memory is the same in every period of
+    blocks, so within each stretch of forward, backward or optimizer ops of a step the memory at the stretch's peak
+    is linear in the number of periods of each segment (forward only grows; backward frees a block's activations
+    and adds its gradients at the same rate in every period, so its peak stays at the stretch's start or end):
+    trace the run with two periods more than each segment's remainder, then with one more period in each segment
+    in turn, extrapolate each stretch's peak and take the largest. Which stretch peaks can change with the depth
+    (the end of forward in a deep model, the backward in a shallow one), so the phases' peaks are not extrapolated
+    themselves. None when the run's blocks do not form segments (see depth_segments), or when the shallow traces
+    do not have the same stretches (an optimizer stepping inside backward, per parameter)."""
     segments = depth_segments(run)
     if segments is None:
         return None
     period = layer_period(run)
-    # keeping each segment's length modulo the period keeps every block's kind (its index modulo the period)
-    base = [min(length, length % period + period) for length in segments]
+    # keeping each segment's length modulo the period keeps every block's kind (its index modulo the period); two
+    # periods at least so that the first and the last block of a segment differ, as in the deep model
+    base = [min(length, length % period + 2 * period) for length in segments]
     start = time.perf_counter()
     reference = trace_training(with_segments(run, base), phases)
-    result = {phase: dict(categories) for phase, categories in reference.phases.items()}
+    regions = {phase: {key: dict(categories) for key, categories in stretches.items()}
+               for phase, stretches in reference.regions.items()}
     host = dict(reference.host_bytes)
     traced_depths = [sum(base)]
     for index, (length, shallow) in enumerate(zip(segments, base)):
@@ -488,11 +527,17 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
         longer = base[:index] + [shallow + period] + base[index + 1:]
         traced_depths.append(sum(longer))
         step = trace_training(with_segments(run, longer), phases)
-        for phase, categories in result.items():
-            for category in categories:
-                categories[category] += periods * (step.phases[phase][category] - reference.phases[phase][category])
+        if {p: set(r) for p, r in step.regions.items()} != {p: set(r) for p, r in reference.regions.items()}:
+            return None
+        for phase, stretches in regions.items():
+            for key, categories in stretches.items():
+                for category in categories:
+                    categories[category] += periods * (step.regions[phase][key][category]
+                                                       - reference.regions[phase][key][category])
         for key in host:
             host[key] += periods * (step.host_bytes[key] - reference.host_bytes[key])
+    result = {phase: max(stretches.values(), key=lambda c: sum(c.values())) for phase, stretches in regions.items()}
     note = (f"Traced with {', '.join(map(str, traced_depths))} blocks and extrapolated to {run.config.n_layer} "
             f"(the blocks' kinds repeat every {period}).")
-    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host)
+    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host,
+                       regions=regions)
