@@ -180,7 +180,7 @@ def test_loss_chunk_auto_picks_the_largest_chunk_that_fits(tmp_path):
     settings = plan_args(loss_chunk_size="auto", override_max_seq_length=1024, micro_batch_size=4)
     run = resolved(tiny(n_layer=4, block_size=1024), settings)
     assert run.loss_chunk_auto
-    peaks = {chunk: plan_run(run.replace(loss_chunk_size=chunk, loss_chunk_auto=False), engine="analytic",
+    peaks = {chunk: plan_run(run.replace(loss_chunk_size=chunk, loss_chunk_auto=False), engine="trace",
                              suggest=False, detect=False).peak_bytes for chunk in (128, 256, 512, 1024, 2048, 4096)}
     assert peaks[4096] > peaks[512]  # the logits of larger chunks show in the peak
     room = peaks[128]

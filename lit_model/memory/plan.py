@@ -510,7 +510,7 @@ def max_loss_chunk_size(run: Run, budget_bytes: Union[int, str, None] = None, ma
     tokens = run.micro_batch_size * run.seq_len
     best, chunk = DEFAULT_LOSS_CHUNK_SIZE, 2 * DEFAULT_LOSS_CHUNK_SIZE
     while chunk <= tokens:  # the peak grows with the chunk
-        if plan_spec(run.replace(loss_chunk_size=chunk, loss_chunk_auto=False), budget).peak_bytes > budget * (1 - margin):
+        if plan_spec(run.replace(loss_chunk_size=chunk, loss_chunk_auto=False), budget, "auto").peak_bytes > budget * (1 - margin):
             break
         best, chunk = chunk, 2 * chunk
     return best
