@@ -609,13 +609,14 @@ def write_report(table: list[dict], commands_used: dict[str, dict[str, str]], fa
     # a smoke check's numbers (one short run) stay out of benchmarks/results/, beside the runs' logs
     results = HERE / "results" if not args.quick else WORK
     results.mkdir(exist_ok=True)
-    name = "vs_peers" if not args.quick else "vs_peers_quick"
+    name = args.report if not args.quick else "vs_peers_quick"
     if table:
         atomic_write(results / f"{name}.csv", csv_text(table))
     sections = [
         f"# lit-model vs peers, as users run them (CPU, {os.cpu_count()} cores, median of {args.repeats})\n",
         f"Regenerate: `python benchmarks/vs_peers.py --rows {' '.join(args.rows)} --impls {' '.join(args.impls)} "
-        f"--steps {args.steps} --warmup {args.warmup} --repeats {args.repeats}`\n",
+        f"--steps {args.steps} --warmup {args.warmup} --repeats {args.repeats}"
+        + (f" --report {args.report}" if args.report != "vs_peers" else "") + "`\n",
         __doc__.split("What is measured, and how:", 1)[1].strip() + "\n",
         f"Steps per training run: {args.steps}; tokens/s from step {args.warmup} to step {args.steps - 1}. "
         "Threads: each implementation's default (OMP_NUM_THREADS and MKL_NUM_THREADS removed from the environment). "
@@ -698,6 +699,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s (compilation, warm-up)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_ROW}, one repeat, 20 steps: a smoke check")
+    parser.add_argument("--report", default="vs_peers", help="name of the results files (benchmarks/results/NAME.md, "
+                        ".csv): rows measured at different times keep their own report")
     parser.add_argument("--list", action="store_true", help="list the rows and the time estimate, run nothing")
     args = parser.parse_args()
     if args.quick:
