@@ -79,6 +79,9 @@ def test_cpu_overhead_terms_add_up(monkeypatch):
     # a second process adds its process group; persistent tensors (parameters) leave no retained heap
     assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 480 * MB + OVERHEAD.cpu_distributed
     assert cpu_overhead_terms({"parameters": 5 * 10**9})["allocator_retention"] == 0
+    # DDP's gradients are views into its buckets, allocated once: only the activations and logits churn
+    assert cpu_overhead_terms(cats, world_size=2, gradients_persist=True)["allocator_retention"] == int(
+        OVERHEAD.cpu_allocator_retention * 300 * MB)
     # a quantized model's dequantized weights are freed each pass: part of them stays on the heap
     with_dequantized = cpu_overhead_terms(cats, dequantized=1000 * MB)["allocator_retention"]
     assert with_dequantized == int(OVERHEAD.cpu_allocator_retention * 600 * MB + OVERHEAD.cpu_allocator_retention_dequantized * 1000 * MB)
@@ -216,8 +219,8 @@ def test_layers_extrapolate_each_stretch_of_the_step_where_the_peak_moves_with_d
     """With a large tied vocabulary, 2 blocks peak in backward (the embedding's gradient) and 12 at the end of
     forward (the activations): each stretch's peak is extrapolated, then the largest taken."""
     def run(n_layer: int) -> Run:
-        config = tiny(n_layer=n_layer, vocab_size=49152, n_embd=576, n_head=9, n_query_groups=3, intermediate_size=1536)
-        settings = args(micro_batch_size=4, global_batch_size=4, override_max_seq_length=256, loss_chunk_size=128)
+        config = tiny(n_layer=n_layer, vocab_size=98304, n_embd=576, n_head=9, n_query_groups=3, intermediate_size=1536)
+        settings = args(micro_batch_size=3, global_batch_size=3, override_max_seq_length=128, loss_chunk_size=128)
         return resolved(config, settings, device_type="cpu")
 
     def peak_stretch(result) -> str:
@@ -653,3 +656,57 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
         extra = plans["bnb.nf4"].phase_categories[phase]["overhead"] - plans[None].phase_categories[phase]["overhead"]
         assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention_dequantized * dequantized_bytes(run), abs=2)
     assert plans["bnb.nf4"].phase_categories["sample"]["overhead"] == plans[None].phase_categories["sample"]["overhead"]
+
+
+# ---- a tied embedding's two gradients ---------------------------------------------------------------------------
+class _Recorded(torch.autograd.Function):
+    """Identity whose backward returns a new gradient tensor and records where it lives."""
+
+    pointers: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        out = grad.clone()
+        _Recorded.pointers.append(out.data_ptr())
+        return out
+
+
+def _tied_weights_gradient_reuses_a_contribution() -> bool:
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(512, 32))
+    tokens = torch.randint(0, 512, (16,))
+    _Recorded.pointers = []
+    (nn.functional.embedding(tokens, weight) @ _Recorded.apply(weight).t()).sum().backward()
+    return weight.grad.data_ptr() in _Recorded.pointers
+
+
+def test_a_real_run_sums_a_tied_weights_two_gradients_in_place_but_not_under_a_dispatch_mode():
+    """What the trace's tied-gradient rule stands on: without a dispatch mode autograd adds the embedding's gradient
+    into the head's (the sum lives where a contribution lived); under one (the tracker) it adds out of place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    assert _tied_weights_gradient_reuses_a_contribution()
+    with Passthrough():
+        assert not _tied_weights_gradient_reuses_a_contribution()
+
+
+def test_the_trace_holds_two_embedding_sized_tensors_when_a_tied_embedding_backpropagates():
+    def backward_peak(tie_embeddings: bool) -> int:
+        config = tiny(vocab_size=32768, n_embd=64, intermediate_size=172, n_layer=1, tie_embeddings=tie_embeddings)
+        run = resolved(config, args(micro_batch_size=1, global_batch_size=1, override_max_seq_length=16), device_type="cpu")
+        stretches = trace_training(run).regions["train_step"]
+        return max(c["activations"] + c["gradients"] for key, c in stretches.items() if key.endswith("backward"))
+
+    table = 32768 * 64 * 2  # the embedding (bf16)
+    # tied: the head's gradient (in autograd's buffer) and the embedding's; their sum replaces the first
+    assert 2 * table <= backward_peak(True) < 2.2 * table
+    # untied: the same two tensors, each its own parameter's gradient
+    assert 2 * table <= backward_peak(False) < 2.2 * table

@@ -732,9 +732,9 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
         # backward of block 0: nearly every gradient exists, one block's tensors are still in flight
         point(inputs + xf_grad + acts.first_block, 0.0, grads=grads_all - embed_grad, quant_extra=dequant, gather=gathered,
               copies=False),
-        # end of backward: a tied embedding's gradient is summed with the head's (three V x C tensors at
-        # once, two of them still in autograd's buffers); then the optimizer step (fused AdamW: no temporaries)
-        point(inputs + (2 * V * C * d / shards if tied_trainable else 0.0), 0.0, grads=grads_all, gather=gathered_end,
+        # end of backward: a tied embedding's gradient is added in place to the head's (two V x C tensors at
+        # once, one of them still in autograd's buffer); then the optimizer step (fused AdamW: no temporaries)
+        point(inputs + (V * C * d / shards if tied_trainable else 0.0), 0.0, grads=grads_all, gather=gathered_end,
               copies=False, step=optimizer_step_bytes(spec, mb) / shards),
     ]
     train = _max_phase(candidates)

@@ -62,7 +62,8 @@ class Overhead:
     # step). With MALLOC_MMAP_THRESHOLD_ <= 1 MiB freed blocks go back at once: ~2.5 % (old step-only grid).
     # 0.20 fitted the grid's pretraining runs but left LoRA pythia-70m 32-true mb4 x 256 at -6.2 % (its step held
     # 211 MB more than with MALLOC_MMAP_THRESHOLD_=65536, on 197 MB of transient tensors); 0.30 leaves no run of the
-    # grid under by more than 5 % and over-predicts the AC and 2-process runs by up to 15 % (never optimistic).
+    # grid under by more than 5 %; the 5M model's DDP ranks stay over-predicted by ~16 % (never optimistic). DDP's
+    # gradients are left out of the transient bytes (allocated once in its buckets; plan.cpu_overhead_terms).
     cpu_allocator_retention: float = 0.30
     cpu_allocator_retention_mmap: float = 0.025
     # A quantized model dequantizes each frozen weight into a new tensor in forward and again in backward and frees

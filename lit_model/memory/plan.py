@@ -127,11 +127,15 @@ def _glibc_returns_freed_blocks() -> bool:
     return threshold is not None and threshold.isdigit() and int(threshold) <= 1 << 20
 
 
-def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0) -> dict[str, int]:
+def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
+                       gradients_persist: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
-    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model)."""
-    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + categories.get("gradients", 0)
+    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model).
+    ``gradients_persist``: the gradients live in buffers allocated once (DDP's buckets; each gradient autograd makes
+    is copied in and freed at once), so the step frees no gradient-sized heap for glibc to keep."""
+    gradients = 0 if gradients_persist else categories.get("gradients", 0)
+    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients
     if _glibc_returns_freed_blocks():
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     else:
@@ -153,7 +157,7 @@ def dequantized_bytes(spec: Run) -> int:
 
 
 def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
-                   cuda_alloc_conf: Optional[str] = None, dequantized: int = 0) -> int:
+                   cuda_alloc_conf: Optional[str] = None, dequantized: int = 0, gradients_persist: bool = False) -> int:
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
     fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``)."""
     if device_type == "cuda":
@@ -163,7 +167,7 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
         expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
         fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
         return int(fixed + fragmentation * transient)
-    return sum(cpu_overhead_terms(categories, world_size, dequantized).values())
+    return sum(cpu_overhead_terms(categories, world_size, dequantized, gradients_persist).values())
 
 
 def _sample_phase(spec: Run) -> dict[str, int]:
@@ -185,7 +189,7 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, di
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
         cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
-                                          _phase_dequantized(name, spec))
+                                          _phase_dequantized(name, spec), spec.strategy == "ddp")
         out[name] = cats
     return out
 
@@ -326,8 +330,8 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, _phase_dequantized(peak_phase, spec))
-                        if spec.device_type == "cpu" else {}),
+        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, _phase_dequantized(peak_phase, spec),
+                                           spec.strategy == "ddp") if spec.device_type == "cpu" else {}),
     )
 
 

@@ -73,13 +73,20 @@ CPU = torch.device("cpu")
 class _Tracker(MemTracker):
     """MemTracker that files the tensors with the vocabulary as last dimension (logits, their softmax and its
     gradient) as logits/loss memory and those created inside ``push_category("quant")`` scopes (the bitsandbytes
-    stand-ins) as quantization memory, and keeps only the global peak (module-level peaks cost time)."""
+    stand-ins) as quantization memory, and keeps only the global peak (module-level peaks cost time).
 
-    def __init__(self, vocab_size: int) -> None:
+    ``tied_shapes``: the shapes of trained parameters used in two places (a tied embedding and head). Autograd sums
+    the two gradients of such a parameter before accumulating them; a real run sums them in place (the engine's
+    input buffer holds the only reference), but under any dispatch mode, this tracker's included, the engine adds
+    out of place, which would count a third tensor of the embedding's size at that moment. That add does not
+    update the peaks: its result takes the first operand's place, as in the run."""
+
+    def __init__(self, vocab_size: int, tied_shapes: frozenset[tuple[int, ...]] = frozenset()) -> None:
         super().__init__()
         self._ref_class = _Ref
         self._scopes: list[str] = []
         self.vocab_size = vocab_size
+        self.tied_shapes = tied_shapes
 
     def push_category(self, name: str) -> None:
         self._scopes.append(name)
@@ -167,8 +174,14 @@ class _Tracker(MemTracker):
             else:
                 reftype = _Ref.ACT
             tree_map_only(torch.Tensor, partial(self._track_output, reftype), res)
-            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            if not self._sums_tied_gradients(func, args, res):
+                self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
         return res
+
+    def _sums_tied_gradients(self, func, args: tuple, res: Any) -> bool:  # type: ignore[no-untyped-def]
+        return (func is torch.ops.aten.add.Tensor and self._mod_tracker.is_bw and isinstance(res, torch.Tensor)
+                and tuple(res.shape) in self.tied_shapes and len(args) == 2
+                and all(isinstance(a, torch.Tensor) and a.shape == res.shape for a in args))
 
 
 @dataclass
@@ -302,6 +315,14 @@ def _batch(run: Run, rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
     return (*tokens, torch.zeros(shape, dtype=torch.long)) if run.packing else tokens
 
 
+def _tied_shapes(model: nn.Module) -> frozenset[tuple[int, ...]]:
+    """Shapes of the parameters that sit in two places of the model (a head tied to the embedding)."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return frozenset(tuple(p.shape) for p in model.parameters() if uses[id(p)] > 1)
+
+
 def _quant_state_bytes(model: nn.Module) -> int:
     return sum(m.quant_statistics.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
 
@@ -390,7 +411,6 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
     notes: list[str] = []
     config = run.config
     B, T = run.micro_batch_size, run.seq_len
-    tracker = _Tracker(vocab_size=config.padded_vocab_size)
     fabric = _trace_fabric(run)
     old_dtype = torch.get_default_dtype()
     # take_paths_of: the fake tensors live on the CPU; the model must take the planned device's code paths
@@ -401,6 +421,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             model.max_seq_length = T
         finally:
             torch.set_default_dtype(old_dtype)
+        tracker = _Tracker(vocab_size=config.padded_vocab_size, tied_shapes=_tied_shapes(model))
         _adapt(model, run, tracker)
         configure_model(model, run)
         offloading = model.activation_offloading  # the fake tensors it drops: their bytes are host memory
