@@ -87,8 +87,7 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     fabric.print(f"Data: {description}")
 
     fabric.seed_everything(args.seed)
-    model = GPT(config)
-    model.init_weights()
+    model = GPT.initialized(config, run.param_dtype)
     model.max_seq_length = seq_length
     fabric.print(f"Model: {config.name}, {sum(p.numel() for p in model.parameters()):,} parameters")
     model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)

@@ -303,3 +303,48 @@ def test_wandb_is_offline_unless_told_online_or_logged_in(tmp_path, monkeypatch)
     assert wandb_offline()
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     assert not wandb_offline()
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_a_new_model_is_built_once_in_its_dtype_without_a_default_initialised_copy(monkeypatch, dtype_name):
+    """GPT.initialized (what pretraining builds) allocates each weight once, in the run's dtype; a 16-bit weight's
+    values are drawn in fp32 a block of rows at a time, never as an fp32 copy of the whole table."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lit_model.model as model_module
+    from lit_model import GPT, Config
+
+    dtype = getattr(torch, dtype_name)
+    config = Config(name="t", block_size=64, vocab_size=4096, n_layer=2, n_embd=64, n_head=4, n_query_groups=2,
+                    intermediate_size=172, tie_embeddings=True)
+    monkeypatch.setattr(model_module, "INIT_DRAW_ELEMENTS", 1 << 12)
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[tuple[torch.dtype, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            aliases = any(r.alias_info is not None for r in func._schema.returns)  # a view or an in-place op
+            if isinstance(out, torch.Tensor) and out.device.type == "cpu" and not aliases:
+                self.made.append((out.dtype, out.numel()))
+            return out
+
+    torch.manual_seed(0)
+    with Allocations() as allocations:
+        model = GPT.initialized(config, dtype)
+    table = 4096 * 64
+    assert model.lm_head.weight is model.embed.weight
+    assert {p.dtype for p in model.parameters()} == {dtype} and model.cos.dtype == torch.float32
+    tables = [numel for made_dtype, numel in allocations.made if numel >= table]
+    assert tables == [table] * len(tables) and 1 <= len(tables) <= 2  # the embedding (to_empty may make the head's too)
+    if dtype != torch.float32:
+        assert max(n for d, n in allocations.made if d == torch.float32) <= 1 << 12  # the draws, in blocks
+    assert model.embed.weight.float().std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[1].norm_1.weight.float().eq(1).all()
+    # the same seed, the same weights
+    torch.manual_seed(0)
+    again = GPT.initialized(config, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
