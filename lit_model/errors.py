@@ -94,6 +94,22 @@ class StopSignals:
             self.deferring = False
 
     @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside, a first signal is only recorded, and raised when the block ends: for code that an exception must
+        not cut midway, such as torch's device and dispatch-mode context managers (an exception raised while they
+        swap their mode stack corrupts it). Inside ``deferred`` this changes nothing: the caller stops as it does."""
+        if self.deferring:
+            yield
+            return
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.requested is not None:
+            raise Interrupted(self.requested)
+
+    @contextlib.contextmanager
     def patience(self) -> Iterator[None]:
         """Inside, the main thread may legitimately wait in C++ for long (a rank at a barrier while rank 0 writes a
         large checkpoint): the watchdog lets it finish after a first signal (a second still ends the process)."""

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.config import Config
-from lit_model.errors import UserError
+from lit_model.errors import STOPS, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
 from lit_model.ops import attends_in_halves, causal_attention_in_halves, path_device, rms_norm
 
@@ -203,7 +203,7 @@ class GPT(nn.Module):
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device("meta"):
+            with STOPS.held(), torch.device("meta"):  # a stop signal waits until the device mode is popped
                 model = cls(config)
         finally:
             torch.set_default_dtype(old)
@@ -242,7 +242,7 @@ class GPT(nn.Module):
 
         checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
         config = Config.from_checkpoint(checkpoint_dir, **config_overrides)
-        with torch.device("meta"):
+        with STOPS.held(), torch.device("meta"):  # a stop signal waits until the device mode is popped
             model = cls(config)
         load_model_weights(model, checkpoint_dir, device=device, dtype=dtype)
         load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights

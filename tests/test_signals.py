@@ -213,6 +213,31 @@ def test_the_first_signal_in_the_loop_asks_to_stop_and_a_second_aborts_at_once(c
     assert signal.getsignal(signal.SIGINT) is before  # run_cli put the handler it found back
 
 
+def test_a_signal_while_the_model_is_built_on_the_meta_device_waits_for_the_device_mode_to_end(capsys):
+    """A signal's exception raised while torch swaps its mode stack corrupts it ("trying to pop from empty mode
+    stack"): STOPS.held() records the signal and raises it once the block is over."""
+    import torch
+
+    from lit_model.errors import STOPS, run_cli
+
+    reached = []
+
+    def entry() -> None:
+        STOPS.where = "before training started: nothing was saved"
+        with STOPS.held(), torch.device("meta"):
+            os.kill(os.getpid(), signal.SIGINT)
+            assert STOPS.requested == signal.SIGINT
+            torch.empty(3)  # torch functions still go through the device mode
+            reached.append(True)
+        pytest.fail("the signal was not raised after the block")
+
+    with pytest.raises(SystemExit) as exit:
+        run_cli(entry)
+    assert reached and exit.value.code == 130
+    assert capsys.readouterr().err == "Stopped by SIGINT before training started: nothing was saved.\n"
+    assert torch.empty(1).device.type == "cpu"  # the mode stack is intact
+
+
 def test_summary_is_strict_json_with_null_for_a_loss_never_measured(tiny_setup, tmp_path, monkeypatch):
     from lightning.fabric import Fabric
 
