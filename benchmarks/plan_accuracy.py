@@ -143,16 +143,14 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
 
     from lit_model import GPT
     from lit_model.activations import ActivationOffloading
+    from lit_model.model import default_dtype
     from lit_model.lora import LoRAConfig, apply_lora
     from lit_model.training.optimizers import build_optimizer
 
     dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[job["precision"]]
     config = job_config(job) if n_layer is None else job_config(job, n_layer=n_layer)
-    torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype):
         model = GPT(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
     model.max_seq_length = job["seq_len"]
     if job.get("quantize"):
         from lit_model.quantize import quantize_model
@@ -332,11 +330,7 @@ def save_random_checkpoint(model: str, out_dir: str, tokenizer_dir: str) -> None
     from lit_model.checkpoint import save_checkpoint_dir
 
     config = Config.from_name(model)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        gpt = GPT(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    gpt = GPT.initialized(config, torch.bfloat16)
     save_checkpoint_dir(gpt.state_dict(), config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True)
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from lit_model.config import Config
 from lit_model.errors import UserError
-from lit_model.files import atomic_write, fsync_directory
+from lit_model.files import atomic_write, disk_full_error, fsync_directory, is_disk_full
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.yaml"
@@ -55,8 +55,10 @@ def atomic_directory(final_dir: str | Path, overwrite: bool = False) -> Iterator
         write_manifest(tmp_dir)
         if not overwrite:  # it may have appeared meanwhile
             refuse_to_replace(final_dir)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        if is_disk_full(error):
+            raise disk_full_error(final_dir) from None
         raise
     if final_dir.exists():
         old_dir = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")

@@ -33,7 +33,7 @@ from lit_model.checkpoint import (
     save_checkpoint_dir,
 )
 from lit_model.config import Config
-from lit_model.errors import UsageError, UserError
+from lit_model.errors import STOPS, UsageError, UserError
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -699,7 +699,7 @@ class WeightMap:
 def _meta_model(config: Config) -> torch.nn.Module:
     from lit_model.model import GPT
 
-    with torch.device("meta"):
+    with STOPS.held(), torch.device("meta"):
         return GPT(config)
 
 

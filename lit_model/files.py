@@ -8,10 +8,14 @@ atomic and a small /tmp cannot fail a save), flushed and fsynced, then renamed o
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Union
+
+from lit_model.errors import UserError
 
 
 def fsync_directory(directory: Union[str, Path]) -> None:
@@ -26,6 +30,25 @@ def fsync_directory(directory: Union[str, Path]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """A write that failed for want of space: an OSError (ENOSPC, EDQUOT), or a library's own error wrapping one
+    (safetensors' writer raises ``SafetensorError: ... No space left on device (os error 28)``)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "No space left on device" in str(error) or "Disk quota exceeded" in str(error)
+
+
+def disk_full_error(path: Union[str, Path]) -> UserError:
+    """The message for a write that ran out of space, after the temporary files were removed."""
+    path = Path(path)
+    where = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    return UserError(
+        f"The disk holding {path} is full ({free / 1e9:.1f} GB free after removing this write's temporary files), so "
+        f"{path} was not written; what was there before is untouched. Free space on that disk, or choose an --out_dir on "
+        "a larger one, and run again (--resume auto continues from the newest checkpoint the run saved, if any).")
 
 
 @contextlib.contextmanager
@@ -43,9 +66,11 @@ def atomic_open(path: Union[str, Path], mode: str = "w", **kwargs) -> Iterator[I
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if is_disk_full(error):
+            raise disk_full_error(path) from None
         raise
     fsync_directory(path.parent)
 

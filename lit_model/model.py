@@ -30,6 +30,17 @@ except ImportError:
     flash_attn_func = None
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Within this block new floating-point tensors (a model's parameters) are made in ``dtype``."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 class GPT(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -200,13 +211,8 @@ class GPT(nn.Module):
         """A new model with ``init_weights``'s weights, stored in ``dtype`` on the CPU. Built on the meta device,
         then filled: the process holds the model once, in ``dtype`` (not a default-initialised fp32 copy with an
         untied head first, as ``GPT(config)`` makes: 2.8 GB for Qwen2.5-0.5B, whose bf16 weights are 0.9 GB)."""
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with STOPS.held(), torch.device("meta"):  # a stop signal waits until the device mode is popped
-                model = cls(config)
-        finally:
-            torch.set_default_dtype(old)
+        with default_dtype(dtype), STOPS.held(), torch.device("meta"):  # a stop waits until the device mode is popped
+            model = cls(config)
         model.to_empty(device="cpu")
         if config.tie_embeddings:  # to_empty may give the two modules separate tensors
             model.lm_head.weight = model.embed.weight

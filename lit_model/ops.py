@@ -93,6 +93,18 @@ def attends_in_halves(device_type: str, length: int) -> bool:
     return device_type == "cpu" and 384 <= length <= 512
 
 
+def cuda_attention_kernel(dtype: torch.dtype, head_size: int, masked: bool, shared_key_heads: bool) -> str:
+    """The kernel a CUDA ``scaled_dot_product_attention`` of a training step runs, in PyTorch's order (sdp_utils):
+    flash needs fp16/bf16, no explicit mask and a head size up to 256; memory-efficient takes fp32 and a mask but
+    not enable_gqa's shared key/value heads (pytorch/pytorch#191085, which would add them, was closed unmerged);
+    else math, which keeps the T x T probabilities of every head for backward. Measured on an H200 (torch 2.11,
+    benchmarks/results/plan_accuracy_gpu.md): SmolLM2-360M (grouped queries) in 32-true peaked 1.9 GB above a
+    trace that assumed a fused kernel, about its 32 layers' probabilities."""
+    if dtype in (torch.float16, torch.bfloat16) and not masked and head_size <= 256:
+        return "flash"
+    return "math" if shared_key_heads else "efficient"
+
+
 def causal_attention_in_halves(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
 ) -> list[torch.Tensor]:

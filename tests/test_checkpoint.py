@@ -107,6 +107,27 @@ def test_atomic_directory_keeps_the_old_one_when_writing_fails(tmp_path):
     assert sorted(p.name for p in target.iterdir()) == ["good", MANIFEST_NAME]
 
 
+def test_a_full_disk_while_saving_weights_keeps_the_old_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """safetensors' writer reports a full disk as its own error type (seen on a GPU machine whose 64 GB disk filled
+    up at a Llama-2-7B LoRA run's final save): it must end as a message, not a traceback, with nothing half-written."""
+    from safetensors import SafetensorError
+
+    config = Config(name="tiny", block_size=16, vocab_size=32, n_layer=1, n_embd=8, n_head=2)
+    state = lit_state_dict(GPT(config), config)
+    save_checkpoint_dir(state, config, tmp_path / "final")
+    before = sorted(p.name for p in (tmp_path / "final").iterdir())
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("lit_model.checkpoint.save_file", full)
+    with pytest.raises(UserError, match="is full") as raised:
+        save_checkpoint_dir(state, config, tmp_path / "final", overwrite=True)
+    assert raised.value.__cause__ is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == before
+
+
 def test_a_non_empty_directory_is_replaced_only_with_overwrite(tmp_path):
     config = Config(name="a", block_size=32, vocab_size=64, n_layer=1, n_embd=16, n_head=2)
     state = lit_state_dict(GPT(config), config)

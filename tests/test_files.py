@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
 
+from lit_model.errors import UserError
 from lit_model.files import atomic_open, atomic_write
 
 
@@ -35,3 +37,14 @@ def test_atomic_open_refuses_append(tmp_path):
     with pytest.raises(ValueError):
         with atomic_open(tmp_path / "x", "a"):
             pass
+
+
+def test_a_full_disk_is_a_message_naming_the_file_and_the_fix(tmp_path):
+    target = tmp_path / "summary.json"
+    target.write_text("{}\n")
+    with pytest.raises(UserError, match=r"disk holding .*summary.json is full \(\d+\.\d GB free.*--out_dir") as raised:
+        with atomic_open(target, "w") as handle:
+            handle.write("{")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert raised.value.exit_code == 1 and raised.value.__cause__ is None
+    assert target.read_text() == "{}\n" and os.listdir(tmp_path) == ["summary.json"]

@@ -323,16 +323,16 @@ def test_plan_json_reads_no_weights_and_its_kv_cache_grows_with_max_new_tokens(c
     assert json.loads(proc.stdout)["by_category"]["kv_cache"] == 2 * c.n_layer * c.n_query_groups * 64 * c.head_size * 4
 
 
-def test_plan_from_a_model_name_says_7b_does_not_fit_8gb_and_suggests_quantize() -> None:
-    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "text")
+def test_plan_from_a_model_name_says_7b_does_not_fit_10gb_and_suggests_quantize() -> None:
+    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "10GB", "--plan", "text")
     assert proc.returncode == 0, proc.stderr
-    assert "DOES NOT FIT in 8.00 GB" in proc.stdout and "--quantize bnb.nf4" in proc.stdout
-    proc = run("generate/chat.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "json")
+    assert "DOES NOT FIT in 10.00 GB" in proc.stdout and "--quantize bnb.nf4" in proc.stdout
+    proc = run("generate/chat.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "10GB", "--plan", "json")
     plan = json.loads(proc.stdout)
     assert not plan["fits"] and any(flag.startswith("--quantize") for s in plan["suggestions"] for flag in s["flags"])
-    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "8GB", "--plan", "text",
+    proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf", "--device_memory", "10GB", "--plan", "text",
                "--devices", "2", "--precision", "bf16-true")  # the blocks split over two GPUs
-    assert proc.returncode == 0 and "FITS in 8.00 GB" in proc.stdout and "the fullest of them" in proc.stdout
+    assert proc.returncode == 0 and "FITS in 10.00 GB" in proc.stdout and "the fullest of them" in proc.stdout
     proc = run("generate/base.py", "--model_name", "Llama-2-7b-hf")  # generating needs the weights
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "`lit-model download meta-llama/Llama-2-7b-hf`" in " ".join(proc.stderr.split())

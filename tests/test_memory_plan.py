@@ -16,6 +16,7 @@ from lit_model.memory import (
     Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
 )
 from lit_model.memory.analytic import CATEGORIES, param_counts, training_phases
+from lit_model.ops import cuda_attention_kernel
 from lit_model.run import Run, resolve_run
 from lit_model.training.args import TrainArgs
 from lit_model.memory.trace import trace_training
@@ -296,6 +297,37 @@ def test_ddp_gradients_are_one_copy_in_its_buckets(engine):
     assert single["evaluation"]["gradients"] == 0
 
 
+def test_cuda_attention_kernel_is_the_one_pytorch_dispatches_to():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert cuda_attention_kernel(bf16, 64, masked=False, shared_key_heads=True) == "flash"
+    assert cuda_attention_kernel(fp32, 64, masked=False, shared_key_heads=False) == "efficient"
+    assert cuda_attention_kernel(fp32, 64, masked=False, shared_key_heads=True) == "math"  # SmolLM2 in 32-true
+    assert cuda_attention_kernel(bf16, 64, masked=True, shared_key_heads=False) == "efficient"  # a sliding window
+    assert cuda_attention_kernel(bf16, 64, masked=True, shared_key_heads=True) == "math"
+    assert cuda_attention_kernel(bf16, 512, masked=False, shared_key_heads=True) == "math"  # flash stops at 256
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_cuda_plan_keeps_the_math_kernels_probabilities_where_cuda_takes_it(precision):
+    """fp32 with grouped queries: no fused CUDA kernel takes it, so the step keeps every head's T x T probabilities
+    (measured on an H200: SmolLM2-360M 32-true, 1.9 GB above a fused-kernel trace). bf16 takes flash: no T^2 term."""
+    B, T, n_layer, n_head = 2, 128, 2, 4
+
+    def activations(groups: int, device_type: str = "cuda") -> int:
+        spec = resolved(tiny(n_query_groups=groups), args(precision=precision, micro_batch_size=B), device_type=device_type)
+        traced = trace_training(spec).phases["train_step"]
+        closed = training_phases(spec)["train_step"]
+        assert sum(closed.values()) == pytest.approx(sum(traced.values()), rel=0.05)  # the closed form agrees
+        return traced["activations"]
+
+    probabilities = n_layer * B * n_head * T * T * 4
+    if precision == "32-true":  # the CPU's fused kernel takes grouped queries; a model without them is the same
+        assert activations(2) - activations(2, "cpu") >= probabilities
+        assert activations(4) == activations(4, "cpu")
+    else:
+        assert activations(2) == activations(2, "cpu")
+
+
 def test_sophia_is_traced_with_its_double_backward():
     """Sophia's Hessian steps run backward with create_graph=True on the math attention kernel: the trace runs
     exactly that (benchmarks/results/memory_ladder.md measured 2.7x AdamW's peak on the CPU)."""
@@ -504,7 +536,7 @@ def test_with_the_scripts_args_dataclasses():
     from lit_model.training.args import TrainArgs
 
     pretrain = TrainArgs(micro_batch_size=8, global_batch_size=32, precision="32-true", override_max_seq_length=512)
-    plan = plan_training(Config.from_name("lit-model-40m"), pretrain, device_memory="1GB", engine="analytic")
+    plan = plan_training(Config.from_name("lit-model-40m"), pretrain, device_memory="2GB", engine="analytic")
     assert not plan.fits and plan.suggestions
     applied = plan.suggestions[0].apply(pretrain)
     assert isinstance(applied, TrainArgs) and plan.replan(plan.suggestions[0]).fits

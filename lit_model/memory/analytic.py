@@ -24,7 +24,7 @@ from lit_model.activations import MIN_OFFLOAD_BYTES
 from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
-from lit_model.ops import attends_in_halves, norms_by_hand
+from lit_model.ops import attends_in_halves, cuda_attention_kernel, norms_by_hand
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -361,6 +361,8 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     sliding = config.layer_uses_sliding_window(layer) and T > (config.sliding_window_size or 0)
     partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
     y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
+    attention_math = attn_rg and spec.device_type == "cuda" and cuda_attention_kernel(
+        spec.autocast_dtype or spec.param_dtype, hs, sliding or spec.packing, Hkv < Hq) == "math"
     if config.attention_logit_softcapping is not None:
         if attn_rg:
             # q, k and v (repeated to every query head when grouped) kept by the two matmuls
@@ -368,6 +370,12 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
             # per sample: tanh output, fp32 softmax output, probabilities cast back to the compute dtype
             t2 += config.n_head * T * T * (dm + 4 + (dm if dm != 4 else 0))
             per_layer += T * T  # the inverted boolean mask kept by masked_fill
+    elif attention_math:
+        # CUDA's math kernel: the scaled q, k and v repeated to every query head, the output, the probabilities
+        per_token += 4 * Hq * dm
+        t2 += config.n_head * T * T * dm
+        if sliding:
+            per_layer += T * T * dm
     elif attn_rg:
         per_token += (Hq + 2 * Hkv) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
         if sliding:
@@ -469,6 +477,8 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
         router = config.n_expert * 4 + 4 * config.moe_norm_topk + C * dm * block_trainable
         per_token = before_mlp + k * per_choice + router
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
+    if attention_math and config.attention_logit_softcapping is None:
+        transient += 2 * config.n_head * T * dm  # the probabilities' gradient and the softmax's, per token
     # selective checkpointing (activations.SAVED_OPS): the block's input and every matmul and attention output: q, k,
     # v, the attention output and its logsumexp, each projection, the LoRA branches' two matmuls (MoE: the whole
     # block's kept tensors, an upper bound)

@@ -25,24 +25,27 @@ class Overhead:
     """Memory outside the model's tensors, per rank."""
 
     # CUDA: the context (driver state, kernels of torch/cuBLAS/cuDNN/NCCL loaded lazily). It is not part of
-    # torch.cuda.max_memory_reserved() but it is taken from the device's total memory. Public measurements on
-    # A100/H100 with CUDA 12 and lazy module loading put it at 300-600 MB; 500 MB (estimate).
-    cuda_context: int = 500 * MB
-    # CUDA: cuBLAS/cuBLASLt workspaces (32 MiB per handle on Hopper, 4 MiB before; two handles: forward and
-    # backward streams) plus NCCL buffers when distributed (estimate).
-    cuda_workspaces: int = 64 * MiB
+    # torch.cuda.max_memory_reserved() but it is taken from the device's total memory. Measured 718 MB on an H200
+    # (torch 2.11, CUDA 13, after initialisation and one bf16 matrix product: benchmarks/plan_accuracy_gpu.py);
+    # public figures for A100/H100 with CUDA 12 are 300-600 MB. Rounded up to 768 MiB: other GPUs and drivers differ.
+    cuda_context: int = 768 * MiB
+    # CUDA: cuBLAS/cuBLASLt workspaces, which PyTorch takes through its caching allocator (so they are in
+    # max_memory_allocated() though no model tensor is): the H200 runs allocated 55-131 MB more than their traced
+    # tensors (benchmarks/results/plan_accuracy_gpu.md), 128 MiB covers them. NCCL buffers when distributed (estimate).
+    cuda_workspaces: int = 128 * MiB
     cuda_nccl_buffers: int = 200 * MB  # per rank with world_size > 1 (estimate: NCCL_BUFFSIZE 4 MiB x channels)
-    # CUDA: reserved-but-unused memory of the caching allocator as a fraction of the *transient* bytes
-    # (activations, logits, temporaries; persistent weights and optimizer state pack without gaps).
-    # torchtune's Llama-2-7B LoRA (15.57 GB reserved) and litgpt's figures suggest 5-15 % (estimate).
-    cuda_fragmentation: float = 0.10
-    # The same with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the scripts' default on
-    # CUDA, training/fabric.py): a segment grows in 2 MiB pages instead of a new cudaMalloc per size that does not fit
-    # (pytorch/pytorch#96995, docs.pytorch.org/docs/stable/notes/cuda.html "expandable_segments"), which removes the
-    # usual fragmentation of growing and varying activations. No published ratio: half the above, rounded up
-    # (estimate). With max_split_size_mb set as well, reserved memory can grow without bound (pytorch/pytorch#123548):
-    # then the factor above applies.
-    cuda_fragmentation_expandable: float = 0.05
+    # CUDA: memory the caching allocator reserves beyond what is allocated (fragmentation, its rounding, freed
+    # blocks it keeps), as a fraction of a phase's tensor bytes other than the weights (loaded once, they pack
+    # without gaps; gradients, optimizer state, activations, logits and the KV cache come and go). With expandable
+    # segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the training scripts' default on CUDA,
+    # training/fabric.py; a segment grows in 2 MiB pages instead of a new cudaMalloc per size that does not fit,
+    # pytorch/pytorch#96995) the H200 runs reserved 2-22 % of those bytes beyond their allocated peak (pretraining,
+    # full, LoRA, QLoRA and adapter runs; as a share of the activations alone it ranged 2-74 %): 0.12, which with
+    # the two terms above leaves no run under-planned (benchmarks/results/plan_accuracy_gpu.md). Without expandable
+    # segments gaps grow with varying activation sizes (estimate: 0.20). With max_split_size_mb set as well, reserved
+    # memory can grow without bound (pytorch/pytorch#123548): then 0.20 too.
+    cuda_fragmentation: float = 0.20
+    cuda_fragmentation_expandable: float = 0.12
     # CPU, per process: what a training process holds besides the model's tensors, in named terms (plan.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).

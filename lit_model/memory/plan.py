@@ -161,12 +161,13 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
     fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``)."""
     if device_type == "cuda":
-        transient = categories.get("activations", 0) + categories.get("logits_loss", 0)
+        # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
+        moving = sum(size for category, size in categories.items() if category not in ("overhead", "parameters"))
         fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
         settings = (cuda_alloc_conf or "").replace(" ", "").lower()
         expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
         fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
-        return int(fixed + fragmentation * transient)
+        return int(fixed + fragmentation * moving)
     return sum(cpu_overhead_terms(categories, world_size, dequantized, gradients_persist).values())
 
 
@@ -180,6 +181,11 @@ def _sample_phase(spec: Run) -> dict[str, int]:
     return {c: generation.get(c, 0) for c in CATEGORIES if c != "overhead"}
 
 
+def _gradients_in_buckets(spec: Run) -> bool:
+    """DDP's gradients are views into its buckets, allocated once when it wraps the model (they persist)."""
+    return spec.strategy == "ddp"
+
+
 def _phase_dequantized(phase: str, spec: Run) -> int:
     return dequantized_bytes(spec) if phase in ("train_step", "evaluation") else 0
 
@@ -189,7 +195,7 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, di
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
         cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
-                                          _phase_dequantized(name, spec), spec.strategy == "ddp")
+                                          _phase_dequantized(name, spec), _gradients_in_buckets(spec))
         out[name] = cats
     return out
 
@@ -246,7 +252,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             return _analytic_phases(spec)
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
-        if spec.strategy == "ddp":  # the gradients are views into DDP's buckets, allocated when it wraps the model
+        if _gradients_in_buckets(spec):
             buckets = analytic.model_bytes(spec).trainable * spec.param_bytes
             for cats in traced.values():
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
@@ -331,7 +337,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
         overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, _phase_dequantized(peak_phase, spec),
-                                           spec.strategy == "ddp") if spec.device_type == "cpu" else {}),
+                                           _gradients_in_buckets(spec)) if spec.device_type == "cpu" else {}),
     )
 
 
@@ -417,7 +423,10 @@ def plan_run(
         plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
                           "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
     if run.device_type == "cuda":
-        plan.notes.append("GPU overhead (CUDA context, workspaces, allocator fragmentation) is an uncalibrated estimate.")
+        plan.notes.append(f"GPU overhead: CUDA context {format_bytes(OVERHEAD.cuda_context)}, cuBLAS workspaces "
+                          f"{format_bytes(OVERHEAD.cuda_workspaces)} and the caching allocator's reserve (a share of the "
+                          "tensors), measured on one H200 (torch 2.11) and rounded up; other GPUs and drivers differ by "
+                          "a few hundred MB (benchmarks/results/plan_accuracy_gpu.md).")
     else:
         terms = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.overhead_terms.items())
         plan.notes.append(f"CPU overhead per process: {terms} (measured on whole runs here and rounded up; the data term "

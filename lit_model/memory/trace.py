@@ -26,7 +26,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
 from torch.utils._pytree import tree_map_only
 import torch.distributed as dist
@@ -40,8 +42,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lit_model.adapter import apply_adapter
 from lit_model.lora import apply_lora
 from lit_model.memory.modules import QuantLinearSim, quantize_model_sim
-from lit_model.model import GPT
-from lit_model.ops import take_paths_of
+from lit_model.model import GPT, default_dtype
+from lit_model.ops import cuda_attention_kernel, take_paths_of
 from lit_model.run import Run
 from lit_model.training.fabric import configure_model, fsdp_mesh, shard_model
 from lit_model.training.loop import TrainStep, evaluation_sums, freeze_layers
@@ -275,23 +277,31 @@ def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.opti
 
 
 @contextlib.contextmanager
-def _cuda_dropout():
-    """Dropout as CUDA runs it (``native_dropout``: a boolean mask is kept for backward). The CPU kernel keeps a
-    noise tensor of the input's dtype instead, which would overstate a GPU run's LoRA dropout memory."""
-    import torch.nn.functional as F
-
-    original = F.dropout
+def _cuda_kernels():
+    """Dropout and attention as CUDA runs them. Dropout: ``native_dropout`` keeps a boolean mask for backward (the CPU
+    kernel keeps a noise tensor of the input's dtype, which would overstate a GPU run's LoRA dropout memory).
+    Attention: the CPU's fused kernel keeps what CUDA's flash and memory-efficient kernels keep (the output and its
+    logsumexp); where CUDA would take the math kernel (``cuda_attention_kernel``), the trace takes it too."""
+    dropout_function, attention_function = F.dropout, F.scaled_dot_product_attention
 
     def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
         if not training or p == 0.0:
             return input
         return torch.native_dropout(input, p, True)[0]
 
-    F.dropout = dropout
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                  *args: Any, enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
+        shared = enable_gqa and k.size(-3) != q.size(-3)
+        if cuda_attention_kernel(q.dtype, q.size(-1), attn_mask is not None, shared) != "math":
+            return attention_function(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return attention_function(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+
+    F.dropout, F.scaled_dot_product_attention = dropout, attention
     try:
         yield
     finally:
-        F.dropout = original
+        F.dropout, F.scaled_dot_product_attention = dropout_function, attention_function
 
 
 def _adapt(model: GPT, run: Run, tracker: "_Tracker") -> None:
@@ -412,15 +422,11 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
     config = run.config
     B, T = run.micro_batch_size, run.seq_len
     fabric = _trace_fabric(run)
-    old_dtype = torch.get_default_dtype()
     # take_paths_of: the fake tensors live on the CPU; the model must take the planned device's code paths
     with FakeTensorMode(), take_paths_of(run.device_type):
-        torch.set_default_dtype(run.param_dtype)
-        try:
+        with default_dtype(run.param_dtype):
             model = GPT(config)
             model.max_seq_length = T
-        finally:
-            torch.set_default_dtype(old_dtype)
         tracker = _Tracker(vocab_size=config.padded_vocab_size, tied_shapes=_tied_shapes(model))
         _adapt(model, run, tracker)
         configure_model(model, run)
@@ -445,9 +451,9 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         tracker.track_external(*samples)
         results: dict[str, dict[str, int]] = {}
         regions: dict[str, dict[str, dict[str, int]]] = {}
-        dropout = _cuda_dropout if run.device_type == "cuda" else contextlib.nullcontext
+        kernels = _cuda_kernels if run.device_type == "cuda" else contextlib.nullcontext
         for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
-            with dropout(), tracker:
+            with kernels(), tracker:
                 tracker.reset_mod_stats()
                 step([samples], "in the plan")
                 step.update(run.grad_clip)
@@ -461,7 +467,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         if "evaluation" in phases:
             batch = _batch(run, run.eval_batch, vocab)
             tracker.track_external(*batch)
-            with tracker:
+            with kernels(), tracker:
                 tracker.reset_mod_stats()
                 evaluation_sums(fabric, model, [batch])
                 results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)

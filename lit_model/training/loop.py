@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lit_model.checkpoint import MANIFEST_NAME, verify_checkpoint_dir, write_manifest
 from lit_model.config import Config
 from lit_model.errors import STOPS, UsageError, UserError
-from lit_model.files import atomic_open, atomic_write, fsync_directory
+from lit_model.files import atomic_open, atomic_write, disk_full_error, fsync_directory, is_disk_full
 from lit_model.memory.units import peak_rss_bytes
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
@@ -216,9 +216,11 @@ def write_state(fabric: Fabric, directory: Path, state: dict[str, Any], config: 
         fabric.barrier()
         if fabric.global_rank == 0:
             write_manifest(directory)
-    except BaseException:
+    except BaseException as error:
         if fabric.global_rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
+        if is_disk_full(error):
+            raise disk_full_error(directory.parent) from None
         raise
 
 
