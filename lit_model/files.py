@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Iterator, Optional, Union
 
 from lit_model.errors import UserError
 
@@ -40,15 +40,17 @@ def is_disk_full(error: BaseException) -> bool:
     return "No space left on device" in str(error) or "Disk quota exceeded" in str(error)
 
 
-def disk_full_error(path: Union[str, Path]) -> UserError:
-    """The message for a write that ran out of space, after the temporary files were removed."""
+def disk_full_error(path: Union[str, Path], what: Optional[str] = None) -> UserError:
+    """The message for a write of ``what`` (default: ``path``) that ran out of space, after the temporary files were
+    removed."""
     path = Path(path)
     where = next((p for p in (path, *path.parents) if p.exists()), Path("."))
     free = shutil.disk_usage(where).free
     return UserError(
         f"The disk holding {path} is full ({free / 1e9:.1f} GB free after removing this write's temporary files), so "
-        f"{path} was not written; what was there before is untouched. Free space on that disk, or choose an --out_dir on "
-        "a larger one, and run again (--resume auto continues from the newest checkpoint the run saved, if any).")
+        f"{what or path} was not written; what was there before is untouched. Free space on that disk, or choose an "
+        "--out_dir on a larger one, and run again (--resume auto continues from the newest checkpoint the run saved, "
+        "if any).")
 
 
 @contextlib.contextmanager

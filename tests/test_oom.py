@@ -5,7 +5,6 @@ batch). Out-of-memory is caused on the CPU with the simulated memory cap (lit_mo
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +120,24 @@ def test_rehearsal_changes_nothing(fabric, tmp_path, name):
     assert not optimizer.optimizer.state and all(p.grad is None for p in model.parameters())
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == groups
     assert not any((tmp_path / "checkpoints").iterdir())  # the rehearsal's checkpoint was removed
+
+
+def test_the_rehearsal_refuses_a_disk_without_room_for_final(fabric, tmp_path, monkeypatch):
+    """A Llama-2-7B LoRA run on a GPU machine trained, then failed its final save on a full disk: the rehearsal checks
+    the room for the weights first, before any training."""
+    from lit_model.errors import UserError
+    from lit_model.training import loop
+
+    model, optimizer, step, _ = make_step(fabric, 4)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    batches = step_batches(False)
+    state = {"model": model, "optimizer": optimizer}
+    monkeypatch.setattr(loop, "free_disk_bytes", lambda path: weights - 1)
+    with pytest.raises(UserError, match="needs at least .* nothing was trained yet"):
+        loop.rehearse(fabric, step, batches[0], batches, state, Config(**TINY), tmp_path, None, fresh=True)
+    assert not (tmp_path / "checkpoints").exists()
+    monkeypatch.setattr(loop, "free_disk_bytes", lambda path: weights)
+    loop.rehearse(fabric, step, batches[0], batches, state, Config(**TINY), tmp_path, None, fresh=True)
 
 
 def test_pretrain_recovers_with_the_same_losses(tiny_setup, tmp_path, monkeypatch):

@@ -220,7 +220,7 @@ def write_state(fabric: Fabric, directory: Path, state: dict[str, Any], config: 
         if fabric.global_rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
         if is_disk_full(error):
-            raise disk_full_error(directory.parent) from None
+            raise disk_full_error(directory.parent, "the resumable checkpoint") from None
         raise
 
 
@@ -503,16 +503,32 @@ class TrainStep:
             )
 
 
+def free_disk_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def check_room_for_final(fabric: Fabric, out_dir: Path, weight_bytes: int) -> None:
+    """final/ is written after the last step: a disk without room for the model's weights (as they are held now: a
+    lower bound of what final/ stores) would fail the save at the end of the run, after all the training."""
+    free = fabric.broadcast(free_disk_bytes(out_dir) if fabric.global_rank == 0 else 0)
+    if free < weight_bytes:
+        raise UserError(f"{out_dir} is on a disk with {free / 1e9:.1f} GB free, but final/, written after the last step, "
+                        f"needs at least {weight_bytes / 1e9:.1f} GB for the model's weights. Free space on that disk or "
+                        "choose an --out_dir on a larger one; nothing was trained yet.")
+
+
 def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, ...], val_batches: list[Any],
              state: dict[str, Any], config: Config, out_dir: Path, save_filter: Optional[dict[str, Any]], fresh: bool) -> None:
     """The run's memory-hungriest moments once, before the main loop: a step on the longest batch, the largest
-    evaluation batch and a checkpoint save, so an out-of-memory shows in the first minute, not after hours.
+    evaluation batch and a checkpoint save (and room on the disk for final/), so an out-of-memory or a full disk
+    shows in the first minute, not after hours.
     A ``fresh`` run's rehearsal changes nothing: its optimizer step has learning rate and weight decay 0 (set before
     the backward, where an optimizer that steps in backward steps), and the optimizer's state and param groups are
     restored afterwards from a copy taken before (a fresh optimizer's state is empty, or small). A resumed run
     skips the optimizer step (its loaded state already holds that memory): in backward, it only frees gradients."""
     start = time.perf_counter()
     model, optimizer = train_step.model, train_step.optimizer
+    check_room_for_final(fabric, out_dir, sum(p.numel() * p.element_size() for p in model.parameters()))
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
     if fresh:
         saved = copy.deepcopy(inner.state_dict())
