@@ -21,6 +21,7 @@ import torch
 from lit_model.config import Config
 from lit_model.download import resolve_checkpoint
 from lit_model.errors import STOPS, UsageError, UserError
+from lit_model.memory.units import format_bytes
 from lit_model.model import GPT, KVCache
 from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
@@ -567,7 +568,7 @@ def stats_line(result: Generation, devices: Sequence[torch.device]) -> str:
     return (
         f"time to first token: {result.time_to_first_token:.3f} s, decode: {rate} tokens/s "
         f"({total} tokens in {len(result.tokens)} sample(s)), peak memory: "
-        f"{peak_memory_bytes(devices) / 2**30:.2f} GiB"
+        f"{format_bytes(peak_memory_bytes(devices))}"
     )
 
 

@@ -23,6 +23,7 @@ from lit_model import GPT, Config
 from lit_model.cli import parse
 from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_loss
 from lit_model.errors import UsageError, run_cli
+from lit_model.memory.units import format_bytes
 from lit_model.tokenizer import Tokenizer
 from lit_model.training import session
 from lit_model.training.args import TrainArgs, check_args
@@ -120,7 +121,7 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     summary = write_summary(fabric, run, progress, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)})
     fabric.print(
         f"\nValidation loss {summary['val_loss']:.3f} vs unigram baseline {baseline:.3f} | "
-        f"{summary['tokens_per_sec']:,.0f} tok/s | peak memory {summary['peak_memory_bytes'] / 2**20:,.0f} MB\n"
+        f"{summary['tokens_per_sec']:,.0f} tok/s | peak memory {format_bytes(summary['peak_memory_bytes'])}\n"
         f"Saved {final_dir} (generate: python generate/base.py --checkpoint_dir {final_dir}), "
         f"metrics in {args.out_dir / 'metrics.csv'}, summary in {args.out_dir / 'summary.json'}\n"
         f"Sample:\n{args.sample_prompt}{sample}"

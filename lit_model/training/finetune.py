@@ -21,6 +21,7 @@ from lit_model.data.sources import parse_fields
 from lit_model.download import resolve_checkpoint
 from lit_model.errors import STOPS, UsageError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
+from lit_model.memory.units import format_bytes
 from lit_model.model import GPT
 from lit_model.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.tokenizer import Tokenizer
@@ -260,7 +261,7 @@ def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress:
     summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})
     fabric.print(
         f"\nValidation loss {summary['val_loss']:.3f} | {summary['tokens_per_sec']:,.0f} tok/s | peak memory "
-        f"{summary['peak_memory_bytes'] / 2**20:,.0f} MB\n"
+        f"{format_bytes(summary['peak_memory_bytes'])}\n"
         f"Saved {final_dir} (generate: python generate/base.py --checkpoint_dir {final_dir}), metrics in "
         f"{args.out_dir / 'metrics.csv'}, summary in {args.out_dir / 'summary.json'}\n"
         f"Validation instruction:\n{setup.data.sample_instruction}\nGenerated answer:\n{answer}"

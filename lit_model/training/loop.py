@@ -35,7 +35,7 @@ from lit_model.checkpoint import MANIFEST_NAME, verify_checkpoint_dir, write_man
 from lit_model.config import Config
 from lit_model.errors import STOPS, UsageError, UserError
 from lit_model.files import atomic_open, atomic_write, disk_full_error, fsync_directory, is_disk_full
-from lit_model.memory.units import peak_rss_bytes
+from lit_model.memory.units import format_bytes, peak_rss_bytes
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
 from lit_model.training.loggers import open_loggers
@@ -384,14 +384,6 @@ class MetricsWriter:
         if self.enabled:
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, self.COLUMNS).writerow({k: row.get(k, "") for k in self.COLUMNS})
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def format_duration(seconds: float) -> str:
