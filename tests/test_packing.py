@@ -129,7 +129,7 @@ def test_out_of_memory_recovery_splits_packed_batches(monkeypatch):
 
 @pytest.mark.parametrize("engine", ["trace", "analytic"])
 def test_plan_counts_the_document_masks(engine):
-    config = plan_config(block_size=512)
+    config = plan_config(block_size=512, n_query_groups=4)  # every head its own keys: CUDA's fused kernel takes a mask
     run = resolve_run(plan_args(override_max_seq_length=512), config, "full", "cuda", present=False)
     plain = plan_run(run, engine=engine, suggest=False, detect=False)
     packed = plan_run(run.replace(packing=True), engine=engine, suggest=False, detect=False)
@@ -137,6 +137,12 @@ def test_plan_counts_the_document_masks(engine):
     # the trace: the mask and per-token RoPE tables, less the memory of the unmasked causal kernel it replaces
     assert 0.8 * mask < packed.tensor_peak_bytes - plain.tensor_peak_bytes < 1.3 * mask
     assert packed.by_phase["evaluation"] > plain.by_phase["evaluation"]
+    # grouped queries with a mask: no fused CUDA kernel takes both, so the math kernel keeps every head's probabilities
+    grouped = run.replace(config=plan_config(block_size=512))
+    plain = plan_run(grouped, engine=engine, suggest=False, detect=False)
+    packed = plan_run(grouped.replace(packing=True), engine=engine, suggest=False, detect=False)
+    probabilities = config.n_layer * config.n_head * mask
+    assert packed.tensor_peak_bytes - plain.tensor_peak_bytes > probabilities
 
 
 @pytest.mark.slow
