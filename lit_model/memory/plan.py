@@ -645,10 +645,14 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                 fitting.append((speed * penalty, size, combo, plan, speed))
     fitting.sort(key=lambda f: (f[0], f[1], f[3].peak_bytes))
     chosen: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
+    confirmations = 0
     for cost, size, combo, plan, speed in fitting:
         if any(set(c[2]) <= set(combo) and c[0] <= cost for c in chosen):
             continue  # dominated: a subset already fits at no higher cost
         if engine != "analytic":
+            if confirmations >= 2 * limit:  # each a trace of seconds to minutes: a plan must come back in time
+                break
+            confirmations += 1
             plan = plan_spec(plan.planned, device_memory, engine)
             if plan.peak_bytes > budget:
                 continue
