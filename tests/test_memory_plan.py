@@ -205,6 +205,8 @@ def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
         (dict(n_layer=8, nope_every=4), dict(precision="bf16-mixed"), "full"),  # SmolLM3's blocks without RoPE
         (dict(n_layer=8), dict(), "adapter"),  # plain blocks, then adapted ones
         (dict(n_layer=8), dict(freeze_layers=3), "full"),
+        # a middle block's backward holds the previous block's reduce-scatter buffer: traced from 3 blocks and 4
+        (dict(n_layer=8), dict(devices=4, strategy="fsdp", activation_checkpointing=True, global_batch_size=8), "full"),
     ],
 )
 def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, settings_kw, trainable):
@@ -597,7 +599,7 @@ def test_the_quantized_stand_in_holds_and_saves_what_bitsandbytes_does(mode, dty
 # ---- FSDP: one rank of the sharded model, traced over a fake process group ----------------------------------
 @pytest.mark.parametrize("trainable, precision, steps", [
     ("full", "32-true", 1),
-    ("full", "bf16-true", 2),  # two micro batches a step: the gradients stay unsharded in between, as in a run
+    ("full", "bf16-true", 2),  # two micro batches a step: each reduce-scatters its gradients into the shards
     ("lora", "bf16-true", 1),
 ])
 def test_fsdp_is_traced_per_rank(trainable, precision, steps):
@@ -608,13 +610,17 @@ def test_fsdp_is_traced_per_rank(trainable, precision, steps):
         settings = args(devices=devices, strategy="fsdp", precision=precision, global_batch_size=2 * devices * steps)
         return resolved(tiny(n_layer=4), settings, trainable)
 
-    plans = {devices: trace_training(run(devices)).phases["train_step"] for devices in (1, 2, 4)}
+    traces = {devices: trace_training(run(devices)) for devices in (1, 2, 4)}
+    plans = {devices: trace.phases["train_step"] for devices, trace in traces.items()}
     closed = training_phases(run(2))["train_step"]
     assert plans[2]["optimizer_state"] == pytest.approx(plans[1]["optimizer_state"] / 2, rel=0.01)
     assert plans[4]["optimizer_state"] == pytest.approx(plans[1]["optimizer_state"] / 4, rel=0.02)
     assert closed["optimizer_state"] == pytest.approx(plans[2]["optimizer_state"], rel=0.01)
     totals = {devices: sum(phase.values()) for devices, phase in plans.items()}
     assert totals[4] < totals[2] < totals[1]
+    if steps == 2:  # the second micro batch's forward: the first one's gradients, already reduce-scattered
+        held = {devices: trace.regions["train_step"]["3:forward"]["gradients"] for devices, trace in traces.items()}
+        assert held[1] > 0 and held[4] == pytest.approx(held[1] / 4, rel=0.02)
     assert sum(closed.values()) == pytest.approx(totals[2], rel=0.15)
 
 

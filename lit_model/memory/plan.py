@@ -424,9 +424,11 @@ def plan_run(
                           "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
     if run.device_type == "cuda":
         plan.notes.append(f"GPU overhead: CUDA context {format_bytes(OVERHEAD.cuda_context)}, cuBLAS workspaces "
-                          f"{format_bytes(OVERHEAD.cuda_workspaces)} and the caching allocator's reserve (a share of the "
-                          "tensors), measured on one H200 (torch 2.11) and rounded up; other GPUs and drivers differ by "
-                          "a few hundred MB (benchmarks/results/plan_accuracy_gpu.md).")
+                          f"{format_bytes(OVERHEAD.cuda_workspaces)} and the caching allocator's reserve "
+                          f"({OVERHEAD.cuda_fragmentation:.0%} of the tensors other than the weights, "
+                          f"{OVERHEAD.cuda_fragmentation_expandable:.0%} with expandable segments), measured on one H200 "
+                          "(torch 2.11) and rounded up; other GPUs and drivers differ by a few hundred MB "
+                          "(benchmarks/results/plan_accuracy_gpu.md).")
     else:
         terms = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.overhead_terms.items())
         plan.notes.append(f"CPU overhead per process: {terms} (measured on whole runs here and rounded up; the data term "

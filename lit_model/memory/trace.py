@@ -345,8 +345,8 @@ class _BuiltInDtype(HalfPrecision):
 
 
 class _TraceFabric(Fabric):
-    """One CPU process (the fake tensors live on the CPU) that skips FSDP's gradient reduction outside the step's
-    last micro batch, as Fabric's ModelParallelStrategy does: gradients then stay unsharded in between."""
+    """One CPU process (the fake tensors live on the CPU) whose ``no_backward_sync`` is Fabric's ModelParallelStrategy's
+    (the single-device strategy's would do nothing): the step decides when FSDP reduces (TrainStep)."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Any:
         return _FSDPNoSync(module._forward_module, enabled)
@@ -539,8 +539,11 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
         return None
     period = layer_period(run)
     # keeping each segment's length modulo the period keeps every block's kind (its index modulo the period); two
-    # periods at least so that the first and the last block of a segment differ, as in the deep model
-    base = [min(length, length % period + 2 * period) for length in segments]
+    # periods at least so that the first and the last block of a segment differ, as in the deep model. Under FSDP
+    # three: a middle block's backward also holds the previous block's reduce-scatter buffer (FSDP2 keeps one in
+    # flight), which neither end block does; from two blocks that buffer would be extrapolated once per period.
+    periods_kept = 3 if run.strategy == "fsdp" else 2
+    base = [min(length, length % period + periods_kept * period) for length in segments]
     start = time.perf_counter()
     reference = trace_training(with_segments(run, base), phases)
     regions = {phase: {key: dict(categories) for key, categories in stretches.items()}
