@@ -218,6 +218,8 @@ def resolve_strategy(strategy: str, world_size: int, cpu_offload: bool, sharding
 
 # Optimizers that need whole matrices (projections, per-head blocks, their own hooks): not FSDP's shards
 WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
+# Their kernels take plain tensors only (a two-process FSDP run: "got mixed torch.Tensor and DTensor")
+BITSANDBYTES_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit")
 
 
 def check_optimizer_run(run: "Run") -> None:
@@ -226,7 +228,11 @@ def check_optimizer_run(run: "Run") -> None:
     resolved run, and for each run the planner's suggestion search considers."""
     if run.optimizer in WHOLE_MATRIX_OPTIMIZERS and run.strategy == "fsdp":
         raise UsageError(f"--optimizer {run.optimizer} works on whole matrices, and FSDP gives each process a shard "
-                         "(--strategy fsdp, or --cpu_offload): use DDP or one device, or AdamW4bit / AdamW8bit with FSDP.")
+                         "(--strategy fsdp, or --cpu_offload): use DDP or one device, or AdamW4bit with FSDP.")
+    if run.optimizer in BITSANDBYTES_OPTIMIZERS and run.strategy == "fsdp":
+        raise UsageError(f"--optimizer {run.optimizer} (bitsandbytes) steps plain tensors, and FSDP's parameters are "
+                         "sharded DTensors (--strategy fsdp, or --cpu_offload), which its kernel refuses: use --optimizer "
+                         "AdamW4bit (torchao, whose state is sharded with the parameters), or DDP or one device.")
     if not run.steps_in_backward:
         return
     what = "--optimizer_in_backward" if run.optimizer_in_backward else "--optimizer AdaLomo"

@@ -66,6 +66,7 @@ CASES = [
     (PRETRAIN, ["--optimizer", "torch.optim.LBFGS"], 2, "--optimizer torch.optim.LBFGS cannot serve this training loop"),
     (PRETRAIN, ["--optimizer", "torch.optim.SparseAdam"], 2, "Use one of AdamW, SGD, Lion, Sophia, Adafactor"),
     (PRETRAIN, ["--optimizer", "torch.nn.Linear"], 2, "is not a torch.optim.Optimizer subclass"),
+    (PRETRAIN, ["--optimizer", "AdamW8bit", "--cpu_offload"], 2, "use --optimizer AdamW4bit (torchao"),
     # Literal flags name their values; other parse errors name the flag
     (PRETRAIN, ["--precision", "fp16"], 2, "--precision 'fp16' is not valid: give one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true"),
     (PRETRAIN, ["--strategy", "zero3"], 2, "--strategy 'zero3' is not valid: give one of auto, ddp, fsdp"),

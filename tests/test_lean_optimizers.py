@@ -299,6 +299,9 @@ def test_lean_optimizer_state_round_trips(name):
 def test_lean_optimizers_refuse_fsdp():
     with pytest.raises(UsageError, match="whole matrices"):
         resolve_run(train_args(optimizer="GaLore", cpu_offload=True), Config(**TINY), device_type="cpu")
+    for name in ("AdamW8bit", "PagedAdamW8bit"):  # bitsandbytes' kernels take plain tensors, not DTensor shards
+        with pytest.raises(UsageError, match="use --optimizer AdamW4bit"):
+            resolve_run(train_args(optimizer=name, cpu_offload=True), Config(**TINY), device_type="cpu")
 
 
 def test_adamw_fp8_names_the_fix_on_an_old_gpu(monkeypatch):

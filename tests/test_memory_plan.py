@@ -624,6 +624,16 @@ def test_fsdp_is_traced_per_rank(trainable, precision, steps):
     assert sum(closed.values()) == pytest.approx(totals[2], rel=0.15)
 
 
+def test_fsdp_shards_torchao_optimizer_state():
+    """torchao's AdamW4bit keeps state of each rank's shard (its _new_buffer quantizes the DTensor's local tensor)."""
+    def state(devices: int) -> int:
+        settings = args(devices=devices, strategy="fsdp", optimizer="AdamW4bit", global_batch_size=2 * devices)
+        return trace_training(resolved(tiny(n_layer=2, n_embd=256, intermediate_size=512), settings, "full")).phases[
+            "checkpoint_save"]["optimizer_state"]
+
+    assert state(4) == pytest.approx(state(1) / 4, rel=0.05)
+
+
 @pytest.mark.parametrize("optimizer, moments", [("Lion", 1), ("torch.optim.Adam", 2)])
 def test_lion_and_optimizer_classes_are_traced(optimizer, moments):
     """The trace runs any optimizer whose step runs on fake tensors: a class path too (its own state, not a guess)."""

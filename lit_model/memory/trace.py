@@ -37,6 +37,7 @@ from lightning.fabric.plugins.precision import HalfPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.model_parallel import _FSDPNoSync
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lit_model.adapter import apply_adapter
@@ -234,7 +235,9 @@ class _SimQuantizedAdam(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    n = p.numel()
+                    # under FSDP, torchao's state is of this rank's shard (bitsandbytes' is refused: check_optimizer_run)
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    n = local.numel()
                     quantized = n >= 4096 and (not layout.torchao or n % layout.block == 0)
                     for moment in ("exp_avg", "exp_avg_sq"):
                         if quantized:
@@ -243,7 +246,7 @@ class _SimQuantizedAdam(torch.optim.Optimizer):
                             if layout.qmap:
                                 state[moment + "_qmap"] = torch.zeros(layout.qmap, dtype=torch.float32, device=p.device)
                         else:
-                            state[moment] = torch.zeros_like(p, dtype=p.dtype if layout.torchao else torch.float32)
+                            state[moment] = torch.zeros_like(local, dtype=p.dtype if layout.torchao else torch.float32)
                     if layout.torchao:
                         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
