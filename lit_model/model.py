@@ -22,7 +22,7 @@ from lit_model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.config import Config
 from lit_model.errors import STOPS, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.ops import attends_in_halves, causal_attention_in_halves, path_device, rms_norm
+from lit_model.ops import attends_in_halves, causal_attention_in_halves, expands_shared_heads, path_device, rms_norm
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -386,6 +386,10 @@ class CausalSelfAttention(nn.Module):
             )
             return [out]
         enable_gqa = k.size(1) != q.size(1)
+        if enable_gqa and expands_shared_heads(path_device(q), q.dtype, q.size(-1), mask is not None, q.size(2)):
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+            enable_gqa = False
         if mask is None and attends_in_halves(path_device(q), q.size(2)):
             return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
         y = F.scaled_dot_product_attention(

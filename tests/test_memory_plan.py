@@ -310,24 +310,29 @@ def test_cuda_attention_kernel_is_the_one_pytorch_dispatches_to():
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_a_cuda_plan_keeps_the_math_kernels_probabilities_where_cuda_takes_it(precision):
-    """fp32 with grouped queries: no fused CUDA kernel takes it, so the step keeps every head's T x T probabilities
-    (measured on an H200: SmolLM2-360M 32-true, 1.9 GB above a fused-kernel trace). bf16 takes flash: no T^2 term."""
-    B, T, n_layer, n_head = 2, 128, 2, 4
+def test_a_cuda_plan_holds_what_cudas_attention_kernel_keeps(precision):
+    """fp32 with grouped queries: no fused CUDA kernel takes the shared heads. Over queries longer than twice the
+    head size the model copies k and v to every head for the memory-efficient kernel (ops.expands_shared_heads);
+    shorter ones take the math kernel, which keeps every head's T x T probabilities (measured on an H200:
+    SmolLM2-360M 32-true, 1.9 GB above a fused-kernel trace). bf16 takes flash: the CPU's bytes."""
+    B, n_layer, n_head, hs = 2, 2, 4, 32
 
-    def activations(groups: int, device_type: str = "cuda") -> int:
-        spec = resolved(tiny(n_query_groups=groups), args(precision=precision, micro_batch_size=B), device_type=device_type)
+    def activations(T: int, groups: int, device_type: str = "cuda") -> int:
+        settings = args(precision=precision, micro_batch_size=B, override_max_seq_length=T)
+        spec = resolved(tiny(n_query_groups=groups), settings, device_type=device_type)
         traced = trace_training(spec).phases["train_step"]
         closed = training_phases(spec)["train_step"]
         assert sum(closed.values()) == pytest.approx(sum(traced.values()), rel=0.05)  # the closed form agrees
         return traced["activations"]
 
-    probabilities = n_layer * B * n_head * T * T * 4
     if precision == "32-true":  # the CPU's fused kernel takes grouped queries; a model without them is the same
-        assert activations(2) - activations(2, "cpu") >= probabilities
-        assert activations(4) == activations(4, "cpu")
+        short = 2 * hs
+        assert activations(short, 2) - activations(short, 2, "cpu") >= n_layer * B * n_head * short * short * 4
+        copies = n_layer * 2 * B * 128 * (n_head - 2) * hs * 4  # k and v: the heads the groups lacked
+        assert activations(128, 2) - activations(128, 2, "cpu") == pytest.approx(copies, rel=0.1)
+        assert activations(128, 4) == activations(128, 4, "cpu")
     else:
-        assert activations(2) == activations(2, "cpu")
+        assert activations(128, 2) == activations(128, 2, "cpu")
 
 
 def test_sophia_is_traced_with_its_double_backward():

@@ -1,6 +1,7 @@
 """lit_model/ops.py against PyTorch's own operations: the RMSNorm with its hand-written backward (values,
 both gradients, a second backward) and causal attention in halves (values and gradients, with and without
-grouped queries, an odd length), and that the model takes the halves where it should."""
+grouped queries, an odd length), and that the model takes the halves where it should; on CUDA's paths, grouped
+key/value heads copied to every query head where CUDA would take the math kernel, with the same numbers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
-from lit_model.ops import _RMSNorm, causal_attention_in_halves, rms_norm, take_paths_of
+from lit_model.ops import _RMSNorm, causal_attention_in_halves, expands_shared_heads, rms_norm, take_paths_of
 
 
 def hand_written(x, weight, eps):
@@ -127,3 +128,41 @@ def test_attention_in_halves_keeps_only_the_mask_more(monkeypatch):
     in_halves = saved_bytes(model, idx)
     monkeypatch.setattr(model_module, "attends_in_halves", lambda device_type, length: False)
     assert in_halves - saved_bytes(model, idx) == 200 * 400 * 4
+
+
+def test_grouped_heads_are_copied_where_cuda_would_take_the_math_kernel():
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert expands_shared_heads("cuda", fp32, 64, masked=False, query_length=2048)  # SmolLM2 in 32-true
+    assert expands_shared_heads("cuda", bf16, 64, masked=True, query_length=2048)  # packing's document masks
+    assert not expands_shared_heads("cuda", bf16, 64, masked=False, query_length=2048)  # flash takes them
+    assert not expands_shared_heads("cuda", fp32, 64, masked=False, query_length=128)  # probabilities smaller
+    assert not expands_shared_heads("cpu", fp32, 64, masked=False, query_length=2048)  # the CPU kernel takes them
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_copied_heads_give_the_same_numbers(monkeypatch, packed):
+    """The model on CUDA's paths (here on the CPU) copies k and v for SDPA; values and gradients are the CPU's."""
+    import lit_model.model as model_module
+
+    calls = []
+    monkeypatch.setattr(model_module, "expands_shared_heads",
+                        lambda *args: calls.append(expands_shared_heads(*args)) or calls[-1])
+    config = Config(name="t", block_size=64, vocab_size=64, padded_vocab_size=64, n_layer=2, n_embd=32, n_head=4,
+                    n_query_groups=2, intermediate_size=48)
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.randint(0, 64, (2, 40))
+    positions = torch.tensor([[0] * 17 + list(range(23))] * 2) if packed else None
+
+    def run(device_type: str):
+        model.zero_grad()
+        with take_paths_of(device_type):
+            logits = model(idx, input_pos=None, positions=positions) if packed else model(idx)
+        logits.float().square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (cpu, cpu_grads), (cuda, cuda_grads) = run("cpu"), run("cuda")
+    assert calls[-1] is True  # fp32, 40 queries of head size 8: copied on CUDA's paths
+    torch.testing.assert_close(cuda, cpu, rtol=1e-5, atol=1e-5)
+    for a, b in zip(cuda_grads, cpu_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

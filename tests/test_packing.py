@@ -137,12 +137,16 @@ def test_plan_counts_the_document_masks(engine):
     # the trace: the mask and per-token RoPE tables, less the memory of the unmasked causal kernel it replaces
     assert 0.8 * mask < packed.tensor_peak_bytes - plain.tensor_peak_bytes < 1.3 * mask
     assert packed.by_phase["evaluation"] > plain.by_phase["evaluation"]
-    # grouped queries with a mask: no fused CUDA kernel takes both, so the math kernel keeps every head's probabilities
-    grouped = run.replace(config=plan_config(block_size=512))
+    # grouped queries with a mask: no fused CUDA kernel takes both; the model copies k and v to every head for the
+    # memory-efficient kernel (ops.expands_shared_heads), instead of the math kernel's probabilities of every head
+    grouped_config = plan_config(block_size=512)
+    grouped = run.replace(config=grouped_config)
     plain = plan_run(grouped, engine=engine, suggest=False, detect=False)
     packed = plan_run(grouped.replace(packing=True), engine=engine, suggest=False, detect=False)
-    probabilities = config.n_layer * config.n_head * mask
-    assert packed.tensor_peak_bytes - plain.tensor_peak_bytes > probabilities
+    lacked = (grouped_config.n_head - grouped_config.n_query_groups) * grouped_config.head_size
+    copies = grouped_config.n_layer * 2 * run.micro_batch_size * run.seq_len * lacked * run.compute_bytes
+    assert 0.8 * (mask + copies) < packed.tensor_peak_bytes - plain.tensor_peak_bytes < 1.3 * (mask + copies)
+    assert packed.tensor_peak_bytes - plain.tensor_peak_bytes < config.n_layer * config.n_head * mask  # no T x T each
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from lit_model.activations import MIN_OFFLOAD_BYTES
 from lit_model.config import Config
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
-from lit_model.ops import attends_in_halves, cuda_attention_kernel, norms_by_hand
+from lit_model.ops import attends_in_halves, cuda_attention_kernel, expands_shared_heads, norms_by_hand
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -361,8 +361,11 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     sliding = config.layer_uses_sliding_window(layer) and T > (config.sliding_window_size or 0)
     partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
     y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
+    attention_dtype, masked = spec.autocast_dtype or spec.param_dtype, sliding or spec.packing
+    # k and v as attention takes them: copied to every query head where model.attend does (CUDA, else math)
+    Hkv_attended = Hq if Hkv < Hq and expands_shared_heads(spec.device_type, attention_dtype, hs, masked, T) else Hkv
     attention_math = attn_rg and spec.device_type == "cuda" and cuda_attention_kernel(
-        spec.autocast_dtype or spec.param_dtype, hs, sliding or spec.packing, Hkv < Hq) == "math"
+        attention_dtype, hs, masked, Hkv_attended < Hq) == "math"
     if config.attention_logit_softcapping is not None:
         if attn_rg:
             # q, k and v (repeated to every query head when grouped) kept by the two matmuls
@@ -377,7 +380,7 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
         if sliding:
             per_layer += T * T * dm
     elif attn_rg:
-        per_token += (Hq + 2 * Hkv) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
+        per_token += (Hq + 2 * Hkv_attended) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
         if sliding:
             per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
         elif attends_in_halves(spec.device_type, T):
