@@ -33,7 +33,8 @@ from lit_model.checkpoint import (
     save_checkpoint_dir,
 )
 from lit_model.config import Config
-from lit_model.errors import STOPS, UsageError, UserError
+from lit_model.errors import UsageError, UserError
+from lit_model.model import GPT
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -696,13 +697,6 @@ class WeightMap:
                 yield hf_name, torch.cat(pieces, dim=0)
 
 
-def _meta_model(config: Config) -> torch.nn.Module:
-    from lit_model.model import GPT
-
-    with STOPS.held(), torch.device("meta"):
-        return GPT(config)
-
-
 # ------------------------------------------------------------------------------------------------
 # Reading HF checkpoints
 # ------------------------------------------------------------------------------------------------
@@ -848,7 +842,7 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
     files = hf_weight_files(hf_dir)
 
     weight_map = WeightMap(config)
-    model = _meta_model(config)
+    model = GPT.on_meta(config)
     expected_lit = {name: t.shape for name, t in model.state_dict().items()}
     if config.tie_embeddings:
         expected_lit.pop("lm_head.weight", None)
@@ -943,7 +937,7 @@ def lit_to_hf(
     from lit_model.tokenizer import TOKENIZER_FILES
 
     weights_path = checkpoint_dir / WEIGHTS_NAME
-    model = _meta_model(config)
+    model = GPT.on_meta(config)
     try:
         handle = safe_open(str(weights_path), framework="pt", device="cpu")
         names = list(handle.keys())

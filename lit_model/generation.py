@@ -20,7 +20,7 @@ import torch
 
 from lit_model.config import Config
 from lit_model.download import resolve_checkpoint
-from lit_model.errors import STOPS, UsageError, UserError
+from lit_model.errors import UsageError, UserError
 from lit_model.memory.units import format_bytes
 from lit_model.model import GPT, KVCache
 from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
@@ -143,8 +143,7 @@ def load_model(
 
     devices = [torch.device(d) for d in devices]
     config = Config.from_checkpoint(checkpoint_dir)
-    with STOPS.held(), torch.device("meta"):
-        model = GPT(config)
+    model = GPT.on_meta(config)
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length  # cheap on meta: the real tables are built once, below
     load_weights(model, checkpoint_dir, dtype, device_map(config, devices), quantize)

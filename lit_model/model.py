@@ -207,12 +207,19 @@ class GPT(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------
     @classmethod
+    def on_meta(cls, config: Config) -> "GPT":
+        """The model on the meta device: shapes and no memory. A stop signal meanwhile is raised once torch's device
+        mode is popped (STOPS.held): raised inside the mode-stack swap it would leave that stack broken."""
+        with STOPS.held(), torch.device("meta"):
+            return cls(config)
+
+    @classmethod
     def initialized(cls, config: Config, dtype: torch.dtype = torch.float32) -> "GPT":
         """A new model with ``init_weights``'s weights, stored in ``dtype`` on the CPU. Built on the meta device,
         then filled: the process holds the model once, in ``dtype`` (not a default-initialised fp32 copy with an
         untied head first, as ``GPT(config)`` makes: 2.8 GB for Qwen2.5-0.5B, whose bf16 weights are 0.9 GB)."""
-        with default_dtype(dtype), STOPS.held(), torch.device("meta"):  # a stop waits until the device mode is popped
-            model = cls(config)
+        with default_dtype(dtype):
+            model = cls.on_meta(config)
         model.to_empty(device="cpu")
         if config.tie_embeddings:  # to_empty may give the two modules separate tensors
             model.lm_head.weight = model.embed.weight
@@ -248,8 +255,7 @@ class GPT(nn.Module):
 
         checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
         config = Config.from_checkpoint(checkpoint_dir, **config_overrides)
-        with STOPS.held(), torch.device("meta"):  # a stop signal waits until the device mode is popped
-            model = cls(config)
+        model = cls.on_meta(config)
         load_model_weights(model, checkpoint_dir, device=device, dtype=dtype)
         load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
         model.reset_rope_cache(torch.device(device))

@@ -19,7 +19,7 @@ from lit_model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
 from lit_model.data.instruct import InstructData, PackedDataset, collate, load_instruct_data, padding_fraction
 from lit_model.data.sources import parse_fields
 from lit_model.download import resolve_checkpoint
-from lit_model.errors import STOPS, UsageError
+from lit_model.errors import UsageError
 from lit_model.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
 from lit_model.memory.units import format_bytes
 from lit_model.model import GPT
@@ -177,8 +177,7 @@ def load_model(fabric: Fabric, run: Run, setup: Setup) -> GPT:
             # bitsandbytes repacks 4-bit weights in place for CPU inference when it sees an eval-mode forward
             # without gradients (our validation): keep the one layout that training and FSDP's shards use
             module.support_avx512bf16_for_cpu = False
-    with STOPS.held(), torch.device("meta"):  # counted before quantization packs the weights
-        n_parameters = sum(p.numel() for p in GPT(run.config).parameters())
+    n_parameters = sum(p.numel() for p in GPT.on_meta(run.config).parameters())  # before quantization packs them
     fabric.print(f"Model: {run.config.name} from {setup.checkpoint_dir}, {n_parameters:,} parameters"
                  f"{f', frozen base weights in {run.quantize}' if run.quantize else ''}")
     return model.train()
