@@ -135,6 +135,9 @@ class StopSignals:
             signal.set_wakeup_fd(previous_fd)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            # a signal this block received is not the next one's: held() would raise it in code that runs later in
+            # this process (tests run scripts in-process)
+            self.requested, self.deferring, self.exiting = None, False, False
 
     def _watchdog_fd(self) -> int:
         """The write end of a pipe that the C-level signal handler writes each signal's number to, even while the

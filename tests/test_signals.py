@@ -236,6 +236,8 @@ def test_a_signal_while_the_model_is_built_on_the_meta_device_waits_for_the_devi
     assert reached and exit.value.code == 130
     assert capsys.readouterr().err == "Stopped by SIGINT before training started: nothing was saved.\n"
     assert torch.empty(1).device.type == "cpu"  # the mode stack is intact
+    with STOPS.held(), torch.device("meta"):  # the signal stayed with its run: later code in this process is not stopped
+        torch.empty(3)
 
 
 def test_summary_is_strict_json_with_null_for_a_loss_never_measured(tiny_setup, tmp_path, monkeypatch):
