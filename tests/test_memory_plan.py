@@ -207,6 +207,10 @@ def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
         (dict(n_layer=8), dict(freeze_layers=3), "full"),
         # a middle block's backward holds the previous block's reduce-scatter buffer: traced from 3 blocks and 4
         (dict(n_layer=8), dict(devices=4, strategy="fsdp", activation_checkpointing=True, global_batch_size=8), "full"),
+        # cpu_offload: the gradient shards move to the host block by block (a backward peak, few tokens)
+        (dict(n_layer=8, n_embd=256, intermediate_size=1024, n_head=4, n_query_groups=4),
+         dict(devices=4, strategy="fsdp", cpu_offload=True, activation_checkpointing=True, global_batch_size=4,
+              micro_batch_size=1, override_max_seq_length=16), "full"),
     ],
 )
 def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, settings_kw, trainable):
@@ -656,10 +660,14 @@ def test_adafactor_is_planned_by_the_closed_form_with_the_reason():
 
 
 def test_fsdp_cpu_offload_is_traced_with_shards_gradients_and_optimizer_state_in_host_memory():
-    """The trace runs the offloading FSDP step; what lives in host memory (the rank's shards, their gradients and
-    the optimizer state) is taken off the device's bytes in every phase and reported as host memory."""
-    config = tiny(n_layer=4)
-    base = resolved(config, args(devices=4, strategy="fsdp", global_batch_size=8), "full")
+    """The trace runs the offloading FSDP step; what lives in host memory (the rank's shards and the optimizer
+    state throughout, each gradient shard from the moment it is reduce-scattered) is taken off the device's bytes
+    at every moment and reported as host memory. A wide model at few tokens with checkpointing, so that the step
+    peaks in backward, with gradient shards already made."""
+    config = tiny(n_layer=4, n_embd=256, intermediate_size=1024, n_head=4, n_query_groups=4)
+    flags = dict(devices=4, strategy="fsdp", global_batch_size=4, micro_batch_size=1, override_max_seq_length=16,
+                 activation_checkpointing=True)
+    base = resolved(config, args(**flags), "full")
     plain, offload = trace_training(base), trace_training(base.replace(cpu_offload=True))
     shards = plain.phases["checkpoint_save"]["parameters"] - offload.phases["checkpoint_save"]["parameters"]
     assert shards == pytest.approx(param_counts(config).total * 2 / 4, rel=0.01)  # bf16, a quarter each
@@ -668,10 +676,16 @@ def test_fsdp_cpu_offload_is_traced_with_shards_gradients_and_optimizer_state_in
     for phase, categories in offload.phases.items():
         assert categories["parameters"] == plain.phases[phase]["parameters"] - shards
         assert categories["optimizer_state"] == 0
-        for name in ("gradients", "activations", "logits_loss"):
-            assert categories[name] == plain.phases[phase][name]
-    plan = plan_training(config, args(devices=4, strategy="fsdp", global_batch_size=8, cpu_offload=True),
-                         device_type="cuda", engine="auto", detect=False, suggest=False)
+    step, offloaded = plain.regions["train_step"], offload.regions["train_step"]
+    assert list(step) == list(offloaded)
+    after_backward = list(step)[list(step).index("2:backward") + 1:]
+    for key in after_backward:  # every gradient is a reduce-scattered shard: on the device without offloading only
+        assert step[key]["gradients"] == shards and offloaded[key]["gradients"] == 0
+    # the backward peak holds some shards already: the offloading step's peak is lower by more than shards + state
+    assert plain.phases["train_step"]["gradients"] > offload.phases["train_step"]["gradients"] > 0
+    assert sum(offload.phases["train_step"].values()) < sum(plain.phases["train_step"].values()) - shards - state
+    plan = plan_training(config, args(**flags, cpu_offload=True), device_type="cuda", engine="auto", detect=False,
+                         suggest=False)
     assert plan.engine == "trace" and plan.host_bytes["cpu_offload"] == offload.host_bytes["cpu_offload"]
 
 

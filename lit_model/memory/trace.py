@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
 from torch.utils._pytree import tree_map_only
 import torch.distributed as dist
@@ -68,6 +69,7 @@ class _Ref(_RefType):
     OTH = "Other"
     LOGITS = "Logits"
     QUANT = "Quant"
+    HOST = "Host"  # what the real run keeps in host memory (FSDP cpu_offload's gradient shards): no device bytes
 
 
 CPU = torch.device("cpu")
@@ -82,7 +84,11 @@ class _Tracker(MemTracker):
     the two gradients of such a parameter before accumulating them; a real run sums them in place (the engine's
     input buffer holds the only reference), but under any dispatch mode, this tracker's included, the engine adds
     out of place, which would count a third tensor of the embedding's size at that moment. That add does not
-    update the peaks: its result takes the first operand's place, as in the run."""
+    update the peaks: its result takes the first operand's place, as in the run.
+
+    ``keep_gradients_on_host``: FSDP's cpu_offload moves each gradient shard to host memory once it is
+    reduce-scattered; from the first moment a shard is the parameter's gradient, its bytes are filed as host memory
+    and the peaks are of the device's bytes alone."""
 
     def __init__(self, vocab_size: int, tied_shapes: frozenset[tuple[int, ...]] = frozenset()) -> None:
         super().__init__()
@@ -90,6 +96,26 @@ class _Tracker(MemTracker):
         self._scopes: list[str] = []
         self.vocab_size = vocab_size
         self.tied_shapes = tied_shapes
+        self.host_gradients: tuple[nn.Parameter, ...] = ()
+        self._filed: dict[nn.Parameter, int] = {}  # the id of each parameter's gradient filed as host memory
+
+    def keep_gradients_on_host(self, params: Iterator[nn.Parameter]) -> None:
+        self.host_gradients = tuple(params)
+
+    def _file_host_gradients(self) -> None:
+        for param in self.host_gradients:
+            grad = param.grad
+            if grad is not None and self._filed.get(param) != id(grad):
+                self._filed[param] = id(grad)
+                self._update_and_maybe_create_winfos(grad, _Ref.HOST)  # a DTensor: its local shard's storage
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: _RefType, update_existing: bool = False):  # type: ignore[no-untyped-def]
+        # host memory stays host memory when MemTracker files the same gradient again (before the optimizer steps)
+        if self.host_gradients and reftype is not _Ref.HOST:
+            known = (self._WINFO.get(storage, (None, None))[0] for storage in get_untyped_storages(t))
+            if any(info is not None and info.reftype is _Ref.HOST for info in known):
+                reftype = _Ref.HOST
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def push_category(self, name: str) -> None:
         self._scopes.append(name)
@@ -143,11 +169,12 @@ class _Tracker(MemTracker):
         snap = self._curr_mem_snap.get(CPU)
         if snap is not None:
             key = self._region_key()
-            if self.region_peaks.get(key, {}).get(_TOTAL_KEY, -1) < snap[_TOTAL_KEY]:
+            peak = self.region_peaks.get(key)
+            if peak is None or _device_bytes(peak) < _device_bytes(snap):
                 self.region_peaks[key] = dict(snap)
         for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+            if self._peak_mem.get(dev, 0) < _device_bytes(dev_snap):
+                self._peak_mem[dev] = _device_bytes(dev_snap)
                 self._peak_mem_snap[dev] = dict(dev_snap)
                 if self.debug:
                     self.peak_where = (sorted(self._mod_tracker.parents), self._mod_tracker.is_bw, list(self._scopes))
@@ -177,6 +204,8 @@ class _Tracker(MemTracker):
             else:
                 reftype = _Ref.ACT
             tree_map_only(torch.Tensor, partial(self._track_output, reftype), res)
+            if self.host_gradients:
+                self._file_host_gradients()
             if not self._sums_tied_gradients(func, args, res):
                 self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
         return res
@@ -185,6 +214,10 @@ class _Tracker(MemTracker):
         return (func is torch.ops.aten.add.Tensor and self._mod_tracker.is_bw and isinstance(res, torch.Tensor)
                 and tuple(res.shape) in self.tied_shapes and len(args) == 2
                 and all(isinstance(a, torch.Tensor) and a.shape == res.shape for a in args))
+
+
+def _device_bytes(snap: dict) -> int:
+    return snap[_TOTAL_KEY] - snap.get(_Ref.HOST, 0)
 
 
 @dataclass
@@ -441,6 +474,8 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         # the optimizer steps; the fake tensors all live on the CPU, so their bytes are taken off the device's below
         shards = _local_bytes(model.parameters()) if run.cpu_offload else 0
         grad_shards = _local_bytes(p for p in model.parameters() if p.requires_grad) if run.cpu_offload else 0
+        if run.cpu_offload:
+            tracker.keep_gradients_on_host(p for p in model.parameters() if p.requires_grad)
         model = fabric.setup(model, move_to_device=False)  # built on its (fake) device: nothing to move
         inner = _build_optimizer(model, run, notes)
         for moments in getattr(inner, "moments", ()):  # state an optimizer keeps outside `state` (AdaLomo's)
@@ -477,7 +512,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                 regions["evaluation"] = _map_regions(tracker, quant_state)
     if run.cpu_offload:
         # Taking the resident shards and optimizer state off every moment's total bounds the device's peak from
-        # above; the sharded gradients on the host stay counted (at most one rank's share of the gradients).
+        # above (the optimizer's temporaries stay counted); the gradient shards were filed as host memory as they came.
         for categories in [*results.values(), *(c for stretch in regions.values() for c in stretch.values())]:
             categories["parameters"] -= shards
             categories["optimizer_state"] = max(categories["optimizer_state"] - optimizer_state, 0)
