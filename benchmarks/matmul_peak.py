@@ -2,12 +2,20 @@
 
     python benchmarks/matmul_peak.py                                # the peak, fp32 and bf16
     python benchmarks/matmul_peak.py --tokens_per_sec 5000 --block 256 --precision bf16-true
+    python benchmarks/matmul_peak.py --step_bound --block 256 --micro_batch 8   # the linear layers' products alone
 
 The peak: torch.mm on square matrices (4096 by default), torch's default threads, best of --repeats timed calls
 after a warm-up one: 2 n^3 FLOP per call. A training step's FLOP per token: 6 N + 12 n_layer n_embd T (the PaLM
 paper's count: N the parameters that multiply (all but the embedding table; the output head included), T the
 sequence length; the attention term counts the full T x T scores, as if nothing were skipped under the causal
 mask). vs_peers.py reports lit-model's pretraining rows with it.
+
+The step bound (``--step_bound``): every matrix product a training step of the model's linear layers must do, at
+its own shape (for y = x W^T of M tokens: the forward M x in @ in x out, and backward's dX = dY W and dW = dY^T x),
+each timed alone with torch.mm (best of --repeats), summed: the time these products take at best, before the
+attention, the norms, the loss and the optimizer add to it. An implementation that runs the same products (the
+peers split query/key/value and the MLP's input matrices into smaller ones) trains at most micro batch x block
+tokens in that time.
 """
 
 from __future__ import annotations
@@ -15,25 +23,32 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
+from lit_model import Config
+
 FORMULA = ("Achieved training FLOP/s = tokens/s x (6 N + 12 n_layer n_embd T): N the parameters that multiply (all "
            "but the embedding table and the norms, the output head included: 4,210,688 for the 5.26M model), T the block size; "
            "the attention term counts the full T x T scores (PaLM's count), whatever the causal mask lets a kernel skip.")
 DEFAULT_ARCH = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_query_groups=4, intermediate_size=688)
 
 
-def matmul_peak(precision: str = "32-true", size: int = 4096, repeats: int = 5) -> float:
-    """The best FLOP/s of torch.mm on two size x size matrices of the precision's dtype."""
-    import torch
-
+def best_mm_seconds(m: int, k: int, n: int, precision: str = "32-true", repeats: int = 5) -> float:
+    """The best time of torch.mm of an m x k by a k x n matrix of the precision's dtype, after a warm-up call."""
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return best
+
+
+def matmul_peak(precision: str = "32-true", size: int = 4096, repeats: int = 5) -> float:
+    """The best FLOP/s of torch.mm on two size x size matrices of the precision's dtype."""
+    return 2 * size**3 / best_mm_seconds(size, size, size, precision, repeats)
 
 
 def matmul_parameters(vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_query_groups: int,
@@ -43,6 +58,24 @@ def matmul_parameters(vocab_size: int, n_layer: int, n_embd: int, n_head: int, n
     head = n_embd // n_head
     attention = n_embd * head * (2 * n_head + 2 * n_query_groups)
     return n_layer * (attention + 3 * n_embd * intermediate_size) + vocab_size * n_embd
+
+
+def linear_shapes(n_embd: int, n_head: int, n_query_groups: int, intermediate_size: int, vocab_size: int, n_layer: int,
+                  **_: object) -> list[tuple[int, int, int]]:
+    """(in, out, how many) of the model's linear layers: fused query/key/value, attention output, the MLP's two
+    input matrices (fused) and its output, the head."""
+    head = n_embd // n_head
+    return [(n_embd, head * (n_head + 2 * n_query_groups), n_layer), (n_embd, n_embd, n_layer),
+            (n_embd, 2 * intermediate_size, n_layer), (intermediate_size, n_embd, n_layer), (n_embd, vocab_size, 1)]
+
+
+def step_matmul_seconds(tokens: int, precision: str = "32-true", repeats: int = 10, **arch: object) -> float:
+    """The time of a training step's linear-layer products for ``tokens`` tokens (forward, dX, dW), each timed alone."""
+    total = 0.0
+    for fan_in, fan_out, count in linear_shapes(**arch):  # type: ignore[arg-type]
+        products = [(tokens, fan_in, fan_out), (tokens, fan_out, fan_in), (fan_out, tokens, fan_in)]
+        total += count * sum(best_mm_seconds(m, k, n, precision, repeats) for m, k, n in products)
+    return total
 
 
 def training_flops_per_token(block: int, **arch: object) -> float:
@@ -56,14 +89,29 @@ def main() -> None:
     parser.add_argument("--tokens_per_sec", type=float, help="a run's training tokens/s, to report against the peak")
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
+    parser.add_argument("--step_bound", action="store_true", help="the step's linear-layer products alone: a speed bound")
+    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--model_name", help="a lit-model config's architecture (default: the 5.26M peer model)")
     args = parser.parse_args()
+    arch = DEFAULT_ARCH
+    if args.model_name:
+        config = Config.from_name(args.model_name)
+        arch = {key: getattr(config, key) for key in DEFAULT_ARCH} | {"vocab_size": config.padded_vocab_size}
     peaks = {p: matmul_peak(p, args.size, args.repeats) for p in ("32-true", "bf16-true")}
     for precision, peak in peaks.items():
         print(f"torch.mm {args.size} x {args.size}, {precision}: {peak / 1e9:,.1f} GFLOP/s (best of {args.repeats})")
     if args.tokens_per_sec:
-        achieved = args.tokens_per_sec * training_flops_per_token(args.block, **DEFAULT_ARCH)
+        achieved = args.tokens_per_sec * training_flops_per_token(args.block, **arch)
         print(f"{FORMULA}\n{args.tokens_per_sec:,.0f} tokens/s at block {args.block}: {achieved / 1e9:,.1f} GFLOP/s, "
               f"{achieved / peaks[args.precision]:.3f} of the {args.precision} peak")
+    if args.step_bound:
+        tokens = args.micro_batch * args.block
+        for precision, peak in peaks.items():
+            seconds = step_matmul_seconds(tokens, precision, **arch)
+            flops = 6 * tokens * sum(i * o * n for i, o, n in linear_shapes(**arch))
+            print(f"{precision}, micro batch {args.micro_batch} x block {args.block}: the linear layers' products alone take "
+                  f"{seconds * 1e3:.1f} ms a step ({flops / seconds / peak:.3f} of the peak): at most "
+                  f"{tokens / seconds:,.0f} tokens/s")
 
 
 if __name__ == "__main__":
