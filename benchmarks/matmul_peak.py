@@ -3,6 +3,7 @@
     python benchmarks/matmul_peak.py                                # the peak, fp32 and bf16
     python benchmarks/matmul_peak.py --tokens_per_sec 5000 --block 256 --precision bf16-true
     python benchmarks/matmul_peak.py --step_bound --block 256 --micro_batch 8   # the linear layers' products alone
+    python benchmarks/matmul_peak.py --report    # lit-model-40m pretraining at block 1,024 against the peak: results/
 
 The peak: torch.mm on square matrices (4096 by default), torch's default threads, best of --repeats timed calls
 after a warm-up one: 2 n^3 FLOP per call. A training step's FLOP per token: 6 N + 12 n_layer n_embd T (the PaLM
@@ -16,21 +17,47 @@ each timed alone with torch.mm (best of --repeats), summed: the time these produ
 attention, the norms, the loss and the optimizer add to it. An implementation that runs the same products (the
 peers split query/key/value and the MLP's input matrices into smaller ones) trains at most micro batch x block
 tokens in that time.
+
+The report (``--report``, benchmarks/results/matmul_peak.{md,csv}): lit-model's own pretrain/main.py as a user runs it
+(default threads and data) on lit-model-40m at block 1,024, micro batch 4, in each precision: the median of the
+per-step tokens/s in its metrics.csv (the first --skip steps and the last, which evaluates, left out) against the
+peak measured right after, and the step bound of the same shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from _tables import csv_text, markdown_table
 
 from lit_model import Config
+from lit_model.files import atomic_write
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FORMULA = ("Achieved training FLOP/s = tokens/s x (6 N + 12 n_layer n_embd T): N the parameters that multiply (all "
            "but the embedding table and the norms, the output head included: 4,210,688 for the 5.26M model), T the block size; "
            "the attention term counts the full T x T scores (PaLM's count), whatever the causal mask lets a kernel skip.")
 DEFAULT_ARCH = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_query_groups=4, intermediate_size=688)
+
+
+def cpu_description() -> str:
+    """The processor's name and the matrix instruction sets torch's kernels use (AVX-512, AMX): tokens/s and
+    their ratios are of this machine."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    matrix = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    return f"{name}, {os.cpu_count()} cores, {', '.join(matrix) or 'no AVX2'}"
 
 
 def best_mm_seconds(m: int, k: int, n: int, precision: str = "32-true", repeats: int = 5) -> float:
@@ -82,34 +109,86 @@ def training_flops_per_token(block: int, **arch: object) -> float:
     return 6 * matmul_parameters(**arch) + 12 * int(arch["n_layer"]) * int(arch["n_embd"]) * block
 
 
+def architecture(model_name: str) -> dict:
+    config = Config.from_name(model_name)
+    return {key: getattr(config, key) for key in DEFAULT_ARCH} | {"vocab_size": config.padded_vocab_size}
+
+
+def pretrain_tokens_per_sec(model_name: str, block: int, micro_batch: int, precision: str, steps: int, skip: int) -> float:
+    """The median per-step tokens/s of pretrain/main.py (default threads and data), steps skip+1 .. steps-1."""
+    with tempfile.TemporaryDirectory() as out:
+        argv = [sys.executable, "pretrain/main.py", "--model_name", model_name, "--precision", precision,
+                "--micro_batch_size", str(micro_batch), "--global_batch_size", str(micro_batch),
+                "--override_max_seq_length", str(block), "--max_steps", str(steps), "--warmup_steps", "1",
+                "--log_interval", "1", "--eval_interval", str(steps), "--eval_iters", "1", "--save_interval", "0",
+                "--out_dir", out, "--overwrite"]
+        subprocess.run(argv, cwd=ROOT, check=True, capture_output=True)
+        with open(Path(out) / "metrics.csv", newline="") as handle:
+            rows = [row for row in csv.DictReader(handle) if row.get("tokens_per_sec")]
+    return statistics.median(float(row["tokens_per_sec"]) for row in rows if skip < int(row["step"]) < steps)
+
+
+def report(out_dir: Path, model_name: str, block: int, micro_batch: int, steps: int, skip: int, repeats: int) -> str:
+    arch, tokens = architecture(model_name), micro_batch * block
+    rows = []
+    for precision in ("32-true", "bf16-true"):
+        measured = pretrain_tokens_per_sec(model_name, block, micro_batch, precision, steps, skip)
+        peak = matmul_peak(precision, repeats=repeats)
+        bound = tokens / step_matmul_seconds(tokens, precision, **arch)
+        achieved = measured * training_flops_per_token(block, **arch)
+        rows.append({"run": f"{model_name} pretrain, micro batch {micro_batch} x block {block}", "precision": precision,
+                     "tokens_per_sec": f"{measured:.0f}", "training_gflops": f"{achieved / 1e9:.1f}",
+                     "matmul_peak_gflops": f"{peak / 1e9:.1f}", "fraction_of_peak": f"{achieved / peak:.3f}",
+                     "linear_products_bound_tokens_per_sec": f"{bound:.0f}", "fraction_of_bound": f"{measured / bound:.3f}"})
+    atomic_write(out_dir / "matmul_peak.csv", csv_text(rows))
+    text = "\n".join([
+        "# lit-model against this CPU's matmul peak\n",
+        f"Generated by `python benchmarks/matmul_peak.py --report` (see its docstring). CPU: {cpu_description()}. "
+        f"Each run: `pretrain/main.py --model_name {model_name} --micro_batch_size {micro_batch} --override_max_seq_length "
+        f"{block} --max_steps {steps}`, tokens/s the median of steps {skip + 1} to {steps - 1}.\n",
+        FORMULA + " Peak: torch.mm on 4096 x 4096 matrices, best of " + f"{repeats}, measured after each run. The bound: "
+        "the step's linear-layer products timed alone.\n",
+        markdown_table(rows),
+    ])
+    atomic_write(out_dir / "matmul_peak.md", text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens_per_sec", type=float, help="a run's training tokens/s, to report against the peak")
-    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--block", type=int, help="sequence length (default 256; with --report 1,024)")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
     parser.add_argument("--step_bound", action="store_true", help="the step's linear-layer products alone: a speed bound")
-    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--micro_batch", type=int, help="default 8; with --report 4")
     parser.add_argument("--model_name", help="a lit-model config's architecture (default: the 5.26M peer model)")
+    parser.add_argument("--report", action="store_true", help="measure lit-model-40m pretraining at block 1,024 (or "
+                        "--model_name, --block, --micro_batch) against the peak into --out_dir")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=2, help="the first steps left out of the report's tokens/s")
+    parser.add_argument("--out_dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
-    arch = DEFAULT_ARCH
-    if args.model_name:
-        config = Config.from_name(args.model_name)
-        arch = {key: getattr(config, key) for key in DEFAULT_ARCH} | {"vocab_size": config.padded_vocab_size}
+    if args.report:
+        print(report(args.out_dir, args.model_name or "lit-model-40m", args.block or 1024, args.micro_batch or 4,
+                     args.steps, args.skip, args.repeats))
+        return
+    arch = architecture(args.model_name) if args.model_name else DEFAULT_ARCH
+    block, micro_batch = args.block or 256, args.micro_batch or 8
     peaks = {p: matmul_peak(p, args.size, args.repeats) for p in ("32-true", "bf16-true")}
     for precision, peak in peaks.items():
         print(f"torch.mm {args.size} x {args.size}, {precision}: {peak / 1e9:,.1f} GFLOP/s (best of {args.repeats})")
     if args.tokens_per_sec:
-        achieved = args.tokens_per_sec * training_flops_per_token(args.block, **arch)
-        print(f"{FORMULA}\n{args.tokens_per_sec:,.0f} tokens/s at block {args.block}: {achieved / 1e9:,.1f} GFLOP/s, "
+        achieved = args.tokens_per_sec * training_flops_per_token(block, **arch)
+        print(f"{FORMULA}\n{args.tokens_per_sec:,.0f} tokens/s at block {block}: {achieved / 1e9:,.1f} GFLOP/s, "
               f"{achieved / peaks[args.precision]:.3f} of the {args.precision} peak")
     if args.step_bound:
-        tokens = args.micro_batch * args.block
+        tokens = micro_batch * block
         for precision, peak in peaks.items():
             seconds = step_matmul_seconds(tokens, precision, **arch)
             flops = 6 * tokens * sum(i * o * n for i, o, n in linear_shapes(**arch))
-            print(f"{precision}, micro batch {args.micro_batch} x block {args.block}: the linear layers' products alone take "
+            print(f"{precision}, micro batch {micro_batch} x block {block}: the linear layers' products alone take "
                   f"{seconds * 1e3:.1f} ms a step ({flops / seconds / peak:.3f} of the peak): at most "
                   f"{tokens / seconds:,.0f} tokens/s")
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import matmul_peak
 import yaml
 from _tables import csv_text, markdown_table
 from _venvs import litgpt_python, venv_python
@@ -105,16 +106,6 @@ ROWS += [Row("lora", 256, 8, p) for p in PRECISIONS] + [Row("generate", 256, 1, 
 DEFAULT_ROWS = ["pretrain-b256-m8-32-true", "pretrain-b256-m8-bf16-true", "pretrain-b1024-m8-bf16-true",
                 "lora-b256-m8-32-true", "lora-b256-m8-bf16-true", "generate-32-true", "generate-bf16-true"]
 QUICK_ROW = "pretrain-b256-m8-32-true"
-
-
-def cpu_description() -> str:
-    """The processor's name and the matrix instruction sets torch's kernels use (AVX-512, AMX): tokens/s and
-    their ratios are of this machine."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    matrix = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{name}, {os.cpu_count()} cores, {', '.join(matrix) or 'no AVX2'}"
 
 
 def select_rows(names: list[str]) -> list[Row]:
@@ -633,7 +624,7 @@ def write_report(table: list[dict], commands_used: dict[str, dict[str, str]], fa
         "Precision: 32-true and bf16-true are lit-model's and litgpt's own flags; the Hugging Face Trainer runs "
         "32-true in fp32 and bf16-true with the model created in bfloat16 (`dtype=torch.bfloat16`, formerly "
         "`torch_dtype`; no autocast), as HF users train in bf16 on a CPU; torchtune's `dtype: fp32` / `bf16`.\n",
-        f"CPU: {cpu_description()} (tokens/s and their ratios are of this machine).\n",
+        f"CPU: {matmul_peak.cpu_description()} (tokens/s and their ratios are of this machine).\n",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load[0])}; after: "
         f"{', '.join(f'{x:.2f}' for x in load[1])}. This benchmark's own peak RSS during the runs: {own_peak / 2**20:.0f} MB.\n",
         "Versions: " + "; ".join(f"{impl}: {v}" for impl, v in found_versions.items()) + ".\n",
