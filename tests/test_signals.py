@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics
 from lit_model.data.text import split_by_file
 
 WIDE_CONFIG = """\

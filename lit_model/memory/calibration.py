@@ -51,7 +51,12 @@ class Overhead:
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
     # runtime: the libraries a script imports (torch, lightning, numpy, tokenizers, lit_model's training modules):
     # 373 MiB of VmRSS at the start of training (284 anonymous, 89 file-backed), plus 100-112 MB that the first
-    # step adds once (kernel code pages, OpenMP threads, oneDNN's JIT kernels). Rounded up.
+    # step added at glibc's default settings. Measured again with MALLOC_MMAP_THRESHOLD_=65536 (freed blocks go back
+    # at once), the first step adds only 0-30 MB beyond its tensors: what a pretraining process holds besides
+    # tensors and retained heap is 415-430 MB (lit-model-5m and pythia-70m, 2026-11-26). So ~60-110 MB of this term
+    # is retained heap, which cpu_allocator_retention also counts; the overlap is margin that the grid's LoRA and
+    # FSDP rows use (their checkpoint loads and per-block all-gathers retain heap the retention term does not
+    # model), and the reason the smallest model's runs are over-predicted (lit-model-5m: ~14 %).
     cpu_runtime: int = 480 * MB
     # a second process (gloo process group, DDP's reducer, FSDP's bookkeeping) adds this per rank (estimate)
     cpu_distributed: int = 64 * MiB
