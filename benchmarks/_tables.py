@@ -1,6 +1,10 @@
-"""The results tables of the benchmarks that report a list of rows: one Markdown table and one CSV, same columns."""
+"""The results tables of the benchmarks that report a list of rows (one Markdown table and one CSV, same columns),
+and the processor their figures are of."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -12,3 +16,13 @@ def markdown_table(rows: list[dict]) -> str:
 def csv_text(rows: list[dict]) -> str:
     header = list(rows[0])
     return "\n".join([",".join(header)] + [",".join(str(row[h]) for h in header) for row in rows]) + "\n"
+
+
+def cpu_description() -> str:
+    """The processor's name and the matrix instruction sets torch's kernels use (AVX-512, AMX): tokens/s and
+    their ratios are of this machine."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    matrix = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    return f"{name}, {os.cpu_count()} cores, {', '.join(matrix) or 'no AVX2'}"

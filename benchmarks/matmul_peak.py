@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import statistics
 import subprocess
 import sys
@@ -36,10 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from _tables import csv_text, markdown_table
+from _tables import cpu_description, csv_text, markdown_table
 
-from lit_model import Config
 from lit_model.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,18 +47,10 @@ FORMULA = ("Achieved training FLOP/s = tokens/s x (6 N + 12 n_layer n_embd T): N
 DEFAULT_ARCH = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_query_groups=4, intermediate_size=688)
 
 
-def cpu_description() -> str:
-    """The processor's name and the matrix instruction sets torch's kernels use (AVX-512, AMX): tokens/s and
-    their ratios are of this machine."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    matrix = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{name}, {os.cpu_count()} cores, {', '.join(matrix) or 'no AVX2'}"
-
-
 def best_mm_seconds(m: int, k: int, n: int, precision: str = "32-true", repeats: int = 5) -> float:
     """The best time of torch.mm of an m x k by a k x n matrix of the precision's dtype, after a warm-up call."""
+    import torch  # here: vs_peers.py imports this module, and its own process stays without torch while it measures
+
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     torch.mm(a, b)
@@ -78,15 +67,6 @@ def matmul_peak(precision: str = "32-true", size: int = 4096, repeats: int = 5) 
     return 2 * size**3 / best_mm_seconds(size, size, size, precision, repeats)
 
 
-def matmul_parameters(vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_query_groups: int,
-                      intermediate_size: int, **_: object) -> int:
-    """The weights of a Llama-style model's matrix products: attention (query, key, value, output), the MLP's three
-    matrices, and the untied output head."""
-    head = n_embd // n_head
-    attention = n_embd * head * (2 * n_head + 2 * n_query_groups)
-    return n_layer * (attention + 3 * n_embd * intermediate_size) + vocab_size * n_embd
-
-
 def linear_shapes(n_embd: int, n_head: int, n_query_groups: int, intermediate_size: int, vocab_size: int, n_layer: int,
                   **_: object) -> list[tuple[int, int, int]]:
     """(in, out, how many) of the model's linear layers: fused query/key/value, attention output, the MLP's two
@@ -94,6 +74,12 @@ def linear_shapes(n_embd: int, n_head: int, n_query_groups: int, intermediate_si
     head = n_embd // n_head
     return [(n_embd, head * (n_head + 2 * n_query_groups), n_layer), (n_embd, n_embd, n_layer),
             (n_embd, 2 * intermediate_size, n_layer), (intermediate_size, n_embd, n_layer), (n_embd, vocab_size, 1)]
+
+
+def matmul_parameters(**arch: object) -> int:
+    """The weights of a Llama-style model's matrix products: attention (query, key, value, output), the MLP's three
+    matrices, and the untied output head."""
+    return sum(fan_in * fan_out * count for fan_in, fan_out, count in linear_shapes(**arch))  # type: ignore[arg-type]
 
 
 def step_matmul_seconds(tokens: int, precision: str = "32-true", repeats: int = 10, **arch: object) -> float:
@@ -110,6 +96,8 @@ def training_flops_per_token(block: int, **arch: object) -> float:
 
 
 def architecture(model_name: str) -> dict:
+    from lit_model import Config  # imports torch: see best_mm_seconds
+
     config = Config.from_name(model_name)
     return {key: getattr(config, key) for key in DEFAULT_ARCH} | {"vocab_size": config.padded_vocab_size}
 
@@ -187,7 +175,7 @@ def main() -> None:
         tokens = micro_batch * block
         for precision, peak in peaks.items():
             seconds = step_matmul_seconds(tokens, precision, **arch)
-            flops = 6 * tokens * sum(i * o * n for i, o, n in linear_shapes(**arch))
+            flops = 6 * tokens * matmul_parameters(**arch)
             print(f"{precision}, micro batch {micro_batch} x block {block}: the linear layers' products alone take "
                   f"{seconds * 1e3:.1f} ms a step ({flops / seconds / peak:.3f} of the peak): at most "
                   f"{tokens / seconds:,.0f} tokens/s")

@@ -59,9 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import matmul_peak
 import yaml
-from _tables import csv_text, markdown_table
+from _tables import cpu_description, csv_text, markdown_table
 from _venvs import litgpt_python, venv_python
 
 HERE = Path(__file__).resolve().parent
@@ -624,7 +623,7 @@ def write_report(table: list[dict], commands_used: dict[str, dict[str, str]], fa
         "Precision: 32-true and bf16-true are lit-model's and litgpt's own flags; the Hugging Face Trainer runs "
         "32-true in fp32 and bf16-true with the model created in bfloat16 (`dtype=torch.bfloat16`, formerly "
         "`torch_dtype`; no autocast), as HF users train in bf16 on a CPU; torchtune's `dtype: fp32` / `bf16`.\n",
-        f"CPU: {matmul_peak.cpu_description()} (tokens/s and their ratios are of this machine).\n",
+        f"CPU: {cpu_description()} (tokens/s and their ratios are of this machine).\n",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load[0])}; after: "
         f"{', '.join(f'{x:.2f}' for x in load[1])}. This benchmark's own peak RSS during the runs: {own_peak / 2**20:.0f} MB.\n",
         "Versions: " + "; ".join(f"{impl}: {v}" for impl, v in found_versions.items()) + ".\n",

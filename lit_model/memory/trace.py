@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -99,7 +99,7 @@ class _Tracker(MemTracker):
         self.host_gradients: tuple[nn.Parameter, ...] = ()
         self._filed: dict[nn.Parameter, int] = {}  # the id of each parameter's gradient filed as host memory
 
-    def keep_gradients_on_host(self, params: Iterator[nn.Parameter]) -> None:
+    def keep_gradients_on_host(self, params: Iterable[nn.Parameter]) -> None:
         self.host_gradients = tuple(params)
 
     def _file_host_gradients(self) -> None:
@@ -424,7 +424,7 @@ def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
         dist.destroy_process_group()
 
 
-def _local_bytes(tensors: Iterator[torch.Tensor]) -> int:
+def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of this rank's part of each tensor (a DTensor's local shard)."""
     local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
     return sum(t.numel() * t.element_size() for t in local)
@@ -472,10 +472,11 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             model = shard_model(model, mesh, run.replace(device_type="cpu"))  # where the fake shards live
         # FSDP's cpu_offload: the shards (and their gradients and the optimizer state) live in host memory, where
         # the optimizer steps; the fake tensors all live on the CPU, so their bytes are taken off the device's below
-        shards = _local_bytes(model.parameters()) if run.cpu_offload else 0
-        grad_shards = _local_bytes(p for p in model.parameters() if p.requires_grad) if run.cpu_offload else 0
+        shards = grad_shards = 0
         if run.cpu_offload:
-            tracker.keep_gradients_on_host(p for p in model.parameters() if p.requires_grad)
+            trained = [p for p in model.parameters() if p.requires_grad]
+            shards, grad_shards = _local_bytes(model.parameters()), _local_bytes(trained)
+            tracker.keep_gradients_on_host(trained)
         model = fabric.setup(model, move_to_device=False)  # built on its (fake) device: nothing to move
         inner = _build_optimizer(model, run, notes)
         for moments in getattr(inner, "moments", ()):  # state an optimizer keeps outside `state` (AdaLomo's)
