@@ -3,7 +3,9 @@
     python benchmarks/ops.py            # ~30 seconds; writes benchmarks/results/ops.{csv,md}
 
 1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations.
-2. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
+2. Rotary embedding: ``ops.rotate`` vs the "rotate half" formula it replaces (``x * cos + cat(-x2, x1) * sin``),
+   on queries as attention makes them (4 x 512 tokens, 4 heads of 64, a transposed view), fp32 and bf16.
+3. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
    2048 tokens a batch (batch = 2048 / T), 4 query heads over 2 key/value heads of 64, fp32 and bf16, for T
    from 128 to 1024. The model takes the halves for 384 <= T <= 512 (``ops.attends_in_halves``), where this table
    shows them faster in both dtypes.
@@ -28,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _tables import csv_text, markdown_table  # noqa: E402
-from lit_model.ops import causal_attention_in_halves, rms_norm  # noqa: E402
+from lit_model.model import rope_cache  # noqa: E402
+from lit_model.config import Config  # noqa: E402
+from lit_model.ops import causal_attention_in_halves, rms_norm, rotate  # noqa: E402
 from lit_model.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -57,6 +61,25 @@ def rms_norm_rows() -> list[dict]:
         ours, theirs = compare(lambda: rms_norm(x, weight, 1e-5).backward(grad),
                                lambda: F.rms_norm(x, (width,), weight, 1e-5).backward(grad))
         rows.append({"op": "rms_norm fwd+bwd", "shape": f"4x512x{width}", "dtype": "float32",
+                     "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
+    return rows
+
+
+def rope_rows() -> list[dict]:
+    rows = []
+    cos, sin = rope_cache(Config(n_layer=1, n_head=4, n_embd=256, block_size=512), 512, torch.device("cpu"))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 512, 4, 64, dtype=dtype, requires_grad=True)
+        grad = torch.randn(4, 4, 512, 64, dtype=dtype)
+        cos_d, sin_d = cos.to(dtype), sin.to(dtype)
+
+        def formula() -> None:
+            q = x.transpose(1, 2)
+            q1, q2 = q.chunk(2, dim=-1)
+            (q * cos_d + torch.cat((-q2, q1), dim=-1) * sin_d).backward(grad)
+
+        ours, theirs = compare(lambda: rotate(x.transpose(1, 2), cos_d, sin_d).backward(grad), formula)
+        rows.append({"op": "rotary embedding fwd+bwd", "shape": "4x512x4x64", "dtype": str(dtype).removeprefix("torch."),
                      "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
     return rows
 
@@ -90,14 +113,15 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     before = os.getloadavg()[0]
-    rows = rms_norm_rows() + attention_rows()
+    rows = rms_norm_rows() + rope_rows() + attention_rows()
     table = markdown_table(rows)
     RESULTS.mkdir(exist_ok=True)
     atomic_write(RESULTS / "ops.csv", csv_text(rows))
     atomic_write(RESULTS / "ops.md",
         f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU, 1 thread)\n\n"
         "Regenerate: `python benchmarks/ops.py`\n\n"
-        "Forward + backward, median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's. "
+        "Forward + backward, median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
+        "(for the rotary embedding: the formula written with PyTorch's operations, as model.py had it). "
         "Attention: 4 query heads over 2 key/value heads of 64, 2048 tokens a batch; lit-model takes the halves "
         f"for 384 <= T <= 512. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
         f"{table}\n"

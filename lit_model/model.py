@@ -22,7 +22,8 @@ from lit_model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.config import Config
 from lit_model.errors import STOPS, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.ops import attends_in_halves, causal_attention_in_halves, expands_shared_heads, path_device, rms_norm
+from lit_model.ops import (attends_in_halves, causal_attention_in_halves, expands_shared_heads, path_device, rms_norm,
+                           rotate)
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -596,10 +597,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: in
     if n_elem == 0:
         return x
     partial = n_elem < x.size(-1)
-    rotated = x[..., :n_elem] if partial else x
-    x1, x2 = rotated.chunk(2, dim=-1)
-    rotate_half = torch.cat((-x2, x1), dim=-1)
-    rotated = rotated * as_dtype(cos, x.dtype) + rotate_half * as_dtype(sin, x.dtype)
+    rotated = rotate(x[..., :n_elem] if partial else x, as_dtype(cos, x.dtype), as_dtype(sin, x.dtype))
     return torch.cat((rotated, x[..., n_elem:]), dim=-1) if partial else rotated
 
 

@@ -1,6 +1,6 @@
-"""Two model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
-hand-written backward, and causal attention on the CPU split so that its kernel skips the masked quarter.
-Both against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
+"""Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
+hand-written backward, a rotary embedding without the rotated copy, and causal attention on the CPU split so that
+its kernel skips the masked quarter. Against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,46 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = grad_times_normed.reshape(-1, size).sum(0)
         return grad_x, grad_weight, None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the "rotate half" convention: ``x * cos + cat(-x2, x1) * sin`` over the last dimension
+    (``x1``, ``x2`` its halves), for ``cos``/``sin`` of ``x``'s dtype whose two halves are equal (``rope_cache``).
+
+    Written half by half into one output: four kernels over half the values where the formula takes a negated
+    half, a concatenated copy, two products and a sum (and autograd as many more in backward). Backward is the
+    inverse rotation (``sin`` negated), so nothing of ``x`` is kept; it is made of this same function, so a second
+    backward works. The output has ``x``'s memory layout. Under ``torch.compile`` the formula itself: Inductor
+    fuses it into one kernel and cannot lower products written into views (``out=``)."""
+    if torch.compiler.is_compiling():
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rotate.apply(x, cos, sin)
+    return _rotated(x, cos, sin)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.size(-1) // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=first).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=second).addcmul_(x1, sin)
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(cos, sin)
+        return _rotated(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, -sin), None, None
 
 
 def attends_in_halves(device_type: str, length: int) -> bool:

@@ -1,5 +1,6 @@
 """lit_model/ops.py against PyTorch's own operations: the RMSNorm with its hand-written backward (values,
-both gradients, a second backward) and causal attention in halves (values and gradients, with and without
+both gradients, a second backward), the rotary embedding against its formula (values, gradient, a second backward,
+memory layout), and causal attention in halves (values and gradients, with and without
 grouped queries, an odd length), and that the model takes the halves where it should; on CUDA's paths, grouped
 key/value heads copied to every query head where CUDA would take the math kernel, with the same numbers."""
 
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
-from lit_model.ops import _RMSNorm, causal_attention_in_halves, expands_shared_heads, rms_norm, take_paths_of
+from lit_model.model import rope_cache
+from lit_model.ops import _RMSNorm, causal_attention_in_halves, expands_shared_heads, rms_norm, rotate, take_paths_of
 
 
 def hand_written(x, weight, eps):
@@ -63,6 +65,38 @@ def test_rms_norm_skips_gradients_nobody_wants():
     weight = torch.ones(8)  # frozen, e.g. under LoRA
     hand_written(x, weight, 1e-6).sum().backward()
     assert x.grad is not None and weight.grad is None
+
+
+def rotate_half_formula(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_tables(length, n_elem, dtype=torch.float32):
+    config = Config(n_layer=1, n_head=2, n_embd=2 * n_elem, block_size=length, rope_base=100)
+    return [t.to(dtype) for t in rope_cache(config, length, torch.device("cpu"))]
+
+
+def test_rotate_equals_the_rotate_half_formula_in_values_gradient_and_layout():
+    generator = torch.Generator().manual_seed(2)
+    cos, sin = rope_tables(6, 8)
+    # (B, heads, T, head_size) as attention makes it: a transposed view of (B, T, heads, head_size)
+    x = torch.randn(2, 6, 3, 8, generator=generator).transpose(1, 2).requires_grad_()
+    upstream = torch.randn(2, 3, 6, 8, generator=generator)
+    ours, reference = rotate(x, cos, sin), rotate_half_formula(x, cos, sin)
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    assert ours.stride() == x.stride()  # no copy into another layout
+    torch.testing.assert_close(torch.autograd.grad(ours, x, upstream)[0], torch.autograd.grad(reference, x, upstream)[0],
+                               rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(rotate(x, cos, sin), ours)
+
+
+def test_rotate_is_differentiable_twice():
+    cos, sin = (t.double() for t in rope_tables(4, 6))
+    x = torch.randn(1, 2, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: rotate(x, cos, sin), (x,))
+    assert torch.autograd.gradgradcheck(lambda x: rotate(x, cos, sin) ** 2, (x,))
 
 
 @pytest.mark.parametrize("n_head, n_kv, length", [(4, 4, 16), (4, 2, 16), (2, 1, 9)])
