@@ -2,7 +2,8 @@
 
     python benchmarks/ops.py            # ~30 seconds; writes benchmarks/results/ops.{csv,md}
 
-1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations.
+1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations, and in bf16 vs the upcast
+   formula (``ops.upcast_rms_norm``: fp32 statistics, as Hugging Face's and litgpt's RMSNorm).
 2. Rotary embedding: ``ops.rotate`` vs the "rotate half" formula it replaces (``x * cos + cat(-x2, x1) * sin``),
    on queries as attention makes them (4 x 512 tokens, 4 heads of 64, a transposed view), fp32 and bf16.
 3. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from _tables import csv_text, markdown_table  # noqa: E402
 from lit_model.model import rope_cache  # noqa: E402
 from lit_model.config import Config  # noqa: E402
-from lit_model.ops import causal_attention_in_halves, rms_norm, rotate  # noqa: E402
+from lit_model.ops import causal_attention_in_halves, rms_norm, rotate, upcast_rms_norm  # noqa: E402
 from lit_model.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -54,14 +55,18 @@ def compare(ours: Callable[[], None], theirs: Callable[[], None], rounds: int = 
 
 def rms_norm_rows() -> list[dict]:
     rows = []
-    for width in (256, 512, 1024):
-        x = torch.randn(4, 512, width, requires_grad=True)
-        weight = torch.randn(width, requires_grad=True)
-        grad = torch.randn_like(x)
-        ours, theirs = compare(lambda: rms_norm(x, weight, 1e-5).backward(grad),
-                               lambda: F.rms_norm(x, (width,), weight, 1e-5).backward(grad))
-        rows.append({"op": "rms_norm fwd+bwd", "shape": f"4x512x{width}", "dtype": "float32",
-                     "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in (256, 512, 1024):
+            x = torch.randn(4, 512, width, dtype=dtype, requires_grad=True)
+            weight = (1 + 0.1 * torch.randn(width)).to(dtype).requires_grad_()
+            grad = torch.randn_like(x)
+            if dtype == torch.float32:
+                reference = lambda: F.rms_norm(x, (width,), weight, 1e-5).backward(grad)  # noqa: E731
+            else:  # what HF's and litgpt's RMSNorm compute, and lit-model's for a few rows or on a GPU
+                reference = lambda: upcast_rms_norm(x, weight, 1e-5).backward(grad)  # noqa: E731
+            ours, theirs = compare(lambda: rms_norm(x, weight, 1e-5).backward(grad), reference)
+            rows.append({"op": "rms_norm fwd+bwd", "shape": f"4x512x{width}", "dtype": str(dtype).removeprefix("torch."),
+                         "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
     return rows
 
 
@@ -121,7 +126,8 @@ def main() -> None:
         f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU, 1 thread)\n\n"
         "Regenerate: `python benchmarks/ops.py`\n\n"
         "Forward + backward, median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
-        "(for the rotary embedding: the formula written with PyTorch's operations, as model.py had it). "
+        "(for the bf16 RMSNorm, the upcast formula Hugging Face and litgpt use; for the rotary embedding, the formula "
+        "written with PyTorch's operations, as model.py had it). "
         "Attention: 4 query heads over 2 key/value heads of 64, 2048 tokens a batch; lit-model takes the halves "
         f"for 384 <= T <= 512. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
         f"{table}\n"

@@ -23,7 +23,7 @@ from lit_model.config import Config
 from lit_model.errors import STOPS, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
 from lit_model.ops import (attends_in_halves, causal_attention_in_halves, expands_shared_heads, path_device, rms_norm,
-                           rotate)
+                           rotate, upcast_rms_norm)
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -556,13 +556,9 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and not self.unit_offset:
+        if x.dtype == self.weight.dtype and not self.unit_offset:
             return rms_norm(x, self.weight, self.eps)  # on the CPU, fewer passes (ops.py)
-        x_fp32 = as_dtype(x, torch.float32)
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * as_dtype(normed, x.dtype)
+        return upcast_rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 def make_norm(config: Config, size: int) -> nn.Module:

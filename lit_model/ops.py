@@ -32,28 +32,52 @@ def path_device(x: torch.Tensor) -> str:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype.
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype. A
+    16-bit ``x`` is normalised in fp32 and rounded to its dtype before the weight multiplies it (as Hugging Face's
+    and litgpt's RMSNorm do).
 
-    On the CPU, ``F.rms_norm`` runs as separate elementwise kernels in forward and backward; for activations
-    of more than a few rows this one makes fewer passes over them (a one-pass ``vector_norm``; in backward,
-    one product shared by both gradients). It saves only ``x`` (``1/rms`` is recomputed), and its backward is
-    made of differentiable operations, so a second backward (Sophia's Hessian) still works. Which one runs
-    depends on the size and device only, so the numbers are the same with and without autograd."""
+    On the CPU, PyTorch's norm (and the upcast formula in 16 bits) runs as separate elementwise kernels in forward
+    and backward; for activations of more than a few rows this one makes fewer passes over them (a one-pass
+    ``vector_norm``, 16-bit values widened to fp32 once; in backward, one product shared by both gradients, which
+    are computed in fp32 and rounded once). It saves only ``x`` (``1/rms`` is recomputed), and its backward is made
+    of differentiable operations, so a second backward (Sophia's Hessian) still works. Which one runs depends on
+    the size and device only, so the numbers are the same with and without autograd."""
     if not norms_by_hand(path_device(x), x.numel()):
-        return F.rms_norm(x, (x.size(-1),), weight, eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.size(-1),), weight, eps)
+        return upcast_rms_norm(x, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     return _forward(x, weight, eps)
 
 
+def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm as the published implementations write it: statistics and normalisation in fp32, then rounded to
+    ``x``'s dtype and multiplied by the weight (with ``unit_offset``, Gemma's ``1 + weight``, in fp32 before the
+    rounding)."""
+    x_fp32 = x if x.dtype == torch.float32 else x.float()
+    normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 def norms_by_hand(device_type: str, numel: int) -> bool:
-    """Whether ``rms_norm`` takes its own path for an fp32 input of ``numel`` elements: on the CPU, above 64k
-    elements. A few rows (decoding) run faster in the fewest calls; on a GPU, PyTorch's own kernel runs."""
+    """Whether ``rms_norm`` takes its own path for an input of ``numel`` elements: on the CPU, above 64k elements.
+    A few rows (decoding) run faster in the fewest calls; on a GPU, PyTorch's own kernel (the upcast formula in 16
+    bits) runs."""
     return device_type == "cpu" and numel > 2**16
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return (x * _inverse_rms(x, eps)).mul_(weight)
+    x_wide = _widened(x)
+    normed = x * _inverse_rms(x_wide, eps) if x_wide is x else x_wide.mul_(_inverse_rms(x_wide, eps))
+    return normed.to(x.dtype).mul_(weight)
+
+
+def _widened(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype its statistics are computed in: fp32 for 16-bit inputs, else its own (no copy)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,16 +97,17 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
         x, weight = ctx.saved_tensors
         size = x.size(-1)
-        inverse_rms = _inverse_rms(x, ctx.eps)
-        normed = x * inverse_rms
-        grad_times_normed = grad * normed  # serves both gradients: summed over rows, and dotted with weight
+        x_wide, grad_wide, weight_wide = _widened(x), _widened(grad), _widened(weight)
+        inverse_rms = _inverse_rms(x_wide, ctx.eps)
+        normed = x_wide * inverse_rms
+        grad_times_normed = grad_wide * normed  # serves both gradients: summed over rows, and dotted with weight
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
             # d/dx of w * x * r(x) = r * (g w - x_hat * mean(g w x_hat)), g the incoming gradient.
-            mean_product = (grad_times_normed @ weight).div_(size).unsqueeze(-1)
-            grad_x = torch.addcmul(grad * weight, normed, mean_product, value=-1).mul_(inverse_rms)
+            mean_product = (grad_times_normed @ weight_wide).div_(size).unsqueeze(-1)
+            grad_x = torch.addcmul(grad_wide * weight_wide, normed, mean_product, value=-1).mul_(inverse_rms).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_times_normed.reshape(-1, size).sum(0)
+            grad_weight = grad_times_normed.reshape(-1, size).sum(0).to(weight.dtype)
         return grad_x, grad_weight, None
 
 

@@ -227,7 +227,7 @@ def test_layers_extrapolate_each_stretch_of_the_step_where_the_peak_moves_with_d
     forward (the activations): each stretch's peak is extrapolated, then the largest taken."""
     def run(n_layer: int) -> Run:
         config = tiny(n_layer=n_layer, vocab_size=98304, n_embd=576, n_head=9, n_query_groups=3, intermediate_size=1536)
-        settings = args(micro_batch_size=3, global_batch_size=3, override_max_seq_length=128, loss_chunk_size=128)
+        settings = args(micro_batch_size=4, global_batch_size=4, override_max_seq_length=128, loss_chunk_size=128)
         return resolved(config, settings, device_type="cpu")
 
     def peak_stretch(result) -> str:

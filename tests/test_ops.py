@@ -1,5 +1,5 @@
 """lit_model/ops.py against PyTorch's own operations: the RMSNorm with its hand-written backward (values,
-both gradients, a second backward), the rotary embedding against its formula (values, gradient, a second backward,
+both gradients, a second backward; in 16 bits against the published upcast formula), the rotary embedding against its formula (values, gradient, a second backward,
 memory layout), and causal attention in halves (values and gradients, with and without
 grouped queries, an odd length), and that the model takes the halves where it should; on CUDA's paths, grouped
 key/value heads copied to every query head where CUDA would take the math kernel, with the same numbers."""
@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
-from lit_model.model import rope_cache
-from lit_model.ops import _RMSNorm, causal_attention_in_halves, expands_shared_heads, rms_norm, rotate, take_paths_of
+from lit_model.model import RMSNorm, rope_cache
+from lit_model.ops import (_RMSNorm, causal_attention_in_halves, expands_shared_heads, rms_norm, rotate, take_paths_of,
+                           upcast_rms_norm)
 
 
 def hand_written(x, weight, eps):
@@ -65,6 +66,36 @@ def test_rms_norm_skips_gradients_nobody_wants():
     weight = torch.ones(8)  # frozen, e.g. under LoRA
     hand_written(x, weight, 1e-6).sum().backward()
     assert x.grad is not None and weight.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_of_16_bit_activations_is_the_upcast_formula_computed_in_fewer_passes(dtype):
+    # The published formula (fp32 statistics, normalised values rounded before the weight multiplies them) is the
+    # reference; against float64 arithmetic on the same 16-bit inputs, the hand-written path is no further off.
+    generator = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(4, 512, 64, generator=generator)).to(dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(64, generator=generator)).to(dtype).requires_grad_()
+    upstream = torch.randn(4, 512, 64, generator=generator).to(dtype)
+    ours, reference = rms_norm(x, weight, 1e-5), upcast_rms_norm(x, weight, 1e-5)
+    assert type(ours.grad_fn).__name__ == "_RMSNormBackward" and ours.dtype == dtype
+    x64, weight64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    exact = upcast_rms_norm(x64, weight64, 1e-5)
+    exact_grads = torch.autograd.grad(exact, (x64, weight64), upstream.double())
+    for a, b, truth in zip((ours, *torch.autograd.grad(ours, (x, weight), upstream)),
+                           (reference, *torch.autograd.grad(reference, (x, weight), upstream)), (exact, *exact_grads)):
+        error, reference_error = ((t.double() - truth).norm() / truth.norm() for t in (a, b))
+        assert error <= 1.01 * reference_error  # the gradients, widened once, are closer: ~0.5-0.7x its error
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, weight, 1e-5), ours)
+
+
+def test_a_16_bit_model_takes_the_hand_written_norm_for_activations_only():
+    norm = RMSNorm(64).to(torch.bfloat16)
+    activations = torch.randn(4, 512, 64, dtype=torch.bfloat16, requires_grad=True)
+    decoding = torch.randn(1, 1, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert type(norm(activations).grad_fn).__name__ == "_RMSNormBackward"
+    assert type(norm(decoding).grad_fn).__name__ != "_RMSNormBackward"
+    torch.testing.assert_close(norm(decoding), upcast_rms_norm(decoding, norm.weight, norm.eps), rtol=0, atol=0)
 
 
 def rotate_half_formula(x, cos, sin):

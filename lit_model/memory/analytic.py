@@ -278,8 +278,8 @@ def _norm(spec: Run, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bo
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
         return (0 if shared_input else d * C) + 8 * rows, True  # input + mean + rstd (fp32)
-    if d == 4 and not config.norm_unit_offset and norms_by_hand(spec.device_type, spec.micro_batch_size * spec.seq_len * C):
-        return 4 * C, True  # fp32 in and fp32 weight: ops.rms_norm's own path keeps only its input
+    if not config.norm_unit_offset and norms_by_hand(spec.device_type, spec.micro_batch_size * spec.seq_len * C):
+        return d * C, True  # input and weight of one dtype: ops.rms_norm's own path keeps only its input
     kept = 0.0
     if x_rg:
         kept += 4 * C + 4 * rows  # the fp32 input (x itself in fp32) and rsqrt
