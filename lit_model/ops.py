@@ -55,7 +55,7 @@ def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offs
     """RMSNorm as the published implementations write it: statistics and normalisation in fp32, then rounded to
     ``x``'s dtype and multiplied by the weight (with ``unit_offset``, Gemma's ``1 + weight``, in fp32 before the
     rounding)."""
-    x_fp32 = x if x.dtype == torch.float32 else x.float()
+    x_fp32 = x.float()  # x itself when it is fp32
     normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:
         return (normed * (1.0 + weight.float())).to(x.dtype)
@@ -71,7 +71,8 @@ def norms_by_hand(device_type: str, numel: int) -> bool:
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x_wide = _widened(x)
-    normed = x * _inverse_rms(x_wide, eps) if x_wide is x else x_wide.mul_(_inverse_rms(x_wide, eps))
+    inverse_rms = _inverse_rms(x_wide, eps)
+    normed = x * inverse_rms if x_wide is x else x_wide.mul_(inverse_rms)  # a widened copy is this function's own
     return normed.to(x.dtype).mul_(weight)
 
 
