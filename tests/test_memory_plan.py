@@ -75,10 +75,10 @@ def test_cpu_overhead_terms_add_up(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
-    assert terms == {"runtime": 480 * MB, "data": 64 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
+    assert terms == {"runtime": 373 * MiB, "data": 48 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
     assert overhead_bytes(cats, "cpu") == sum(terms.values())
     # a second process adds its process group; persistent tensors (parameters) leave no retained heap
-    assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 480 * MB + OVERHEAD.cpu_distributed
+    assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 373 * MiB + OVERHEAD.cpu_distributed
     assert cpu_overhead_terms({"parameters": 5 * 10**9})["allocator_retention"] == 0
     # DDP's gradients are views into its buckets, allocated once: only the activations and logits churn
     assert cpu_overhead_terms(cats, world_size=2, gradients_persist=True)["allocator_retention"] == int(
@@ -86,6 +86,9 @@ def test_cpu_overhead_terms_add_up(monkeypatch):
     # a quantized model's dequantized weights are freed each pass: part of them stays on the heap
     with_dequantized = cpu_overhead_terms(cats, dequantized=1000 * MB)["allocator_retention"]
     assert with_dequantized == int(OVERHEAD.cpu_allocator_retention * 600 * MB + OVERHEAD.cpu_allocator_retention_dequantized * 1000 * MB)
+    # what FSDP's all-gathers free is transient like the activations; an adapter fine-tune has a term of its own
+    assert cpu_overhead_terms(cats, gathered=400 * MB)["allocator_retention"] == int(OVERHEAD.cpu_allocator_retention * 1000 * MB)
+    assert cpu_overhead_terms(cats, adapters=True) == {**terms, "adapter_fine_tuning": OVERHEAD.cpu_adapter_fine_tuning}
     # glibc's defaults keep freed blocks; a low mmap threshold returns them
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.025 * 600 * MB)
@@ -724,6 +727,28 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
         assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention_dequantized * dequantized_bytes(run), abs=2)
     assert plans["bnb.nf4"].phase_categories["sample"]["overhead"] == plans[None].phase_categories["sample"]["overhead"]
 
+
+
+def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_run_its_own_term():
+    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.memory.plan import gathered_bytes, overhead_bytes
+
+    config = tiny()
+    fsdp = args(devices=2, strategy="fsdp")
+    run = resolved(config, fsdp, "full", "cpu")
+    assert gathered_bytes(run) == int(OVERHEAD.cpu_fsdp_gather_copies * param_counts(config).total * 2)
+    assert gathered_bytes(resolved(config, args(devices=2, strategy="ddp"), "full", "cpu")) == 0
+    plan = plan_training(config, fsdp, device_type="cpu", engine="analytic", suggest=False, detect=False)
+    for phase, cats in plan.phase_categories.items():  # the step and the evaluation gather; the save and sample do not
+        extra = cats["overhead"] - overhead_bytes(cats, "cpu", 2)
+        runs_model = phase in ("train_step", "evaluation")
+        assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention * gathered_bytes(run) if runs_model else 0, abs=2)
+    for trainable in ("lora", "adapter"):
+        adapted = plan_training(config, args(), trainable=trainable, device_type="cpu", engine="analytic", suggest=False,
+                                detect=False)
+        assert adapted.overhead_terms["adapter_fine_tuning"] == OVERHEAD.cpu_adapter_fine_tuning
+        assert sum(adapted.overhead_terms.values()) == adapted.by_category["overhead"]
+    assert "adapter_fine_tuning" not in plan.overhead_terms
 
 # ---- a tied embedding's two gradients ---------------------------------------------------------------------------
 class _Recorded(torch.autograd.Function):

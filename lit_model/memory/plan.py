@@ -128,23 +128,27 @@ def _glibc_returns_freed_blocks() -> bool:
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
-                       gradients_persist: bool = False) -> dict[str, int]:
+                       gradients_persist: bool = False, gathered: int = 0, adapters: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
-    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model).
-    ``gradients_persist``: the gradients live in buffers allocated once (DDP's buckets; each gradient autograd makes
-    is copied in and freed at once), so the step frees no gradient-sized heap for glibc to keep."""
+    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
+    what FSDP's all-gathers allocate and free in that pass). ``gradients_persist``: the gradients live in buffers
+    allocated once (DDP's buckets; each gradient autograd makes is copied in and freed at once), so the step frees no
+    gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
-    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients
+    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     if _glibc_returns_freed_blocks():
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     else:
         retained = OVERHEAD.cpu_allocator_retention * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
-    return {
+    terms = {
         "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
         "allocator_retention": int(retained),
     }
+    if adapters:
+        terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
+    return terms
 
 
 def dequantized_bytes(spec: Run) -> int:
@@ -156,10 +160,19 @@ def dequantized_bytes(spec: Run) -> int:
     return counts.block_linear_weights * counts.n_layer * spec.param_bytes
 
 
+def gathered_bytes(spec: Run) -> int:
+    """What FSDP's all-gathers allocate and free on a rank in one pass through the model (calibration.py):
+    ``cpu_fsdp_gather_copies`` x the unsharded parameters."""
+    if spec.strategy != "fsdp":
+        return 0
+    return int(OVERHEAD.cpu_fsdp_gather_copies * analytic.param_counts(spec.config).total * spec.param_bytes)
+
+
 def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
-                   cuda_alloc_conf: Optional[str] = None, dequantized: int = 0, gradients_persist: bool = False) -> int:
+                   cuda_alloc_conf: Optional[str] = None, **cpu_churn: Any) -> int:
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
-    fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``)."""
+    fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``); ``cpu_churn``: the keywords of
+    ``cpu_overhead_terms`` (``_cpu_churn``)."""
     if device_type == "cuda":
         # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
         moving = sum(size for category, size in categories.items() if category not in ("overhead", "parameters"))
@@ -168,7 +181,7 @@ def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int
         expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
         fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
         return int(fixed + fragmentation * moving)
-    return sum(cpu_overhead_terms(categories, world_size, dequantized, gradients_persist).values())
+    return sum(cpu_overhead_terms(categories, world_size, **cpu_churn).values())
 
 
 def _sample_phase(spec: Run) -> dict[str, int]:
@@ -186,16 +199,20 @@ def _gradients_in_buckets(spec: Run) -> bool:
     return spec.strategy == "ddp"
 
 
-def _phase_dequantized(phase: str, spec: Run) -> int:
-    return dequantized_bytes(spec) if phase in ("train_step", "evaluation") else 0
+def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
+    """``cpu_overhead_terms``' keywords for a phase of this run: the phases that run the model (the step and the
+    evaluation) dequantize and all-gather weights; the save and the sample do not."""
+    runs_model = phase in ("train_step", "evaluation")
+    return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
+            "gathered": gathered_bytes(spec) if runs_model else 0,
+            "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter")}
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
-                                          _phase_dequantized(name, spec), _gradients_in_buckets(spec))
+        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf, **_cpu_churn(name, spec))
         out[name] = cats
     return out
 
@@ -336,8 +353,8 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, _phase_dequantized(peak_phase, spec),
-                                           _gradients_in_buckets(spec)) if spec.device_type == "cpu" else {}),
+        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, **_cpu_churn(peak_phase, spec))
+                        if spec.device_type == "cpu" else {}),
     )
 
 
