@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import yaml
 
 from lit_model.errors import UsageError, UserError
+from lit_model.ops import dropout_before_linear
 from lit_model.quantize import dequantized_weight
 
 LORA_WEIGHTS = "lora.safetensors"
@@ -134,7 +135,16 @@ class LoRALayer:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # type: ignore[misc]
-        low_rank = F.linear(F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.lora_scaling
+        dropped, scaling = x, self.lora_scaling
+        if self.training and isinstance(self.lora_dropout, nn.Dropout):
+            dropped, factor = dropout_before_linear(x, self.lora_dropout.p)
+            scaling *= factor
+        low = F.linear(dropped.to(self.lora_A.dtype), self.lora_A)
+        if self.lora_magnitude is None and low.dtype == out.dtype:
+            # one matrix product adds scaling * B @ low to the base output: no output-sized product, scaled copy and sum
+            return torch.addmm(out.reshape(-1, out.size(-1)), low.reshape(-1, low.size(-1)), self.lora_B.t(),
+                               alpha=scaling).view(out.shape)
+        low_rank = F.linear(low, self.lora_B) * scaling
         if self.lora_magnitude is None:
             return out + low_rank.to(out.dtype)
         # DoRA: m / ||W + sBA|| * (W x + s B A x) + bias, written as the base output plus (scale - 1) * (W x + sBAx)

@@ -1,6 +1,6 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
-hand-written backward, a rotary embedding without the rotated copy, and causal attention on the CPU split so that
-its kernel skips the masked quarter. Against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
+hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
+its kernel skips the masked quarter, and dropout before a linear map without its division. Against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,19 @@ def take_paths_of(device_type: str) -> Iterator[None]:
 def path_device(x: torch.Tensor) -> str:
     """The device type whose code path the model takes for ``x``."""
     return _planned_device or x.device.type
+
+
+def dropout_before_linear(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+    """Dropout (training) of an input that a linear map takes next: ``(dropped, factor)`` such that ``factor`` times
+    the map of ``dropped`` is the map of ``F.dropout(x, p)``. Each value is kept with probability ``1 - p``, as
+    F.dropout keeps it. On the CPU the kept values are not divided by ``1 - p``: ``factor`` carries it to the map's
+    scale, so the input is read once where F.dropout reads it twice (for the same mask memory, a 0/1 tensor of x's
+    dtype where F.dropout keeps a scaled one). Elsewhere F.dropout (CUDA's fused kernel keeps a boolean mask)."""
+    if p == 0:
+        return x, 1.0
+    if path_device(x) != "cpu":
+        return F.dropout(x, p, training=True), 1.0
+    return x * torch.empty_like(x).bernoulli_(1 - p), 1 / (1 - p)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

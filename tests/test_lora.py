@@ -110,6 +110,64 @@ def test_qlora_trains_only_the_adapter_over_a_quantized_base(mode):
     assert base_bytes < full_bytes / (3 if mode == "bnb.int8" else 5)  # 4x (int8) / ~7x (4-bit) smaller
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws(dtype):
+    """base(x) + scaling * B(A(dropout(x))): on the CPU the dropout's 1/(1-p) rides on the scale and the sum is one
+    addmm. Against the formula in float64 with F.dropout's mask (the same random draws), its values and gradients
+    are as close as the formula's own in ``dtype``."""
+    from lit_model.lora import _lora_class
+
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    config = LoRAConfig(r=4, alpha=8, dropout=0.25)
+    layer = _lora_class(torch.nn.Linear)(16, 24, dtype=dtype)
+    layer._init_lora(config, dtype)
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 5, 16, dtype=dtype)
+
+    def formula(x, weight, bias, a, b, keep):
+        return F.linear(x, weight, bias) + F.linear(F.linear(x * keep / 0.75, a), b) * config.scaling
+
+    for training in (True, False):
+        layer.train(training)
+        torch.manual_seed(1)
+        keep = torch.empty_like(x).bernoulli_(0.75) if training else torch.full_like(x, 0.75)
+        assert not training or ((keep == 0).any() and (keep == 1).any())
+        grad = torch.randn(3, 5, 24, dtype=dtype)
+        results = {}
+        for name in ("layer", "formula", "float64"):
+            wide = torch.float64 if name == "float64" else dtype
+            inputs = [t.detach().to(wide).requires_grad_() for t in (x, layer.lora_A, layer.lora_B)]
+            if name == "layer":
+                torch.manual_seed(1)
+                inputs[1:] = [layer.lora_A, layer.lora_B]
+                out = layer(inputs[0])
+            else:
+                out = formula(inputs[0], layer.weight.to(wide), layer.bias.to(wide), *inputs[1:], keep.to(wide))
+            results[name] = [out, *torch.autograd.grad(out, inputs, grad.to(wide))]
+        for got, formula_value, exact in zip(results["layer"], results["formula"], results["float64"]):
+            error = (got.double() - exact).abs().max().item()
+            assert error <= 2 * (formula_value.double() - exact).abs().max().item() + 1e-6
+
+
+def test_dropout_before_linear_keeps_f_dropouts_mask_on_the_cpu_and_is_f_dropout_elsewhere():
+    from lit_model.ops import dropout_before_linear, take_paths_of
+
+    x = torch.randn(64, 256) + 3  # no zeros of its own
+    torch.manual_seed(0)
+    dropped, factor = dropout_before_linear(x, 0.1)
+    torch.manual_seed(0)
+    expected = torch.nn.functional.dropout(x, 0.1, training=True)
+    assert factor == pytest.approx(1 / 0.9) and torch.equal(dropped == 0, expected == 0)
+    torch.testing.assert_close(dropped * factor, expected)
+    assert 0.05 < (dropped == 0).float().mean().item() < 0.15
+    assert dropout_before_linear(x, 0.0) == (x, 1.0)
+    with take_paths_of("cuda"):  # CUDA's fused kernel (a boolean mask for backward): F.dropout itself
+        torch.manual_seed(0)
+        dropped, factor = dropout_before_linear(x, 0.1)
+    assert factor == 1.0 and torch.equal(dropped, expected)
+
 def test_bad_lora_settings_are_usage_errors():
     with pytest.raises(UsageError, match="positive integer"):
         LoRAConfig(r=0)
