@@ -1,6 +1,7 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
 hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
-its kernel skips the masked quarter, and dropout before a linear map without its division. Against PyTorch's: benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
+its kernel skips the masked quarter, and dropout before a linear map without its division. Against PyTorch's:
+benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
 
