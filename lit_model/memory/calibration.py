@@ -84,7 +84,9 @@ class Overhead:
     # 211 MB more than with MALLOC_MMAP_THRESHOLD_=65536, on 197 MB of transient tensors). How much a run keeps varies
     # from run to run (the same command: full SmolLM2-360M 32-true 6,754-6,990 MiB, LoRA pythia-70m 1,054-1,121): 0.40,
     # with the terms above, fitted to three whole runs of the grid (2026-11-26), plans every one of those 62
-    # measurements within -3.5 % to +9.8 % (median +2.3 %); benchmarks/results/plan_accuracy.md is a fourth run.
+    # measurements within -3.5 % to +9.8 % (median +2.3 %). benchmarks/results/plan_accuracy.md is a later grid of three
+    # runs per configuration: medians within -3.1 % to +9.1 %; in one run of the 60 the plan was 5.3 % under the peak
+    # (full pythia-160m 32-true, 3,324 MiB; 3,032 and 3,040 in the other two).
     # DDP's gradients are left out of the transient bytes (allocated once in its buckets; plan.cpu_overhead_terms).
     cpu_allocator_retention: float = 0.40
     cpu_allocator_retention_mmap: float = 0.025
