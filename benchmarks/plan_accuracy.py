@@ -1,6 +1,6 @@
 """How close is the memory planner to reality? One command:
 
-    python benchmarks/plan_accuracy.py            # the whole-run CPU grid, 3 runs each, + the published GPU figures (~60 minutes)
+    python benchmarks/plan_accuracy.py            # the whole-run CPU grid, 3 runs each, + published GPU figures (~45 min)
     python benchmarks/plan_accuracy.py --quick    # 4 configurations, to see that it works
     python benchmarks/plan_accuracy.py --replan   # re-plan the committed measurements (after a planner change)
     python benchmarks/plan_accuracy.py --speed    # CPU step-time factors of the memory levers (calibration.SPEED)
@@ -9,10 +9,10 @@ Whole runs: each configuration is a real script (pretrain/main.py, finetune/full
 ``--quantize bnb.nf4``, adapter.py) started as a user starts it, in the default environment (every ``MALLOC_*``
 variable removed: glibc's default allocator settings), 2 optimizer steps with one evaluation, the final save of
 final/ and the sample at the end. ``measured`` is the run's ``summary.json`` ``peak_memory_bytes``: the peak
-resident memory (VmHWM) of the largest rank over the whole process; the median of ``--repeats`` runs (3). ``predicted`` is the peak of
-``--plan json`` for the same command line (per rank). The data and tokenizer caches are built once before
-the grid (in ``LIT_MODEL_CACHE`` under the output directory), so no measured run trains a tokenizer or
-tokenizes the corpus; pretraining uses the default 8192-token BPE (``--tokenizer_dir``) with every
+resident memory (VmHWM) of the largest rank over the whole process, the median of ``--repeats`` runs (3).
+``predicted`` is the peak of ``--plan json`` for the same command line (per rank). The data and tokenizer caches
+are built once before the grid (in ``LIT_MODEL_CACHE`` under the output directory), so no measured run trains a
+tokenizer or tokenizes the corpus; pretraining uses the default 8192-token BPE (``--tokenizer_dir``) with every
 architecture, and fine-tuning starts from a randomly initialised bf16 checkpoint of the architecture
 (``lit_model.checkpoint.save_checkpoint_dir``), so nothing is downloaded.
 
