@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -425,9 +426,18 @@ class TrainStep:
         # GPUs: 13.5 GB a rank instead of 1.7). DDP's buckets are full-size either way: it syncs once a step.
         self.syncs_every_micro_batch = isinstance(unwrap(model), FSDPModule)
 
-    def attention_backend(self) -> Any:
-        # Hessian-based optimizers differentiate twice; the fused attention kernels have no double backward.
-        return sdpa_kernel([SDPBackend.MATH]) if self.create_graph else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def twice_differentiable(self) -> Iterator[None]:
+        """Around forward and backward of Hessian-based optimizers, which differentiate twice: the math attention
+        kernel (the fused ones have no double backward), and without torch's warning that backward with
+        create_graph=True makes a reference cycle between a parameter and its gradient: ``update`` breaks it
+        every step (``zero_grad(set_to_none=True)``), so the warning would only alarm the user."""
+        if not self.create_graph:
+            yield
+            return
+        with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Using backward\(\) with create_graph=True", category=UserWarning)
+            yield
 
     def agree(self, failures: list[str]) -> None:
         """Every rank learns, in one collective, whether any rank ran out of memory or was asked to stop, and all
@@ -461,7 +471,7 @@ class TrainStep:
             sync = index == last or self.syncs_every_micro_batch
             if self.first_skippable is not None and index >= self.first_skippable and stop_requested():
                 self.agree(failures)  # raises StepStopped on every rank
-            with fabric.no_backward_sync(self.model, enabled=not sync), self.attention_backend():
+            with fabric.no_backward_sync(self.model, enabled=not sync), self.twice_differentiable():
                 with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
                     loss = batch_loss(self.model, chunk) * count
                     if not sync:
