@@ -22,12 +22,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
@@ -98,6 +98,7 @@ class _Tracker(MemTracker):
         self.tied_shapes = tied_shapes
         self.host_gradients: tuple[nn.Parameter, ...] = ()
         self._filed: dict[nn.Parameter, int] = {}  # the id of each parameter's gradient filed as host memory
+        self.values_read = 0  # how often the traced code read a tensor's value (stand-ins answered)
 
     def keep_gradients_on_host(self, params: Iterable[nn.Parameter]) -> None:
         self.host_gradients = tuple(params)
@@ -193,6 +194,8 @@ class _Tracker(MemTracker):
         self._track(reftype, tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return self._stand_in(args[0])
         res = func(*args, **(kwargs or {}))
         if active_fake_mode() is self._fake_mode_on_entry:
             if self._in_opt:
@@ -209,6 +212,16 @@ class _Tracker(MemTracker):
             if not self._sums_tied_gradients(func, args, res):
                 self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
         return res
+
+    def _stand_in(self, tensor: torch.Tensor) -> Union[bool, int, float]:
+        """A value for code that reads one from a fake tensor (``.item()``, ``if tensor:``), which fake tensors cannot
+        answer: Adafactor's step count, a learning-rate-free optimizer's estimates. False (the usual path past a check
+        for non-finite values) or 1; what the code allocates rarely depends on it, but where it does the trace may
+        miss a branch (plan.py says so and rounds up)."""
+        self.values_read += 1
+        if tensor.dtype is torch.bool:
+            return False
+        return 1.0 if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 1
 
     def _sums_tied_gradients(self, func, args: tuple, res: Any) -> bool:  # type: ignore[no-untyped-def]
         return (func is torch.ops.aten.add.Tensor and self._mod_tracker.is_bw and isinstance(res, torch.Tensor)
@@ -229,6 +242,7 @@ class TraceResult:
     host_bytes: dict[str, int] = field(default_factory=dict)  # what the run keeps outside the device at most
     # phase -> stretch of forward, backward or optimizer ops ("3:backward") -> category -> bytes at its peak
     regions: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    values_read: int = 0  # tensor values the traced step read, answered by stand-ins (_Tracker._stand_in)
 
 
 @dataclass(frozen=True)
@@ -520,7 +534,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         host["cpu_offload"] = shards + grad_shards + optimizer_state
     regions["checkpoint_save"] = {"0:saved": dict(results["checkpoint_save"])}
     return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host,
-                       regions=regions)
+                       regions=regions, values_read=tracker.values_read)
 
 
 def _map_regions(tracker: _Tracker, quant_state: int) -> dict[str, dict[str, int]]:
@@ -609,4 +623,4 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
     note = (f"Traced with {', '.join(map(str, traced_depths))} blocks and extrapolated to {run.config.n_layer} "
             f"(the blocks' kinds repeat every {period}).")
     return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host,
-                       regions=regions)
+                       regions=regions, values_read=reference.values_read)
