@@ -69,8 +69,15 @@ class Overhead:
     # A LoRA or adapter fine-tune held ~100-130 MiB more than the other terms and its traced tensors account for, in
     # every such run of the grid (benchmarks/plan_accuracy.py, 10 runs: LoRA, QLoRA and adapter, 70M to 1.1B
     # parameters, 32-true and bf16-true), independent of the model's size; a full fine-tune of the same model did not
-    # (pythia-70m and lit-model-5m, 32-true, mb4 x 256: 40-60 MiB less than pretraining it). Cause not isolated:
-    # measured, a constant, rounded up.
+    # (pythia-70m and lit-model-5m, 32-true, mb4 x 256: 40-60 MiB less than pretraining it). It is freed heap that
+    # glibc keeps: with MALLOC_MMAP_THRESHOLD_=65536, LoRA pythia-70m 32-true mb4 x 256 peaked at 891 MiB, its traced
+    # tensors plus runtime and data to 2 MiB (1,029 at the defaults). Where such a run peaks in training it holds
+    # 125-152 MiB beyond those on 132-198 MiB of transient tensors (0.77-0.95 of them; pretraining 0.06-0.35); where
+    # it peaks saving or sampling after training, 43-206 MiB that the phase's own tensors do not explain: heap kept
+    # from training (2026-11-26 grid). Why a fine-tune of a frozen base keeps more is not isolated, so the term stays
+    # a measured constant, rounded up. Ruled out: MKL's buffer cache (MKL_DISABLE_FAST_MM=1), bitsandbytes' import
+    # (full.py imports it too), glibc's per-thread arenas (MALLOC_ARENA_MAX=1 or 2: 1,048-1,088 MiB against
+    # 1,032-1,063 at the default, same run).
     cpu_adapter_fine_tuning: int = 128 * MiB
     # data: the token cache's pages (a read-only memmap that the unigram baseline reads whole: 18 MiB for the
     # stdlib's 8.6M tokens), what tokenizing left in the heap (18 MiB cached, ~90 MiB when the corpus is
