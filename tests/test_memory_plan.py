@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -701,6 +702,40 @@ def test_optimizers_that_read_tensor_values_are_traced_with_stand_ins(optimizer)
     else:
         assert margin == param_counts(config).total * 2 and len(stand_in_notes) == 1
         assert stand_in_notes[0].startswith("pytorch_optimizer.Prodigy read 4 tensor value(s)")
+
+
+class HostStepOptimizer(torch.optim.Optimizer):
+    """Three moments per parameter, the update taken through numpy: a step fake tensors cannot run."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                if not state:
+                    state.update(first=torch.zeros_like(param), second=torch.zeros_like(param), third=torch.zeros_like(param))
+                state["first"].add_(param.grad)
+                state["second"].addcmul_(param.grad, param.grad)
+                state["third"].copy_(param)
+                param.sub_(torch.from_numpy(state["first"].float().numpy()).to(param.dtype), alpha=group["lr"])
+
+
+def test_an_optimizer_step_the_trace_cannot_run_is_bounded_by_a_real_one():
+    """Where the trace fails, the plan says in which part of the step, and a class path's state is measured on a small
+    real model (here three moments: the closed form alone would plan AdamW's two), plus its temporaries bounded by
+    the trainable parameters' size."""
+    config = tiny()
+    plan = plan_training(config, args(optimizer=f"{__name__}.HostStepOptimizer"), device_type="cpu", engine="trace",
+                         detect=False, suggest=False)
+    weights = param_counts(config).total * 2  # bf16
+    assert plan.engine == "analytic"
+    assert any(n.startswith("The exact trace failed in the optimizer step (") for n in plan.notes)
+    assert plan.phase_categories["checkpoint_save"]["optimizer_state"] == 3 * weights
+    assert plan.phase_categories["train_step"]["optimizer_state"] == 4 * weights
+    assert any("HostStepOptimizer's state measured on a small real model" in n for n in plan.notes)
 
 
 def test_fsdp_cpu_offload_is_traced_with_shards_gradients_and_optimizer_state_in_host_memory():

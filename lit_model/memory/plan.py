@@ -32,7 +32,9 @@ from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
 from lit_model.run import Run, changed_flags, check_optimizer_run, render_flags, resolve_run
-from lit_model.memory.trace import depth_segments, sharded_traceable, trace_by_layers, trace_training
+from lit_model.memory.trace import (
+    TraceFailed, depth_segments, optimizer_state_ratio, sharded_traceable, trace_by_layers, trace_training,
+)
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
@@ -41,6 +43,7 @@ SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device 
 WHOLE_TRACE_LAYERS = 8  # deeper models are traced at a few blocks and extrapolated (equal to the whole trace)
 MAX_TRACE_LAYERS = 48  # ... and where their blocks do not repeat (--freeze_layers patterns) traced whole up to this
 MAX_TRACE_PARAMETERS = 15e9  # depth and size (a 32-layer 7B traces whole in 10-25 s here), else planned analytically
+TRACE_PARTS = {"forward": "forward pass", "backward": "backward pass", "optimizer": "optimizer step"}  # TraceFailed.part
 
 
 # ---- results -----------------------------------------------------------------------------------------------
@@ -262,9 +265,14 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
                              "optimizer stretches (an optimizer stepping in backward): planned by the closed form.")
                 return _analytic_phases(spec)
             result = result or trace_training(spec)
-        except Exception as error:  # an op without a fake-tensor implementation (a custom optimizer's .item())
-            notes.append(f"The exact trace failed ({type(error).__name__}: {str(error)[:120]}); analytic estimate used.")
-            return _analytic_phases(spec)
+        except Exception as error:  # an op without a fake-tensor implementation
+            where, cause = ((f" in the {TRACE_PARTS[error.part]}", str(error)) if isinstance(error, TraceFailed)
+                            else ("", f"{type(error).__name__}: {error}"))
+            notes.append(f"The exact trace failed{where} ({cause[:160]}); analytic estimate used.")
+            phases, used, host = _analytic_phases(spec)
+            if "." in spec.optimizer:
+                _bound_optimizer_state(spec, phases, notes)
+            return phases, used, host
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
         if result.values_read:
@@ -293,6 +301,24 @@ def _stand_in_margin(spec: Run, values_read: int, notes: list[str]) -> int:
                  f"those values may allocate otherwise, so its memory is rounded up by {format_bytes(margin)} (the "
                  "trainable parameters' size).")
     return margin
+
+
+def _bound_optimizer_state(spec: Run, phases: Phases, notes: list[str]) -> None:
+    """The closed form plans a class path as AdamW (two moments): for one whose step the trace could not run, its
+    state per trainable byte is measured on a small real model instead (never below the closed form's), and its
+    step's temporaries are bounded by the trainable parameters' size."""
+    trainable = analytic.model_bytes(spec).trainable * spec.param_bytes
+    try:
+        state = int(optimizer_state_ratio(spec) * trainable)
+    except Exception as error:  # a step that needs more than gradients (a closure, a second backward)
+        notes.append(f"{spec.optimizer}'s state could not be measured either ({type(error).__name__}); planned as "
+                     "AdamW's two moments, which is low for an optimizer that keeps more.")
+        return
+    for name, categories in phases.items():
+        categories["optimizer_state"] = max(categories["optimizer_state"], state) + (trainable if name == "train_step" else 0)
+    notes.append(f"{spec.optimizer}'s state measured on a small real model and scaled: {format_bytes(state)} (an upper "
+                 f"bound where its state is factored); its step's temporaries bounded by the trainable parameters' "
+                 f"size ({format_bytes(trainable)}).")
 
 
 def _analytic_phases(spec: Run) -> tuple[Phases, str, dict[str, int]]:

@@ -99,6 +99,7 @@ class _Tracker(MemTracker):
         self.host_gradients: tuple[nn.Parameter, ...] = ()
         self._filed: dict[nn.Parameter, int] = {}  # the id of each parameter's gradient filed as host memory
         self.values_read = 0  # how often the traced code read a tensor's value (stand-ins answered)
+        self.failed_in: Optional[str] = None
 
     def keep_gradients_on_host(self, params: Iterable[nn.Parameter]) -> None:
         self.host_gradients = tuple(params)
@@ -156,9 +157,12 @@ class _Tracker(MemTracker):
             self._region: tuple[int, str] = (0, "")
         return super().__enter__()
 
+    def _mode(self) -> str:
+        return "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+
     def _region_key(self) -> str:
         """The stretch of the step this moment belongs to: the n-th run of forward, backward or optimizer ops."""
-        mode = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+        mode = self._mode()
         index, last = self._region
         if mode != last:
             self._region = (index + 1, mode)
@@ -196,7 +200,11 @@ class _Tracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return self._stand_in(args[0])
-        res = func(*args, **(kwargs or {}))
+        try:
+            res = func(*args, **(kwargs or {}))
+        except Exception:
+            self.failed_in = self._mode()  # where the step stops if nothing in it catches this (TraceFailed)
+            raise
         if active_fake_mode() is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _Ref.OPT
@@ -231,6 +239,14 @@ class _Tracker(MemTracker):
 
 def _device_bytes(snap: dict) -> int:
     return snap[_TOTAL_KEY] - snap.get(_Ref.HOST, 0)
+
+
+class TraceFailed(RuntimeError):
+    """An op of the traced step that fake tensors cannot run; ``part``: forward, backward or optimizer."""
+
+    def __init__(self, part: str, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {str(cause)[:200]}")
+        self.part = part
 
 
 @dataclass
@@ -505,14 +521,17 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         results: dict[str, dict[str, int]] = {}
         regions: dict[str, dict[str, dict[str, int]]] = {}
         kernels = _cuda_kernels if run.device_type == "cuda" else contextlib.nullcontext
-        for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
-            with kernels(), tracker:
-                tracker.reset_mod_stats()
-                step([samples], "in the plan")
-                step.update(run.grad_clip)
-                if iteration:
-                    results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
-                    regions["train_step"] = _map_regions(tracker, quant_state)
+        try:
+            for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
+                with kernels(), tracker:
+                    tracker.reset_mod_stats()
+                    step([samples], "in the plan")
+                    step.update(run.grad_clip)
+                    if iteration:
+                        results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+                        regions["train_step"] = _map_regions(tracker, quant_state)
+        except Exception as error:  # an op fake tensors cannot run; an optimizer step that raised leaves _in_opt set
+            raise TraceFailed(tracker.failed_in or tracker._mode(), error) from error
         # what a checkpoint is saved from: the state left after a step (the optimizer's, DDP's buckets)
         results["checkpoint_save"] = _map_categories(tracker.get_tracker_snapshot()[CPU], quant_state)
         optimizer_state = results["checkpoint_save"]["optimizer_state"]
@@ -624,3 +643,21 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
             f"(the blocks' kinds repeat every {period}).")
     return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host,
                        regions=regions, values_read=reference.values_read)
+
+
+def optimizer_state_ratio(run: Run) -> float:
+    """State bytes per trainable byte of the run's optimizer, measured: two real steps (random gradients) of a small
+    model of linear layers and a norm in the run's parameter dtype, on the CPU. For a step that fake tensors cannot
+    run. Per-element state comes out exact; factored or per-tensor state is a larger share of small tensors than of
+    a model's, so the ratio bounds it from above."""
+    torch.manual_seed(0)
+    with default_dtype(run.param_dtype):
+        model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 64))
+    optimizer = build_optimizer(model, run.optimizer, learning_rate=1e-4, device_type="cpu", param_dtype=run.param_dtype)
+    for _ in range(2):
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for values in optimizer.state.values()
+             for t in values.values() if isinstance(t, torch.Tensor)}
+    return sum(state.values()) / sum(p.numel() * p.element_size() for p in model.parameters())
