@@ -23,7 +23,7 @@ from lit_model.ops import cuda_attention_kernel
 from lit_model.run import Run, resolve_run
 from lit_model.training.args import TrainArgs
 from lit_model.training.optimizers import build_optimizer
-from lit_model.memory.trace import trace_training
+from lit_model.memory.trace import optimizer_state_bytes, trace_training
 
 GB = 10**9
 ROOT = Path(__file__).resolve().parents[1]
@@ -677,9 +677,7 @@ def _real_optimizer_state_bytes(config: Config, optimizer: str) -> int:
         model(idx, targets=idx).backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-                for state in optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)}
-    return sum(storages.values())
+    return optimizer_state_bytes(optim)
 
 
 @pytest.mark.parametrize("optimizer", ["Adafactor", "pytorch_optimizer.Prodigy"])

@@ -31,7 +31,7 @@ from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
 from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
-from lit_model.run import Run, changed_flags, check_optimizer_run, render_flags, resolve_run
+from lit_model.run import Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import (
     TraceFailed, depth_segments, optimizer_state_ratio, sharded_traceable, trace_by_layers, trace_training,
 )
@@ -270,7 +270,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
                             else ("", f"{type(error).__name__}: {error}"))
             notes.append(f"The exact trace failed{where} ({cause[:160]}); analytic estimate used.")
             phases, used, host = _analytic_phases(spec)
-            if "." in spec.optimizer:
+            if canonical_name(spec.optimizer) is None:  # a class path
                 _bound_optimizer_state(spec, phases, notes)
             return phases, used, host
         notes.extend(result.notes)
@@ -278,7 +278,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
         if result.values_read:
             traced["train_step"]["optimizer_state"] += _stand_in_margin(spec, result.values_read, notes)
         if _gradients_in_buckets(spec):
-            buckets = analytic.model_bytes(spec).trainable * spec.param_bytes
+            buckets = _trainable_bytes(spec)
             for cats in traced.values():
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
         traced["checkpoint_save"]["checkpoint"] = analytic.checkpoint_gather_bytes(spec)
@@ -288,14 +288,18 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
     return _analytic_phases(spec)
 
 
+def _trainable_bytes(spec: Run) -> int:
+    return analytic.model_bytes(spec).trainable * spec.param_bytes
+
+
 def _stand_in_margin(spec: Run, values_read: int, notes: list[str]) -> int:
     """The step read tensor values, which the trace answered with stand-ins (trace._Tracker._stand_in). lit-model's
     own optimizers read only counts that decide nothing about memory (tests/test_memory_plan.py compares their traced
     state with a real step's); for a class path the plan cannot know, so it rounds the optimizer's memory up by the
     trainable parameters' size: room for a branch the stand-ins skipped that takes a copy of them."""
-    if "." not in spec.optimizer:
+    if canonical_name(spec.optimizer) is not None:
         return 0
-    margin = analytic.model_bytes(spec).trainable * spec.param_bytes
+    margin = _trainable_bytes(spec)
     notes.append(f"{spec.optimizer} read {values_read} tensor value(s) during the step (.item()), which the trace "
                  f"answered with stand-ins (1, or False): its state is traced exactly, but a branch that depends on "
                  f"those values may allocate otherwise, so its memory is rounded up by {format_bytes(margin)} (the "
@@ -307,7 +311,7 @@ def _bound_optimizer_state(spec: Run, phases: Phases, notes: list[str]) -> None:
     """The closed form plans a class path as AdamW (two moments): for one whose step the trace could not run, its
     state per trainable byte is measured on a small real model instead (never below the closed form's), and its
     step's temporaries are bounded by the trainable parameters' size."""
-    trainable = analytic.model_bytes(spec).trainable * spec.param_bytes
+    trainable = _trainable_bytes(spec)
     try:
         state = int(optimizer_state_ratio(spec) * trainable)
     except Exception as error:  # a step that needs more than gradients (a closure, a second backward)

@@ -658,6 +658,11 @@ def optimizer_state_ratio(run: Run) -> float:
         for param in model.parameters():
             param.grad = torch.randn_like(param)
         optimizer.step()
-    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for values in optimizer.state.values()
-             for t in values.values() if isinstance(t, torch.Tensor)}
-    return sum(state.values()) / sum(p.numel() * p.element_size() for p in model.parameters())
+    return optimizer_state_bytes(optimizer) / sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of a (real) optimizer's state tensors, each storage once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for values in optimizer.state.values()
+                for t in values.values() if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
