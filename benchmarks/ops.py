@@ -1,6 +1,7 @@
 """lit_model/ops.py against the PyTorch calls it replaces, forward + backward, on this machine's CPU:
 
     python benchmarks/ops.py            # ~30 seconds; writes benchmarks/results/ops.{csv,md}
+    python benchmarks/ops.py --ops linear --threads 0 --report ops_linear   # the fp32 linear kernels, default threads
 
 1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations, and in bf16 vs the upcast
    formula (``ops.upcast_rms_norm``: fp32 statistics, as Hugging Face's and litgpt's RMSNorm).
@@ -10,6 +11,10 @@
    2048 tokens a batch (batch = 2048 / T), 4 query heads over 2 key/value heads of 64, fp32 and bf16, for T
    from 128 to 1024. The model takes the halves for 384 <= T <= 512 (``ops.attends_in_halves``), where this table
    shows them faster in both dtypes.
+4. fp32 linear maps: ``ops.linear`` on oneDNN (``LIT_MODEL_FP32_LINEAR=onednn``) vs ``F.linear`` on PyTorch's BLAS
+   (MKL), forward + backward, on the shapes of benchmarks/vs_peers.py's model: 8 x 256 tokens through its 256 -> 256,
+   256 -> 688, 688 -> 256 and 256 -> 4096 (head) maps, and forward only for one token (a decoding step).
+   ``ops.onednn_fp32_linear`` takes oneDNN on x86 CPUs other than Intel's, where MKL runs its slower code.
 
 One thread (as benchmarks/vs_litgpt.py runs); each figure is the median of 5 rounds of 10 calls, the two
 implementations alternating within a round, so the ratio comes from the same moments of a shared machine.
@@ -17,7 +22,9 @@ implementations alternating within a round, so the ratio comes from the same mom
 
 from __future__ import annotations
 
+import argparse
 import os
+import platform
 import statistics
 import sys
 import time
@@ -33,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from _tables import csv_text, markdown_table  # noqa: E402
 from lit_model.model import rope_cache  # noqa: E402
 from lit_model.config import Config  # noqa: E402
-from lit_model.ops import causal_attention_in_halves, rms_norm, rotate, upcast_rms_norm  # noqa: E402
+from lit_model import ops  # noqa: E402
+from lit_model.ops import causal_attention_in_halves, linear, rms_norm, rotate, upcast_rms_norm  # noqa: E402
 from lit_model.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -114,20 +122,65 @@ def attention_rows() -> list[dict]:
     return rows
 
 
+def linear_rows() -> list[dict]:
+    """ops.linear forced onto oneDNN (whatever the product's size) against F.linear (BLAS), fp32."""
+    os.environ[ops.FP32_LINEAR_ENV] = "onednn"
+    ops.onednn_fp32_linear.cache_clear()
+    ops.ONEDNN_LINEAR_MIN_MACS = 0  # the raw kernels, also where linear() would leave small products to BLAS
+    rows = []
+    shapes = [(8 * 256, n_in, n_out, True) for n_in, n_out in ((256, 256), (256, 688), (688, 256), (256, 4096))]
+    shapes += [(tokens, n, n, False) for tokens in (1, 8, 32, 64) for n in (256, 1024, 4096)]
+    for tokens, n_in, n_out, backward in shapes:
+        x = torch.randn(tokens, n_in, requires_grad=backward)
+        weight = torch.randn(n_out, n_in, requires_grad=backward)
+        grad = torch.randn(tokens, n_out)
+        if backward:
+            ours, theirs = compare(lambda: linear(x, weight).backward(grad), lambda: F.linear(x, weight).backward(grad))
+        else:
+            with torch.no_grad():
+                ours, theirs = compare(lambda: linear(x, weight), lambda: F.linear(x, weight), calls=200 if n_in < 4096 else 20)
+        rows.append({"op": "linear fwd+bwd" if backward else "linear fwd", "shape": f"{tokens}x{n_in} -> {n_out}",
+                     "dtype": "float32", "multiply_adds": tokens * n_in * n_out, "lit_model_ms": round(ours, 4),
+                     "pytorch_ms": round(theirs, 4), "speedup": round(theirs / ours, 3)})
+    return rows
+
+
+def cpu_name() -> str:
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+SECTIONS = {"rms_norm": rms_norm_rows, "rope": rope_rows, "attention": attention_rows, "linear": linear_rows}
+
+
 def main() -> None:
-    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", nargs="+", choices=list(SECTIONS), default=["rms_norm", "rope", "attention"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0: torch's default")
+    parser.add_argument("--report", default="ops", help="benchmarks/results/NAME.{csv,md}")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
     before = os.getloadavg()[0]
-    rows = rms_norm_rows() + rope_rows() + attention_rows()
+    rows = [row for name in args.ops for row in SECTIONS[name]()]
     table = markdown_table(rows)
     RESULTS.mkdir(exist_ok=True)
-    atomic_write(RESULTS / "ops.csv", csv_text(rows))
-    atomic_write(RESULTS / "ops.md",
-        f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU, 1 thread)\n\n"
-        "Regenerate: `python benchmarks/ops.py`\n\n"
-        "Forward + backward, median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
+    command = " ".join(["python benchmarks/ops.py", *(["--ops", *args.ops] if args.ops != parser.get_default("ops") else []),
+                        *(["--threads", str(args.threads)] if args.threads != 1 else []),
+                        *(["--report", args.report] if args.report != "ops" else [])])
+    atomic_write(RESULTS / f"{args.report}.csv", csv_text(rows))
+    atomic_write(RESULTS / f"{args.report}.md",
+        f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU: {cpu_name()}; {threads} thread{'s' * (threads > 1)})\n\n"
+        f"Regenerate: `{command}`\n\n"
+        "Median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
         "(for the bf16 RMSNorm, the upcast formula Hugging Face and litgpt use; for the rotary embedding, the formula "
-        "written with PyTorch's operations, as model.py had it). "
+        "written with PyTorch's operations, as model.py had it; for the linear maps, F.linear on PyTorch's BLAS). "
         "Attention: 4 query heads over 2 key/value heads of 64, 2048 tokens a batch; lit-model takes the halves "
         f"for 384 <= T <= 512. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
         f"{table}\n"

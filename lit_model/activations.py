@@ -36,6 +36,7 @@ SAVED_OPS = frozenset({
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._flash_attention_forward.default, aten._efficient_attention_forward.default,
+    *([torch.ops.mkldnn._linear_pointwise.default] if hasattr(torch.ops.mkldnn, "_linear_pointwise") else []),  # ops.linear
 })
 
 

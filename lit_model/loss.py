@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from lit_model.ops import linear
+
 # Tokens per chunk: a (128 x vocab) fp32 block stays in a CPU core's cache for vocabularies up to ~8k (4 MB), and
 # is still a large matmul on a GPU.
 DEFAULT_LOSS_CHUNK_SIZE = 128
@@ -95,7 +97,7 @@ def _chunk(
 ) -> torch.Tensor:
     """One chunk's summed loss; writes its rows of ``grad_x`` and adds to ``grad_weight``/``grad_bias``. A
     function of its own so that its (chunk x vocab) blocks are freed before the next chunk's are made."""
-    logits = torch.mm(x, weight.t()).float()
+    logits = linear(x, weight).float()
     if bias is not None:
         logits += bias
     if softcap is not None:
@@ -119,7 +121,7 @@ def _chunk(
     grad = grad.to(x.dtype)
     row_mask = valid.unsqueeze(1).to(x.dtype)
     if grad_x is not None:
-        grad_x.copy_(torch.mm(grad, weight).mul_(row_mask))
+        grad_x.copy_(linear(grad, weight.t()).mul_(row_mask))
     if grad_weight is not None:
         if grad_weight.dtype == x.dtype:
             grad_weight.addmm_(grad.t(), x * row_mask)

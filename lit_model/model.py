@@ -22,8 +22,8 @@ from lit_model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.config import Config
 from lit_model.errors import STOPS, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.ops import (attends_in_halves, causal_attention_in_halves, expands_shared_heads, path_device, rms_norm,
-                           rotate, upcast_rms_norm)
+from lit_model.ops import (attends_in_halves, causal_attention_in_halves, expands_shared_heads, linear, path_device,
+                           rms_norm, rotate, upcast_rms_norm)
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -49,7 +49,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = make_norm(config, config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
@@ -171,7 +171,7 @@ class GPT(nn.Module):
 
     def _loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         chunk = self.loss_chunk_size if self.loss_chunk_size > 0 else x.size(0)
-        if type(self.lm_head) is nn.Linear and not self.loss_differentiable_twice:
+        if plain_linear(self.lm_head) and not self.loss_differentiable_twice:
             return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets, chunk,
                                         self.config.final_logit_softcapping)
         # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
@@ -300,10 +300,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.config = config
         qkv_bias = config.bias or config.attn_bias
-        self.query = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=qkv_bias)
-        self.key = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
-        self.value = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
-        self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        self.query = Linear(config.n_embd, config.n_head * config.head_size, bias=qkv_bias)
+        self.key = Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
+        self.value = Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
+        self.proj = Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
         if config.qk_norm is not None:
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, config.head_size if per_head else config.n_head * config.head_size)
@@ -442,8 +442,8 @@ class GptNeoxMLP(nn.Module):
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.fc = Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = Linear(config.intermediate_size, config.n_embd, bias=config.bias)
         self.approximate = config.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -455,9 +455,9 @@ class LLaMAMLP(nn.Module):
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.fc_1 = Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = Linear(config.intermediate_size, config.n_embd, bias=config.bias)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
@@ -505,7 +505,7 @@ class LLaMAMoE(nn.Module):
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.gate = Linear(config.n_embd, config.n_expert, bias=False)
         self.experts = nn.ModuleList(LLaMAMLP(config) for _ in range(config.n_expert))
         self.config = config
 
@@ -540,6 +540,18 @@ def _normal_in_fp32(weight: torch.Tensor, std: float) -> None:
     for start in range(0, rows.size(0), step):
         block = rows[start : start + step]
         block.copy_(torch.empty(block.shape, dtype=torch.float32, device=block.device).normal_(0.0, std))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) whose product takes ``ops.linear``'s kernel choice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """A linear layer as the model builds it (or a bare ``nn.Linear``): not quantized, not adapted."""
+    return type(module) in (nn.Linear, Linear)
 
 
 class RMSNorm(nn.Module):

@@ -1,16 +1,22 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
 hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
-its kernel skips the masked quarter, and dropout before a linear map without its division. Against PyTorch's:
-benchmarks/results/ops.md (``python benchmarks/ops.py``)."""
+its kernel skips the masked quarter, dropout before a linear map without its division, and fp32 linear maps on
+oneDNN where PyTorch's BLAS is slow (non-Intel x86 CPUs). Against PyTorch's: benchmarks/results/ops.md and
+ops_linear.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from lit_model.errors import UsageError
 
 # Set by the memory planner, which traces a GPU run with fake tensors on the CPU and must take the GPU's paths.
 _planned_device: Optional[str] = None
@@ -30,6 +36,78 @@ def take_paths_of(device_type: str) -> Iterator[None]:
 def path_device(x: torch.Tensor) -> str:
     """The device type whose code path the model takes for ``x``."""
     return _planned_device or x.device.type
+
+
+# ---- fp32 linear maps on the CPU ----------------------------------------------------------------------------
+FP32_LINEAR_ENV = "LIT_MODEL_FP32_LINEAR"  # "auto" (default), "onednn" or "blas": which kernel runs fp32 x @ W.T
+
+
+def _cpu_vendor() -> Optional[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def onednn_fp32_linear() -> bool:
+    """Whether fp32 linear maps on the CPU run on oneDNN's inner product instead of PyTorch's BLAS (MKL). MKL takes
+    its AVX-512 code by CPU vendor, so on other x86 CPUs it runs at about half of oneDNN's speed, which is
+    vendor-neutral: on an AMD EPYC (2 cores, torch 2.13 with MKL 2024.2) a 64 x 4096 -> 4096 product ran 2.3x faster
+    on oneDNN, and a training step's 2048 x 256 -> 688 map 1.6x (forward and backward, whose weight gradient stays on
+    BLAS; benchmarks/results/ops_linear.md). On Intel CPUs, and where PyTorch's BLAS is not MKL, its own kernels
+    stay. ``LIT_MODEL_FP32_LINEAR=onednn`` or ``=blas`` forces either."""
+    choice = os.environ.get(FP32_LINEAR_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "onednn", "blas"):
+        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use auto (the default), onednn or blas.")
+    available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if choice != "auto" or not available:
+        return available and choice == "onednn"
+    return torch.backends.mkl.is_available() and _cpu_vendor() not in (None, "GenuineIntel")
+
+
+# oneDNN costs ~15 us a call more than MKL: it wins from about this many multiply-adds (rows x in x out) on (a
+# 32 x 256 -> 256 product breaks even, 64 rows run 1.25x faster; one row of 4096 -> 4096, 2.8x; decoding a small
+# model's 256-wide rows, 2-4x slower): benchmarks/results/ops_linear.md
+ONEDNN_LINEAR_MIN_MACS = 2**21
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; in fp32 on the CPU on oneDNN where ``onednn_fp32_linear`` says so, for
+    products of more than ``ONEDNN_LINEAR_MIN_MACS`` (outside autocast, which casts the product to 16 bits; for a
+    contiguous ``x``, which oneDNN would copy otherwise). It keeps the same tensors for backward as F.linear, and its
+    backward is differentiable (Sophia)."""
+    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and path_device(x) == "cpu" and x.is_contiguous()
+            and x.numel() * weight.size(0) > ONEDNN_LINEAR_MIN_MACS and (bias is None or bias.dtype is torch.float32)
+            and not torch.is_autocast_enabled("cpu") and onednn_fp32_linear()):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # type: ignore[no-untyped-def]
+        # as aten's linear: x only for the weight's gradient, the weight only for x's (a frozen base keeps no input)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = linear(grad, weight.t())  # grad @ W; oneDNN reads the transposed weight in place
+        rows = grad.reshape(-1, grad.size(-1))
+        if ctx.needs_input_grad[1]:
+            # BLAS: oneDNN would copy both transposed operands (a hidden activation-sized buffer the planner cannot see)
+            grad_weight = rows.t().mm(x.reshape(-1, x.size(-1)))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
 
 
 def dropout_before_linear(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:

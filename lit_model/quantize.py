@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from lit_model.errors import UsageError
+from lit_model.model import plain_linear
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
 
@@ -119,15 +120,15 @@ def quantize_model(
     compute_dtype: Optional[torch.dtype] = None,
     skip: Sequence[str] = ("lm_head",),
 ) -> nn.Module:
-    """Replace every plain ``nn.Linear`` of ``model`` (in place) except those named in ``skip``.
+    """Replace every plain linear layer of ``model`` (``model.plain_linear``; in place) except those named in ``skip``.
 
-    Only exact ``nn.Linear`` instances are replaced, so a LoRA layer that wraps a base ``nn.Linear`` keeps
+    Only plain layers are replaced, so a LoRA layer that wraps a base linear layer keeps
     its adapter and gets a quantized base. Embeddings are never quantized.
     """
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and name not in skip and name.split(".")[-1] not in skip
+        if plain_linear(module) and name not in skip and name.split(".")[-1] not in skip
     ]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
@@ -171,7 +172,7 @@ def load_weights(
     def quantize_part(part_name: str, part: nn.Module) -> None:
         if quantize is None or part_name in skip or (tied and part_name == "lm_head"):
             return
-        if type(part) is nn.Linear:
+        if plain_linear(part):
             parent_name, _, child = part_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, quantize_linear(part, quantize, dtype))

@@ -2,7 +2,8 @@
 both gradients, a second backward; in 16 bits against the published upcast formula), the rotary embedding against its formula (values, gradient, a second backward,
 memory layout), and causal attention in halves (values and gradients, with and without
 grouped queries, an odd length), and that the model takes the halves where it should; on CUDA's paths, grouped
-key/value heads copied to every query head where CUDA would take the math kernel, with the same numbers."""
+key/value heads copied to every query head where CUDA would take the math kernel, with the same numbers; fp32
+linear maps on oneDNN (values, gradients, a second backward, what backward keeps) and which CPUs take them."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch.nn.functional as F
 
 from lit_model import GPT, Config
 from lit_model.model import RMSNorm, rope_cache
-from lit_model.ops import (_RMSNorm, causal_attention_in_halves, expands_shared_heads, rms_norm, rotate, take_paths_of,
-                           upcast_rms_norm)
+from lit_model import ops
+from lit_model.errors import UsageError
+from lit_model.ops import (FP32_LINEAR_ENV, _RMSNorm, causal_attention_in_halves, expands_shared_heads, linear, rms_norm,
+                           rotate, take_paths_of, upcast_rms_norm)
 
 
 def hand_written(x, weight, eps):
@@ -230,4 +233,118 @@ def test_copied_heads_give_the_same_numbers(monkeypatch, packed):
     assert calls[-1] is True  # fp32, 40 queries of head size 8: copied on CUDA's paths
     torch.testing.assert_close(cuda, cpu, rtol=1e-5, atol=1e-5)
     for a, b in zip(cuda_grads, cpu_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---- fp32 linear maps on oneDNN ------------------------------------------------------------------------------
+onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available(),
+                            reason="this torch has no oneDNN")
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """Set LIT_MODEL_FP32_LINEAR for one test (the choice is made once per process, so its cache is cleared)."""
+    def choose(value):
+        monkeypatch.setenv(FP32_LINEAR_ENV, value)
+        ops.onednn_fp32_linear.cache_clear()
+    monkeypatch.setattr(ops, "ONEDNN_LINEAR_MIN_MACS", 0)  # these tests' products are tiny
+    yield choose
+    monkeypatch.delenv(FP32_LINEAR_ENV, raising=False)
+    ops.onednn_fp32_linear.cache_clear()
+
+
+def saved_bytes(fn):
+    """Bytes autograd keeps for backward while ``fn()`` builds its graph (each storage once)."""
+    kept = {}
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())
+
+
+@onednn
+@pytest.mark.parametrize("frozen", [False, True])
+def test_onednn_linear_equals_f_linear_in_values_gradients_and_what_it_keeps(kernel, frozen):
+    kernel("onednn")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 48, generator=generator, requires_grad=True)
+    weight = torch.randn(40, 48, generator=generator).requires_grad_(not frozen)
+    bias = torch.randn(40, generator=generator).requires_grad_(not frozen)
+    upstream = torch.randn(3, 5, 40, generator=generator)
+    ours, ours_kept = saved_bytes(lambda: linear(x, weight, bias))
+    reference, reference_kept = saved_bytes(lambda: F.linear(x, weight, bias))
+    assert ours.grad_fn.name().endswith("_OneDNNLinearBackward")
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    inputs = (x,) if frozen else (x, weight, bias)
+    for a, b in zip(torch.autograd.grad(ours, inputs, upstream), torch.autograd.grad(reference, inputs, upstream)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ours_kept == reference_kept  # a frozen weight keeps no input: the planner's trace counts what aten keeps
+    assert ours_kept == (x.nbytes + weight.nbytes if not frozen else weight.nbytes)
+
+
+@onednn
+def test_onednn_linear_is_differentiable_twice(kernel):
+    kernel("onednn")  # Sophia's Hessian differentiates the gradients again
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(8, 16, generator=generator, requires_grad=True)
+    results = []
+    for f in (linear, F.linear):
+        (grad_x,) = torch.autograd.grad(f(x, weight).tanh().sum(), (x,), create_graph=True)
+        results.append(torch.autograd.grad(grad_x.square().sum(), (x, weight)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@onednn
+def test_only_large_enough_fp32_products_outside_autocast_take_onednn(kernel, monkeypatch):
+    kernel("onednn")
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8)
+    assert linear(x, weight).grad_fn.name().endswith("_OneDNNLinearBackward")
+    assert "OneDNN" not in linear(x.bfloat16(), weight.bfloat16()).grad_fn.name()
+    transposed = torch.randn(8, 4).t().requires_grad_()  # oneDNN would copy it: F.linear's path
+    assert "OneDNN" not in linear(transposed, weight).grad_fn.name()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, weight).dtype == torch.bfloat16  # autocast's product, as F.linear's
+    with take_paths_of("cuda"):  # the planner tracing a GPU run takes the GPU's path
+        assert "OneDNN" not in linear(x, weight).grad_fn.name()
+    monkeypatch.setattr(ops, "ONEDNN_LINEAR_MIN_MACS", x.numel() * weight.size(0))  # small products: BLAS
+    assert "OneDNN" not in linear(x, weight).grad_fn.name()
+    assert linear(torch.cat([x, x]), weight).grad_fn.name().endswith("_OneDNNLinearBackward")
+    kernel("blas")
+    assert "OneDNN" not in linear(x, weight).grad_fn.name()
+
+
+def test_the_fp32_kernel_is_onednn_on_cpus_other_than_intels(kernel, monkeypatch):
+    kernel("auto")
+    available = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+    for vendor, expected in (("GenuineIntel", False), ("AuthenticAMD", True), (None, False)):
+        monkeypatch.setattr(ops, "_cpu_vendor", lambda vendor=vendor: vendor)
+        ops.onednn_fp32_linear.cache_clear()
+        assert ops.onednn_fp32_linear() is (expected and available and torch.backends.mkl.is_available())
+    kernel("blas")
+    assert ops.onednn_fp32_linear() is False
+    kernel("fast")
+    with pytest.raises(UsageError, match="LIT_MODEL_FP32_LINEAR='fast': use auto"):
+        ops.onednn_fp32_linear()
+
+
+@onednn
+def test_a_model_trains_alike_on_either_kernel(kernel):
+    config = Config(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, padded_vocab_size=64,
+                    intermediate_size=48, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm")
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    losses, grads = [], []
+    for choice in ("blas", "onednn"):
+        kernel(choice)
+        torch.manual_seed(0)
+        model = GPT.initialized(config)
+        loss = model(idx, targets=idx)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in model.parameters()])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

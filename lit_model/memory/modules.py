@@ -16,6 +16,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from lit_model.model import plain_linear
+
 LORA_TARGETS = ("query", "key", "value", "projection", "mlp", "head")
 
 
@@ -128,7 +130,7 @@ def quantize_model_sim(model: nn.Module, mode: str, tracker=None, skip: tuple[st
     """Replace plain ``nn.Linear`` layers like ``lit_model.quantize.quantize_model`` does (LoRA bases included)."""
     targets = [
         (name, module) for name, module in model.named_modules()
-        if type(module) is nn.Linear and name not in skip and name.split(".")[-1] not in skip
+        if plain_linear(module) and name not in skip and name.split(".")[-1] not in skip
     ]
     created = []
     for name, module in targets:
