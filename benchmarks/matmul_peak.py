@@ -5,7 +5,8 @@
     python benchmarks/matmul_peak.py --step_bound --block 256 --micro_batch 8   # the linear layers' products alone
     python benchmarks/matmul_peak.py --report    # lit-model-40m pretraining at block 1,024 against the peak: results/
 
-The peak: torch.mm on square matrices (4096 by default), torch's default threads, best of --repeats timed calls
+The peak: torch.mm on square matrices (4096 by default), in fp32 also oneDNN's inner product (whichever is faster:
+on non-Intel CPUs MKL's torch.mm runs at about half of it), torch's default threads, best of --repeats timed calls
 after a warm-up one: 2 n^3 FLOP per call. A training step's FLOP per token: 6 N + 12 n_layer n_embd T (the PaLM
 paper's count: N the parameters that multiply (all but the embedding table; the output head included), T the
 sequence length; the attention term counts the full T x T scores, as if nothing were skipped under the causal
@@ -13,7 +14,7 @@ mask). vs_peers.py reports lit-model's pretraining rows with it.
 
 The step bound (``--step_bound``): every matrix product a training step of the model's linear layers must do, at
 its own shape (for y = x W^T of M tokens: the forward M x in @ in x out, and backward's dX = dY W and dW = dY^T x),
-each timed alone with torch.mm (best of --repeats), summed: the time these products take at best, before the
+each timed alone with the peak's kernels (best of --repeats), summed: the time these products take at best, before the
 attention, the norms, the loss and the optimizer add to it. An implementation that runs the same products (the
 peers split query/key/value and the MLP's input matrices into smaller ones) trains at most micro batch x block
 tokens in that time.
@@ -48,22 +49,28 @@ DEFAULT_ARCH = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_query_gr
 
 
 def best_mm_seconds(m: int, k: int, n: int, precision: str = "32-true", repeats: int = 5) -> float:
-    """The best time of torch.mm of an m x k by a k x n matrix of the precision's dtype, after a warm-up call."""
+    """The best time of an m x k by k x n product of the precision's dtype, after a warm-up call: torch.mm, or in
+    fp32 oneDNN's inner product where this torch has it (the kernel lit-model's fp32 linear maps take on non-Intel
+    CPUs, where MKL's torch.mm runs at about half of it: lit_model/ops.py), whichever is faster."""
     import torch  # here: vs_peers.py imports this module, and its own process stays without torch while it measures
 
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    torch.mm(a, b)
+    kernels = [lambda: torch.mm(a, b)]
+    if dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available():
+        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], ""))
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+    for kernel in kernels:
+        kernel()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kernel()
+            best = min(best, time.perf_counter() - start)
     return best
 
 
 def matmul_peak(precision: str = "32-true", size: int = 4096, repeats: int = 5) -> float:
-    """The best FLOP/s of torch.mm on two size x size matrices of the precision's dtype."""
+    """The best FLOP/s of a product of two size x size matrices of the precision's dtype (best_mm_seconds)."""
     return 2 * size**3 / best_mm_seconds(size, size, size, precision, repeats)
 
 
@@ -116,7 +123,8 @@ def pretrain_tokens_per_sec(model_name: str, block: int, micro_batch: int, preci
     return statistics.median(float(row["tokens_per_sec"]) for row in rows if skip < int(row["step"]) < steps)
 
 
-def report(out_dir: Path, model_name: str, block: int, micro_batch: int, steps: int, skip: int, repeats: int) -> str:
+def report(out_dir: Path, model_name: str, block: int, micro_batch: int, steps: int, skip: int, repeats: int,
+           name: str = "matmul_peak") -> str:
     arch, tokens = architecture(model_name), micro_batch * block
     rows = []
     for precision in ("32-true", "bf16-true"):
@@ -128,17 +136,19 @@ def report(out_dir: Path, model_name: str, block: int, micro_batch: int, steps: 
                      "tokens_per_sec": f"{measured:.0f}", "training_gflops": f"{achieved / 1e9:.1f}",
                      "matmul_peak_gflops": f"{peak / 1e9:.1f}", "fraction_of_peak": f"{achieved / peak:.3f}",
                      "linear_products_bound_tokens_per_sec": f"{bound:.0f}", "fraction_of_bound": f"{measured / bound:.3f}"})
-    atomic_write(out_dir / "matmul_peak.csv", csv_text(rows))
+    atomic_write(out_dir / f"{name}.csv", csv_text(rows))
     text = "\n".join([
         "# lit-model against this CPU's matmul peak\n",
-        f"Generated by `python benchmarks/matmul_peak.py --report` (see its docstring). CPU: {cpu_description()}. "
+        f"Generated by `python benchmarks/matmul_peak.py --report{'' if name == 'matmul_peak' else ' --name ' + name}` (see its "
+        f"docstring). CPU: {cpu_description()}. "
         f"Each run: `pretrain/main.py --model_name {model_name} --micro_batch_size {micro_batch} --override_max_seq_length "
         f"{block} --max_steps {steps}`, tokens/s the median of steps {skip + 1} to {steps - 1}.\n",
-        FORMULA + " Peak: torch.mm on 4096 x 4096 matrices, best of " + f"{repeats}, measured after each run. The bound: "
+        FORMULA + " Peak: 4096 x 4096 products (torch.mm; in fp32 also oneDNN's inner product, whichever is faster), best of "
+        f"{repeats}, measured after each run. The bound: "
         "the step's linear-layer products timed alone.\n",
         markdown_table(rows),
     ])
-    atomic_write(out_dir / "matmul_peak.md", text)
+    atomic_write(out_dir / f"{name}.md", text)
     return text
 
 
@@ -157,16 +167,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="the first steps left out of the report's tokens/s")
     parser.add_argument("--out_dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="matmul_peak", help="the report's file name (--out_dir/NAME.{md,csv})")
     args = parser.parse_args()
     if args.report:
         print(report(args.out_dir, args.model_name or "lit-model-40m", args.block or 1024, args.micro_batch or 4,
-                     args.steps, args.skip, args.repeats))
+                     args.steps, args.skip, args.repeats, args.name))
         return
     arch = architecture(args.model_name) if args.model_name else DEFAULT_ARCH
     block, micro_batch = args.block or 256, args.micro_batch or 8
     peaks = {p: matmul_peak(p, args.size, args.repeats) for p in ("32-true", "bf16-true")}
     for precision, peak in peaks.items():
-        print(f"torch.mm {args.size} x {args.size}, {precision}: {peak / 1e9:,.1f} GFLOP/s (best of {args.repeats})")
+        print(f"{args.size} x {args.size} product, {precision}: {peak / 1e9:,.1f} GFLOP/s (best of {args.repeats})")
     if args.tokens_per_sec:
         achieved = args.tokens_per_sec * training_flops_per_token(block, **arch)
         print(f"{FORMULA}\n{args.tokens_per_sec:,.0f} tokens/s at block {block}: {achieved / 1e9:,.1f} GFLOP/s, "

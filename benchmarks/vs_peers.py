@@ -653,7 +653,8 @@ def flops_section(table: list[dict], rows: list[Row]) -> str:
         return ""
     peaks = {p: matmul_peak(p) for p in {by_name[r["row"]].precision for r in ours}}
     lines = ["## lit-model's achieved FLOP/s\n", f"{FORMULA}\n",
-             "Peak: the best of several torch.mm on 4096 x 4096 matrices (default threads), measured after the runs.\n",
+             "Peak: the best of several 4096 x 4096 products (torch.mm; in fp32 also oneDNN's inner product, the faster "
+             "on non-Intel CPUs: benchmarks/matmul_peak.py), default threads, measured after the runs.\n",
              "| row | tokens/s | training GFLOP/s | matmul peak GFLOP/s | fraction of peak |", "|---|---|---|---|---|"]
     for r in ours:
         row = by_name[r["row"]]

@@ -62,7 +62,8 @@ def onednn_fp32_linear() -> bool:
     stay. ``LIT_MODEL_FP32_LINEAR=onednn`` or ``=blas`` forces either."""
     choice = os.environ.get(FP32_LINEAR_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "onednn", "blas"):
-        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use auto (the default), onednn or blas.")
+        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use auto (the default), onednn or blas (the kernel of fp32 "
+                         "linear maps on the CPU), or unset it.")
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if choice != "auto" or not available:
         return available and choice == "onednn"

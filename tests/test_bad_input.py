@@ -186,6 +186,23 @@ def test_bad_input(tmp_path, monkeypatch, script, argv, code, fragment):
     assert tree(tmp_path) == before  # no out_dir, no cache, nothing in the run directory changed
 
 
+@pytest.mark.parametrize("script", [PRETRAIN, BASE])
+def test_bad_fp32_linear_kernel_name(tmp_path, monkeypatch, script):
+    from lit_model import ops
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ops.FP32_LINEAR_ENV, "mkl")
+    ops.onednn_fp32_linear.cache_clear()
+    try:
+        proc = run_script_inprocess(script, "--out_dir", "OUT", monkeypatch=monkeypatch) if script == PRETRAIN else \
+            run_script_inprocess(script, monkeypatch=monkeypatch)
+    finally:
+        monkeypatch.delenv(ops.FP32_LINEAR_ENV)
+        ops.onednn_fp32_linear.cache_clear()
+    assert proc.returncode == 2, proc.stderr
+    assert "LIT_MODEL_FP32_LINEAR='mkl': use auto (the default), onednn or blas (the kernel" in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
 def test_plan_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails, as where it is not installed
