@@ -437,6 +437,18 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) whose product takes ``ops.linear``'s kernel choice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """A linear layer as the model builds it (or a bare ``nn.Linear``): not quantized, not adapted."""
+    return type(module) in (nn.Linear, Linear)
+
+
 class GptNeoxMLP(nn.Module):
     """Linear -> GELU -> Linear (GPT-NeoX, Phi)."""
 
@@ -453,11 +465,11 @@ class GptNeoxMLP(nn.Module):
 class LLaMAMLP(nn.Module):
     """SwiGLU: proj(silu(fc_1(x)) * fc_2(x)) (Llama, Mistral, Qwen, Phi-3)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, linear: type[nn.Linear] = Linear) -> None:
         super().__init__()
-        self.fc_1 = Linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.fc_2 = Linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.proj = Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.fc_1 = linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = linear(config.intermediate_size, config.n_embd, bias=config.bias)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
@@ -506,7 +518,9 @@ class LLaMAMoE(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.gate = Linear(config.n_embd, config.n_expert, bias=False)
-        self.experts = nn.ModuleList(LLaMAMLP(config) for _ in range(config.n_expert))
+        # An expert sees a new number of tokens every step, and oneDNN builds and caches a kernel for each shape (the
+        # process grows step by step: benchmarks/results/moe_plan.md): the experts keep PyTorch's own linear maps.
+        self.experts = nn.ModuleList(LLaMAMLP(config, linear=nn.Linear) for _ in range(config.n_expert))
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -540,18 +554,6 @@ def _normal_in_fp32(weight: torch.Tensor, std: float) -> None:
     for start in range(0, rows.size(0), step):
         block = rows[start : start + step]
         block.copy_(torch.empty(block.shape, dtype=torch.float32, device=block.device).normal_(0.0, std))
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state dict) whose product takes ``ops.linear``'s kernel choice."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def plain_linear(module: nn.Module) -> bool:
-    """A linear layer as the model builds it (or a bare ``nn.Linear``): not quantized, not adapted."""
-    return type(module) in (nn.Linear, Linear)
 
 
 class RMSNorm(nn.Module):

@@ -79,11 +79,11 @@ ONEDNN_LINEAR_MIN_MACS = 2**21
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; in fp32 on the CPU on oneDNN where ``onednn_fp32_linear`` says so, for
     products of more than ``ONEDNN_LINEAR_MIN_MACS`` (outside autocast, which casts the product to 16 bits; for a
-    contiguous ``x``, which oneDNN would copy otherwise). It keeps the same tensors for backward as F.linear, and its
-    backward is differentiable (Sophia)."""
+    contiguous ``x``, which oneDNN would copy otherwise; not inside torch.compile, which chooses its own kernels). It
+    keeps the same tensors for backward as F.linear, and its backward is differentiable (Sophia)."""
     if (x.dtype is torch.float32 and weight.dtype is torch.float32 and path_device(x) == "cpu" and x.is_contiguous()
             and x.numel() * weight.size(0) > ONEDNN_LINEAR_MIN_MACS and (bias is None or bias.dtype is torch.float32)
-            and not torch.is_autocast_enabled("cpu") and onednn_fp32_linear()):
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and onednn_fp32_linear()):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
