@@ -1,7 +1,7 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
 hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
-its kernel skips the masked quarter, dropout before a linear map without its division, and fp32 linear maps on
-oneDNN where PyTorch's BLAS is slow (non-Intel x86 CPUs). Against PyTorch's: benchmarks/results/ops.md and
+its kernel skips the masked quarter, dropout before a linear map without its division, and (opt-in) fp32 linear
+maps on oneDNN where PyTorch's BLAS is slow (non-Intel x86 CPUs). Against PyTorch's: benchmarks/results/ops.md and
 ops_linear.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def path_device(x: torch.Tensor) -> str:
 
 
 # ---- fp32 linear maps on the CPU ----------------------------------------------------------------------------
-FP32_LINEAR_ENV = "LIT_MODEL_FP32_LINEAR"  # "auto" (default), "onednn" or "blas": which kernel runs fp32 x @ W.T
+FP32_LINEAR_ENV = "LIT_MODEL_FP32_LINEAR"  # "blas" (default), "auto" or "onednn": which kernel runs fp32 x @ W.T
 
 
 def _cpu_vendor() -> Optional[str]:
@@ -58,11 +58,16 @@ def onednn_fp32_linear() -> bool:
     its AVX-512 code by CPU vendor, so on other x86 CPUs it runs at about half of oneDNN's speed, which is
     vendor-neutral: on an AMD EPYC (2 cores, torch 2.13 with MKL 2024.2) a 64 x 4096 -> 4096 product ran 2.3x faster
     on oneDNN, and a training step's 2048 x 256 -> 688 map 1.6x (forward and backward, whose weight gradient stays on
-    BLAS; benchmarks/results/ops_linear.md). On Intel CPUs, and where PyTorch's BLAS is not MKL, its own kernels
-    stay. ``LIT_MODEL_FP32_LINEAR=onednn`` or ``=blas`` forces either."""
-    choice = os.environ.get(FP32_LINEAR_ENV, "auto").strip().lower() or "auto"
+    BLAS; benchmarks/results/ops_linear.md).
+
+    Opt-in (``LIT_MODEL_FP32_LINEAR=onednn``, or ``=auto``: oneDNN on x86 CPUs other than Intel's where the BLAS is
+    MKL), because oneDNN keeps a weight-sized buffer for every product shape it has run (up to 1,024 of them):
+    products of a fixed shape (pretraining's full windows) add a few such buffers, but every new row count adds one,
+    so fine-tuning batches of varying lengths grow the process step by step (3 maps of a 768-wide model at 300 row
+    counts: 9.9 GB against 0.45 GB on BLAS), which the planner does not see."""
+    choice = os.environ.get(FP32_LINEAR_ENV, "blas").strip().lower() or "blas"
     if choice not in ("auto", "onednn", "blas"):
-        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use auto (the default), onednn or blas (the kernel of fp32 "
+        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use blas (the default), onednn or auto (the kernel of fp32 "
                          "linear maps on the CPU), or unset it.")
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if choice != "auto" or not available:

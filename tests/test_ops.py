@@ -317,7 +317,7 @@ def test_only_large_enough_fp32_products_outside_autocast_take_onednn(kernel, mo
     assert "OneDNN" not in linear(x, weight).grad_fn.name()
 
 
-def test_the_fp32_kernel_is_onednn_on_cpus_other_than_intels(kernel, monkeypatch):
+def test_auto_takes_onednn_on_cpus_other_than_intels_and_blas_is_the_default(kernel, monkeypatch):
     kernel("auto")
     available = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
     for vendor, expected in (("GenuineIntel", False), ("AuthenticAMD", True), (None, False)):
@@ -326,8 +326,11 @@ def test_the_fp32_kernel_is_onednn_on_cpus_other_than_intels(kernel, monkeypatch
         assert ops.onednn_fp32_linear() is (expected and available and torch.backends.mkl.is_available())
     kernel("blas")
     assert ops.onednn_fp32_linear() is False
+    monkeypatch.delenv(FP32_LINEAR_ENV)  # opt-in: unset means BLAS, whatever the CPU
+    ops.onednn_fp32_linear.cache_clear()
+    assert ops.onednn_fp32_linear() is False
     kernel("fast")
-    with pytest.raises(UsageError, match="LIT_MODEL_FP32_LINEAR='fast': use auto"):
+    with pytest.raises(UsageError, match="LIT_MODEL_FP32_LINEAR='fast': use blas"):
         ops.onednn_fp32_linear()
 
 
