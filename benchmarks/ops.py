@@ -14,7 +14,7 @@
 4. fp32 linear maps: ``ops.linear`` on oneDNN (``LIT_MODEL_FP32_LINEAR=onednn``) vs ``F.linear`` on PyTorch's BLAS
    (MKL), forward + backward, on the shapes of benchmarks/vs_peers.py's model: 8 x 256 tokens through its 256 -> 256,
    256 -> 688, 688 -> 256 and 256 -> 4096 (head) maps, and forward only for one token (a decoding step).
-   ``ops.onednn_fp32_linear`` takes oneDNN on x86 CPUs other than Intel's, where MKL runs its slower code.
+   lit-model takes oneDNN only when asked (``ops.onednn_fp32_linear``: opt-in, for the memory it keeps per shape).
 
 One thread (as benchmarks/vs_litgpt.py runs); each figure is the median of 5 rounds of 10 calls, the two
 implementations alternating within a round, so the ratio comes from the same moments of a shared machine.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _tables import csv_text, markdown_table  # noqa: E402
+from _tables import cpu_description, csv_text, markdown_table  # noqa: E402
 from lit_model.model import rope_cache  # noqa: E402
 from lit_model.config import Config  # noqa: E402
 from lit_model import ops  # noqa: E402
@@ -145,15 +144,6 @@ def linear_rows() -> list[dict]:
     return rows
 
 
-def cpu_name() -> str:
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
-
 SECTIONS = {"rms_norm": rms_norm_rows, "rope": rope_rows, "attention": attention_rows, "linear": linear_rows}
 
 
@@ -176,7 +166,7 @@ def main() -> None:
                         *(["--report", args.report] if args.report != "ops" else [])])
     atomic_write(RESULTS / f"{args.report}.csv", csv_text(rows))
     atomic_write(RESULTS / f"{args.report}.md",
-        f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU: {cpu_name()}; {threads} thread{'s' * (threads > 1)})\n\n"
+        f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU: {cpu_description()}; {threads} thread{'s' * (threads > 1)})\n\n"
         f"Regenerate: `{command}`\n\n"
         "Median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
         "(for the bf16 RMSNorm, the upcast formula Hugging Face and litgpt use; for the rotary embedding, the formula "

@@ -465,11 +465,11 @@ class GptNeoxMLP(nn.Module):
 class LLaMAMLP(nn.Module):
     """SwiGLU: proj(silu(fc_1(x)) * fc_2(x)) (Llama, Mistral, Qwen, Phi-3)."""
 
-    def __init__(self, config: Config, linear: type[nn.Linear] = Linear) -> None:
+    def __init__(self, config: Config, linear_class: type[nn.Linear] = Linear) -> None:
         super().__init__()
-        self.fc_1 = linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.fc_2 = linear(config.n_embd, config.intermediate_size, bias=config.bias)
-        self.proj = linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.fc_1 = linear_class(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = linear_class(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = linear_class(config.intermediate_size, config.n_embd, bias=config.bias)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
@@ -520,7 +520,7 @@ class LLaMAMoE(nn.Module):
         self.gate = Linear(config.n_embd, config.n_expert, bias=False)
         # An expert sees a new number of tokens every step, and oneDNN builds and caches a kernel for each shape (the
         # process grows step by step: benchmarks/results/moe_plan.md): the experts keep PyTorch's own linear maps.
-        self.experts = nn.ModuleList(LLaMAMLP(config, linear=nn.Linear) for _ in range(config.n_expert))
+        self.experts = nn.ModuleList(LLaMAMLP(config, linear_class=nn.Linear) for _ in range(config.n_expert))
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
