@@ -14,7 +14,7 @@
 4. fp32 linear maps: ``ops.linear`` on oneDNN (``LIT_MODEL_FP32_LINEAR=onednn``) vs ``F.linear`` on PyTorch's BLAS
    (MKL), forward + backward, on the shapes of benchmarks/vs_peers.py's model: 8 x 256 tokens through its 256 -> 256,
    256 -> 688, 688 -> 256 and 256 -> 4096 (head) maps, and forward only for one token (a decoding step).
-   lit-model takes oneDNN only when asked (``ops.onednn_fp32_linear``: opt-in, for the memory it keeps per shape).
+   lit-model takes oneDNN by default on x86 CPUs other than Intel's (``ops.onednn_fp32_linear``).
 
 One thread (as benchmarks/vs_litgpt.py runs); each figure is the median of 5 rounds of 10 calls, the two
 implementations alternating within a round, so the ratio comes from the same moments of a shared machine.

@@ -189,7 +189,9 @@ def worker(job: dict) -> dict:
 
     import lit_model.lora  # noqa: F401  (every import before the first baseline)
     import lit_model.training.optimizers  # noqa: F401
+    from lit_model.ops import configure_cpu_kernels
 
+    configure_cpu_kernels()  # as the scripts do: oneDNN's kernel caches capped
     torch.manual_seed(0)
     after_imports = rss_now()
     # Warm-up: one step of a 1-block copy of the same run (same shapes and kernels), so that one-time runtime

@@ -17,7 +17,7 @@ import yaml
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser
 
 from lit_model.errors import UsageError, run_cli
-from lit_model.ops import onednn_fp32_linear
+from lit_model.ops import configure_cpu_kernels
 from lit_model.tokenizer import check_utf8
 
 
@@ -50,7 +50,7 @@ def parse(args_cls: type, argv: Optional[list[str]] = None) -> Any:
         namespace = parser.parse_args(argv)
     except ArgumentError as error:
         raise UsageError(f"{usage_message(str(error), hints, argv)} Run with --help to list every flag.") from None
-    onednn_fp32_linear()  # LIT_MODEL_FP32_LINEAR checked with the flags, before anything is written
+    configure_cpu_kernels()  # LIT_MODEL_FP32_LINEAR checked with the flags, before anything is written
     values = namespace.as_dict()
     for name, value in values.items():  # text flags (prompts, patterns) reach a tokenizer or a file as UTF-8
         for text in value if isinstance(value, list) else [value]:

@@ -1,7 +1,7 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
 hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
-its kernel skips the masked quarter, dropout before a linear map without its division, and (opt-in) fp32 linear
-maps on oneDNN where PyTorch's BLAS is slow (non-Intel x86 CPUs). Against PyTorch's: benchmarks/results/ops.md and
+its kernel skips the masked quarter, dropout before a linear map without its division, and fp32 linear maps on
+oneDNN where PyTorch's BLAS is slow (x86 CPUs other than Intel's). Against PyTorch's: benchmarks/results/ops.md and
 ops_linear.md (``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def path_device(x: torch.Tensor) -> str:
 
 
 # ---- fp32 linear maps on the CPU ----------------------------------------------------------------------------
-FP32_LINEAR_ENV = "LIT_MODEL_FP32_LINEAR"  # "blas" (default), "auto" or "onednn": which kernel runs fp32 x @ W.T
+FP32_LINEAR_ENV = "LIT_MODEL_FP32_LINEAR"  # "auto" (default), "onednn" or "blas": which kernel runs fp32 x @ W.T
 
 
 def _cpu_vendor() -> Optional[str]:
@@ -60,19 +60,38 @@ def onednn_fp32_linear() -> bool:
     on oneDNN, and a training step's 2048 x 256 -> 688 map 1.6x (forward and backward, whose weight gradient stays on
     BLAS; benchmarks/results/ops_linear.md).
 
-    Opt-in (``LIT_MODEL_FP32_LINEAR=onednn``, or ``=auto``: oneDNN on x86 CPUs other than Intel's where the BLAS is
-    MKL), because oneDNN keeps a weight-sized buffer for every product shape it has run (up to 1,024 of them):
-    products of a fixed shape (pretraining's full windows) add a few such buffers, but every new row count adds one,
-    so fine-tuning batches of varying lengths grow the process step by step (3 maps of a 768-wide model at 300 row
-    counts: 9.9 GB against 0.45 GB on BLAS), which the planner does not see."""
-    choice = os.environ.get(FP32_LINEAR_ENV, "blas").strip().lower() or "blas"
+    ``LIT_MODEL_FP32_LINEAR``: ``auto`` (the default) takes oneDNN on x86 CPUs other than Intel's where the BLAS is
+    MKL; ``onednn`` and ``blas`` choose one everywhere. oneDNN makes a kernel for every product shape, so batches of
+    varying lengths add kernels: ``configure_cpu_kernels`` caps its caches, which bounds them (a LoRA fine-tune of a
+    768-wide model on that EPYC, samples of 64 to 576 tokens: 1.8x BLAS's tokens/s at 1.1x its peak RSS;
+    benchmarks/results/cpu_kernels.md)."""
+    choice = os.environ.get(FP32_LINEAR_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "onednn", "blas"):
-        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use blas (the default), onednn or auto (the kernel of fp32 "
+        raise UsageError(f"{FP32_LINEAR_ENV}={choice!r}: use auto (the default), onednn or blas (the kernel of fp32 "
                          "linear maps on the CPU), or unset it.")
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if choice != "auto" or not available:
         return available and choice == "onednn"
     return torch.backends.mkl.is_available() and _cpu_vendor() not in (None, "GenuineIntel")
+
+
+# oneDNN (PyTorch's CPU kernels for 16-bit products, and lit-model's fp32 linear maps on CPUs other than Intel's)
+# keeps every kernel it makes, one per product shape, in two caches of 1,024 (oneDNN's and ideep's): ~0.7 MB of its
+# own each, and the heap around them cannot shrink, so batches of ever new lengths grow the process step by step
+# (bf16 768 -> 3072 -> 768 maps, forward and input gradient, at 300 row counts: +1.6 GB after two passes; capped at
+# 64, +0.3 GB). A run needs more than a step's kernels: a bf16 LoRA fine-tune (batches padded to multiples of 64) made
+# 114 in 30 steps, and capped at 64 it ran 15% slower, remaking them (0.25-0.5 ms each): hence 256
+# (benchmarks/results/cpu_kernels.md).
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_CAPACITY = 256
+
+
+def configure_cpu_kernels() -> None:
+    """Before the process runs its first product: check ``LIT_MODEL_FP32_LINEAR`` and cap oneDNN's kernel caches
+    (read when the first kernel is made; a user's own values of the variables are kept)."""
+    onednn_fp32_linear()
+    for variable in ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(variable, str(ONEDNN_CACHE_CAPACITY))
 
 
 # oneDNN costs ~15 us a call more than MKL: it wins from about this many multiply-adds (rows x in x out) on (a

@@ -199,7 +199,7 @@ def test_bad_fp32_linear_kernel_name(tmp_path, monkeypatch, script):
         monkeypatch.delenv(ops.FP32_LINEAR_ENV)
         ops.onednn_fp32_linear.cache_clear()
     assert proc.returncode == 2, proc.stderr
-    assert "LIT_MODEL_FP32_LINEAR='mkl': use blas (the default), onednn or auto (the kernel" in " ".join(proc.stderr.split())
+    assert "LIT_MODEL_FP32_LINEAR='mkl': use auto (the default), onednn or blas (the kernel" in " ".join(proc.stderr.split())
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
 
 

@@ -3,11 +3,15 @@ both gradients, a second backward; in 16 bits against the published upcast formu
 memory layout), and causal attention in halves (values and gradients, with and without
 grouped queries, an odd length), and that the model takes the halves where it should; on CUDA's paths, grouped
 key/value heads copied to every query head where CUDA would take the math kernel, with the same numbers; fp32
-linear maps on oneDNN (values, gradients, a second backward, what backward keeps) and which CPUs take them."""
+linear maps on oneDNN (values, gradients, a second backward, what backward keeps) and which CPUs take them; oneDNN's
+kernel caches capped (a process running products of ever new shapes stays bounded)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -317,20 +321,20 @@ def test_only_large_enough_fp32_products_outside_autocast_take_onednn(kernel, mo
     assert "OneDNN" not in linear(x, weight).grad_fn.name()
 
 
-def test_auto_takes_onednn_on_cpus_other_than_intels_and_blas_is_the_default(kernel, monkeypatch):
-    kernel("auto")
+def test_auto_takes_onednn_on_cpus_other_than_intels_and_is_the_default(kernel, monkeypatch):
     available = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
-    for vendor, expected in (("GenuineIntel", False), ("AuthenticAMD", True), (None, False)):
-        monkeypatch.setattr(ops, "_cpu_vendor", lambda vendor=vendor: vendor)
-        ops.onednn_fp32_linear.cache_clear()
-        assert ops.onednn_fp32_linear() is (expected and available and torch.backends.mkl.is_available())
+    for unset in (False, True):  # unset means auto
+        kernel("auto")
+        if unset:
+            monkeypatch.delenv(FP32_LINEAR_ENV)
+        for vendor, expected in (("GenuineIntel", False), ("AuthenticAMD", True), (None, False)):
+            monkeypatch.setattr(ops, "_cpu_vendor", lambda vendor=vendor: vendor)
+            ops.onednn_fp32_linear.cache_clear()
+            assert ops.onednn_fp32_linear() is (expected and available and torch.backends.mkl.is_available())
     kernel("blas")
     assert ops.onednn_fp32_linear() is False
-    monkeypatch.delenv(FP32_LINEAR_ENV)  # opt-in: unset means BLAS, whatever the CPU
-    ops.onednn_fp32_linear.cache_clear()
-    assert ops.onednn_fp32_linear() is False
     kernel("fast")
-    with pytest.raises(UsageError, match="LIT_MODEL_FP32_LINEAR='fast': use blas"):
+    with pytest.raises(UsageError, match="LIT_MODEL_FP32_LINEAR='fast': use auto"):
         ops.onednn_fp32_linear()
 
 
@@ -351,3 +355,50 @@ def test_a_model_trains_alike_on_either_kernel(kernel):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_configure_cpu_kernels_caps_onednns_caches_and_keeps_the_users_values(monkeypatch):
+    for variable in ops.ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    ops.configure_cpu_kernels()
+    assert ops.ONEDNN_CACHE_VARIABLES == ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ops.ONEDNN_CACHE_CAPACITY)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+# fp32 products on oneDNN at ever new row counts, in a fresh process (two kernels a shape): RSS growth (MB) over
+# 120 shapes after a capped cache is full (freed buffers go back to the OS at once, so that what grows is what
+# oneDNN keeps, not glibc's heap around it)
+NEW_SHAPES = """
+import os, sys
+import torch
+from lit_model import ops
+if sys.argv[1] == "capped":
+    ops.configure_cpu_kernels()
+else:
+    os.environ.update({variable: "1024" for variable in ops.ONEDNN_CACHE_VARIABLES})  # oneDNN's default
+def rss_bytes():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def onednn(x, weight):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+weight = torch.randn(1536, 384, generator=torch.Generator().manual_seed(0))
+full = ops.ONEDNN_CACHE_CAPACITY // 2 + 8
+for i, rows in enumerate(range(64, 64 + (full + 120) * 5, 5)):
+    if i == full:
+        before = rss_bytes()
+    onednn(onednn(torch.randn(rows, 384), weight), weight.t())
+print((rss_bytes() - before) / 2**20)
+"""
+
+
+@onednn
+@pytest.mark.slow
+def test_capped_onednn_caches_bound_a_process_running_ever_new_shapes():
+    grown = {}
+    for case in ("capped", "uncapped"):
+        env = {k: v for k, v in os.environ.items() if k not in ops.ONEDNN_CACHE_VARIABLES}
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        proc = subprocess.run([sys.executable, "-c", NEW_SHAPES, case], capture_output=True, text=True, env=env, check=True)
+        grown[case] = float(proc.stdout)
+    assert grown["uncapped"] > 80 and grown["capped"] < grown["uncapped"] / 10, grown  # ~0.7 MB a kernel
