@@ -39,17 +39,17 @@ NOTES = """## What the rows say
   (the router's data-dependent `torch.where`) and every MoE plan fell back to the analytic estimate.
 - **fp32:** the random router measures at most `first_k` (-0.7 % without activation checkpointing, -3.7 % with
   it), and 5 steps measure the same as 2.
-- **bf16 on the CPU:** the random router measures more than `first_k`, and the gap grows with each step. This
-  memory is not tensors. Every expert gets a new row count each step, and the bf16 matmuls cache something for
-  each new shape. Part of it is oneDNN's primitive cache. With `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` the growth is
-  about half: 232.7 MB after 2 steps and 258.1 MB after 5, against 276.1 and 329.3 MB with the cache (measured
-  once by hand). We did not find what holds the rest.
-
-  Over 20 steps it reaches 421.8 MB: the process peaks at 788 MB, above the whole plan's 755 MB (tensors 191 MB
-  plus the CPU process overhead). So the plan is optimistic for a long bf16 MoE run on a CPU, and it says so in a
-  note. The growth slows down as row counts repeat, but we have not measured where it levels off. The command
-  was `python -c` running plan_accuracy's `run_worker` on this model with `"precision": "bf16-true", "routing":
-  "random", "steps": 20`; it took 3 minutes on 2 shared cores.
+- **bf16 on the CPU:** the random router measures more than `first_k`, and the gap grows over the first steps.
+  This memory is not tensors. Every expert gets a new row count each step, and oneDNN (PyTorch's kernels for bf16
+  products on the CPU) makes and keeps a kernel for each new shape, about 0.7 MB each, in two caches (oneDNN's
+  primitive cache and ideep's: `ONEDNN_PRIMITIVE_CACHE_CAPACITY`, `LRU_CACHE_CAPACITY`, 1,024 each by default).
+  The table's bf16 row was measured with those defaults: 276.3 MB after 2 steps, 329.2 after 5, and (by hand)
+  419.2 after 20, still growing. lit-model now caps both caches at 256 (lit_model/ops.py; the scripts and the
+  worker set it): 260.1 MB after 2 steps, 299.1 after 5, 301.2 after 20, 301.7 after 40, so the growth stops
+  once the caches are full. The plan counts them full (its `kernel_cache` term: 256 x 1 MiB, the measured 0.7 MB
+  a kernel rounded up), so the whole plan stays above the process however many steps run. The by-hand figures are
+  plan_accuracy's `run_worker` on this model with `"precision": "bf16-true", "routing": "random", "steps": N`
+  (uncapped: the two variables set to 1024); 2 shared cores, a few minutes each.
 - `python pretrain/main.py --model_config moe-bench.yaml --micro_batch_size 4 --global_batch_size 4 --plan json`
   (MODEL as YAML, the data flags left at their defaults) plans row 1 with engine `trace` and `tensor_peak_bytes`
   355688968 (the trace column). Its `peak_bytes` of 932 MB, with the process overhead, is above the process's

@@ -86,6 +86,16 @@ ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY
 ONEDNN_CACHE_CAPACITY = 256
 
 
+ONEDNN_KERNEL_BYTES = 1 << 20  # what one kernel keeps: 0.62-0.72 MB measured, 64 x 768 -> 768 to 8192 x 768 -> 3072
+
+
+def onednn_kernel_cache_bytes() -> int:
+    """The most oneDNN's kernel caches hold in this process: the larger capacity (its variables, else the cap that
+    ``configure_cpu_kernels`` sets) times ``ONEDNN_KERNEL_BYTES``."""
+    values = [os.environ.get(variable, str(ONEDNN_CACHE_CAPACITY)) for variable in ONEDNN_CACHE_VARIABLES]
+    return max((int(v) for v in values if v.strip().isdigit()), default=ONEDNN_CACHE_CAPACITY) * ONEDNN_KERNEL_BYTES
+
+
 def configure_cpu_kernels() -> None:
     """Before the process runs its first product: check ``LIT_MODEL_FP32_LINEAR`` and cap oneDNN's kernel caches
     (read when the first kernel is made; a user's own values of the variables are kept)."""

@@ -85,7 +85,7 @@ def test_lora_on_every_expert_with_fsdp_trains_and_merges(ft, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("routing", ["random", "first_k"])
 def test_the_plan_of_a_moe_step_matches_the_measured_run(routing):
-    """benchmarks/moe_plan.py's measurement (fp32; bf16 on the CPU also grows oneDNN's per-shape kernel caches
+    """benchmarks/moe_plan.py's measurement (fp32; bf16 on the CPU also fills oneDNN's per-shape kernel caches
     with each new row count, see benchmarks/results/moe_plan.md), for the router as trained and for the routing
     the trace assumes: the trace's tensor peak within 3 % of the measured step, the analytic one above it by less
     than 10 % (it places the peak later in the backward, with more gradients, for dense models too), and the whole
@@ -102,8 +102,19 @@ def test_the_plan_of_a_moe_step_matches_the_measured_run(routing):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
-def test_the_plan_notes_the_cpu_kernel_caches_of_half_precision_experts(precision):
+def test_the_plan_counts_the_full_cpu_kernel_caches_of_half_precision_experts(precision, monkeypatch):
+    from lit_model import ops
+
+    for variable in ops.ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     config = Config(name="moe", n_layer=2, n_embd=64, n_head=4, block_size=256, vocab_size=512, **MOE)
-    notes = plan_training(config, settings_for(precision, 2, 256, False), device_type="cpu", engine="analytic",
-                          suggest=False, detect=False).notes
-    assert any("every new expert row count" in note for note in notes) == (precision != "32-true")
+    plan = plan_training(config, settings_for(precision, 2, 256, False), device_type="cpu", engine="analytic",
+                         suggest=False, detect=False)
+    half = precision != "32-true"  # fp32 experts stay on BLAS, which keeps no kernel per shape
+    assert any("every new expert row count" in note for note in plan.notes) == half
+    assert plan.overhead_terms.get("kernel_cache") == (ops.ONEDNN_CACHE_CAPACITY * ops.ONEDNN_KERNEL_BYTES if half else None)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")  # a user's own capacity: the larger cache keeps its kernels
+    assert ops.onednn_kernel_cache_bytes() == 1024 * ops.ONEDNN_KERNEL_BYTES
+    dense = Config(name="dense", n_layer=2, n_embd=64, n_head=4, block_size=256, vocab_size=512)
+    assert "kernel_cache" not in plan_training(dense, settings_for(precision, 2, 256, False), device_type="cpu",
+                                               engine="analytic", suggest=False, detect=False).overhead_terms

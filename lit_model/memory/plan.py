@@ -36,6 +36,7 @@ from lit_model.memory.trace import (
     TraceFailed, depth_segments, optimizer_state_ratio, sharded_traceable, trace_by_layers, trace_training,
 )
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
+from lit_model.ops import onednn_kernel_cache_bytes
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
 MLP_TILES_FROM = 2048  # suggest --mlp_tiles for sequences this long: below, the MLP's activations are rarely the issue
@@ -131,13 +132,16 @@ def _glibc_returns_freed_blocks() -> bool:
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
-                       gradients_persist: bool = False, gathered: int = 0, adapters: bool = False) -> dict[str, int]:
+                       gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
+                       new_shapes: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
     what FSDP's all-gathers allocate and free in that pass). ``gradients_persist``: the gradients live in buffers
     allocated once (DDP's buckets; each gradient autograd makes is copied in and freed at once), so the step frees no
-    gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own)."""
+    gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own).
+    ``new_shapes``: the products change shape from step to step (a mixture of experts' routed rows in 16 bits, on
+    oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     if _glibc_returns_freed_blocks():
@@ -151,6 +155,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     }
     if adapters:
         terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
+    if new_shapes:
+        terms["kernel_cache"] = onednn_kernel_cache_bytes()
     return terms
 
 
@@ -208,7 +214,8 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
     runs_model = phase in ("train_step", "evaluation")
     return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
             "gathered": gathered_bytes(spec) if runs_model else 0,
-            "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter")}
+            "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
+            "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2}  # fp32 experts stay on BLAS
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
@@ -478,9 +485,9 @@ def plan_run(
         plan.notes.append("--compile is not modelled: this is the eager run's memory (torch.compile fuses element-wise "
                           "ops, which usually keeps less, and needs memory of its own while it compiles).")
     if run.config.n_expert and run.device_type == "cpu" and run.compute_bytes == 2:
-        plan.notes.append("Not modelled: half-precision matmuls on the CPU cache kernels for every new expert row "
-                          "count, so the process grows over the first steps beyond this plan (a 20M-parameter MoE: "
-                          "+230 MB after 20 steps, benchmarks/results/moe_plan.md); leave room for it.")
+        plan.notes.append("Half-precision matmuls on the CPU make a kernel for every new expert row count, so the "
+                          "process grows over the first steps until oneDNN's capped kernel caches are full: the "
+                          "kernel cache term counts them full (benchmarks/results/moe_plan.md).")
     if run.optimizer == "PagedAdamW8bit" and run.device_type == "cuda":
         plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
                           "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
