@@ -736,6 +736,19 @@ def test_an_optimizer_step_the_trace_cannot_run_is_bounded_by_a_real_one():
     assert any("HostStepOptimizer's state measured on a small real model" in n for n in plan.notes)
 
 
+def test_an_evaluation_the_trace_cannot_run_is_named_in_the_plan(monkeypatch):
+    from lit_model.memory import trace
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("no fake-tensor kernel for this op")
+
+    monkeypatch.setattr(trace, "evaluation_sums", unsupported)
+    plan = plan_training(tiny(), args(), device_type="cpu", engine="trace", detect=False, suggest=False)
+    assert plan.engine == "analytic"
+    assert any(n.startswith("The exact trace failed in the evaluation pass (NotImplementedError: no fake-tensor")
+               for n in plan.notes), plan.notes
+
+
 def test_fsdp_cpu_offload_is_traced_with_shards_gradients_and_optimizer_state_in_host_memory():
     """The trace runs the offloading FSDP step; what lives in host memory (the rank's shards and the optimizer
     state throughout, each gradient shard from the moment it is reduce-scattered) is taken off the device's bytes

@@ -44,7 +44,8 @@ SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device 
 WHOLE_TRACE_LAYERS = 8  # deeper models are traced at a few blocks and extrapolated (equal to the whole trace)
 MAX_TRACE_LAYERS = 48  # ... and where their blocks do not repeat (--freeze_layers patterns) traced whole up to this
 MAX_TRACE_PARAMETERS = 15e9  # depth and size (a 32-layer 7B traces whole in 10-25 s here), else planned analytically
-TRACE_PARTS = {"forward": "forward pass", "backward": "backward pass", "optimizer": "optimizer step"}  # TraceFailed.part
+TRACE_PARTS = {"forward": "forward pass", "backward": "backward pass", "optimizer": "optimizer step",  # TraceFailed.part
+               "evaluation": "evaluation pass"}
 
 
 # ---- results -----------------------------------------------------------------------------------------------

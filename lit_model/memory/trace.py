@@ -242,7 +242,7 @@ def _device_bytes(snap: dict) -> int:
 
 
 class TraceFailed(RuntimeError):
-    """An op of the traced step that fake tensors cannot run; ``part``: forward, backward or optimizer."""
+    """An op of the traced run that fake tensors cannot run; ``part``: forward, backward, optimizer or evaluation."""
 
     def __init__(self, part: str, cause: Exception) -> None:
         super().__init__(f"{type(cause).__name__}: {str(cause)[:200]}")
@@ -539,11 +539,14 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         if "evaluation" in phases:
             batch = _batch(run, run.eval_batch, vocab)
             tracker.track_external(*batch)
-            with kernels(), tracker:
-                tracker.reset_mod_stats()
-                evaluation_sums(fabric, model, [batch])
-                results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
-                regions["evaluation"] = _map_regions(tracker, quant_state)
+            try:
+                with kernels(), tracker:
+                    tracker.reset_mod_stats()
+                    evaluation_sums(fabric, model, [batch])
+                    results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+                    regions["evaluation"] = _map_regions(tracker, quant_state)
+            except Exception as error:  # the evaluation's own ops (its loss sums) can fail where the step's did not
+                raise TraceFailed("evaluation", error) from error
     if run.cpu_offload:
         # Taking the resident shards and optimizer state off every moment's total bounds the device's peak from
         # above (the optimizer's temporaries stay counted); the gradient shards were filed as host memory as they came.
