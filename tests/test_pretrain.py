@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_metrics, run_script
+from lit_model.ops import onednn_fp32_linear
 
 
 def tiny_args(setup: dict[str, Path], out_dir: Path, *extra: str) -> list[str]:
@@ -47,6 +48,7 @@ def test_run_writes_final_checkpoint_metrics_summary_and_sample(tiny_setup, tmp_
                 "micro_batch_size", "global_batch_size", "precision", "devices"):
         assert key in summary
     assert summary["steps"] == 20 and summary["tokens"] == 20 * 8 * 64 and summary["precision"] == "32-true"
+    assert summary["fp32_linear"] == ("onednn" if onednn_fp32_linear() else "blas")
     assert "Sample:" in proc.stdout and "step 20/20" in proc.stdout and "unigram baseline" in proc.stdout
 
     from lit_model import GPT

@@ -38,6 +38,7 @@ from lit_model.config import Config
 from lit_model.errors import STOPS, UsageError, UserError
 from lit_model.files import atomic_open, atomic_write, disk_full_error, fsync_directory, is_disk_full
 from lit_model.memory.units import format_bytes, peak_rss_bytes
+from lit_model.ops import onednn_fp32_linear
 from lit_model.run import Run
 from lit_model.training.args import TrainArgs
 from lit_model.training.loggers import open_loggers
@@ -733,6 +734,8 @@ def write_summary(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs,
         "strategy": run.strategy,
         **extra,
     }
+    if run.device_type == "cpu":  # which kernel ran the fp32 linear maps (LIT_MODEL_FP32_LINEAR): runs compare by it
+        summary["fp32_linear"] = "onednn" if onednn_fp32_linear() else "blas"
     if fabric.global_rank == 0:  # strict JSON: a loss that is not a number (never evaluated, diverged) is null
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
         atomic_write(args.out_dir / "summary.json", json.dumps(finite, indent=2, allow_nan=False) + "\n")
