@@ -63,7 +63,7 @@ def onednn_fp32_linear() -> bool:
     ``LIT_MODEL_FP32_LINEAR``: ``auto`` (the default) takes oneDNN on x86 CPUs other than Intel's where the BLAS is
     MKL; ``onednn`` and ``blas`` choose one everywhere. oneDNN makes a kernel for every product shape, so batches of
     varying lengths add kernels: ``configure_cpu_kernels`` caps its caches, which bounds them (a LoRA fine-tune of a
-    768-wide model on that EPYC, samples of 64 to 576 tokens: 1.8x BLAS's tokens/s at 1.1x its peak RSS;
+    768-wide model on that EPYC, samples of 64 to 576 tokens: 1.75x BLAS's tokens/s at 1.07x its peak RSS;
     benchmarks/results/cpu_kernels.md)."""
     choice = os.environ.get(FP32_LINEAR_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "onednn", "blas"):
