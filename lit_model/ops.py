@@ -115,8 +115,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     products of more than ``ONEDNN_LINEAR_MIN_MACS`` (outside autocast, which casts the product to 16 bits; for a
     contiguous ``x``, which oneDNN would copy otherwise; not inside torch.compile, which chooses its own kernels). It
     keeps the same tensors for backward as F.linear, and its backward is differentiable (Sophia)."""
-    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and path_device(x) == "cpu" and x.is_contiguous()
-            and x.numel() * weight.size(0) > ONEDNN_LINEAR_MIN_MACS and (bias is None or bias.dtype is torch.float32)
+    # the size first: every product of a decoding step is below it, so one cheap test decides (dozens a token)
+    if (x.numel() * weight.size(0) > ONEDNN_LINEAR_MIN_MACS and x.dtype is torch.float32 and weight.dtype is torch.float32
+            and path_device(x) == "cpu" and x.is_contiguous() and (bias is None or bias.dtype is torch.float32)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and onednn_fp32_linear()):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -243,7 +244,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary embedding in the "rotate half" convention: ``x * cos + cat(-x2, x1) * sin`` over the last dimension
     (``x1``, ``x2`` its halves), for ``cos``/``sin`` of ``x``'s dtype whose two halves are equal (``rope_cache``).
 
-    Written half by half into one output: four kernels over half the values where the formula takes a negated
+    Three kernels into one output, ``x * cos`` and a product-sum into each half, where the formula takes a negated
     half, a concatenated copy, two products and a sum (and autograd as many more in backward). Backward is the
     inverse rotation (``sin`` negated), so nothing of ``x`` is kept; it is made of this same function, so a second
     backward works. The output has ``x``'s memory layout. Under ``torch.compile`` the formula itself: Inductor
@@ -258,12 +259,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.size(-1) // 2
-    cos, sin = cos[..., :half], sin[..., :half]
+    sin = sin[..., :half]
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    first, second = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=first).addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=second).addcmul_(x1, sin)
+    out = x * cos  # one kernel over all values rather than one per half: fewer calls (a decoding step runs dozens)
+    out[..., :half].addcmul_(x2, sin, value=-1)
+    out[..., half:].addcmul_(x1, sin)
     return out
 
 
