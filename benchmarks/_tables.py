@@ -1,10 +1,12 @@
 """The results tables of the benchmarks that report a list of rows (one Markdown table and one CSV, same columns),
-and the processor their figures are of."""
+the processor their figures are of, and the best-of timing of one call."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -26,3 +28,14 @@ def cpu_description() -> str:
     flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
     matrix = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
     return f"{name}, {os.cpu_count()} cores, {', '.join(matrix) or 'no AVX2'}"
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``, after one untimed call (which allocates and picks kernels)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import profile
 
-from _tables import cpu_description, csv_text, markdown_table
+from _tables import best_seconds, cpu_description, csv_text, markdown_table
 from vs_peers import ARCH
 from lit_model import GPT, Config
 from lit_model.files import atomic_write
@@ -41,14 +41,14 @@ from lit_model.training.optimizers import build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = [(256, 1), (256, 8), (1024, 1), (1024, 8)]  # (block, micro batch)
-PRECISIONS = {"32-true": torch.float32, "bf16-true": torch.bfloat16}
+PRECISIONS = ("32-true", "bf16-true")
 HEADS, HEAD_SIZE = ARCH["n_head"], ARCH["n_embd"] // ARCH["n_head"]
 
 
 def training_step(block: int, micro: int, precision: str):
     config = Config(name="peer-5m", block_size=block, **ARCH)
     torch.manual_seed(0)
-    model = GPT(config).to(PRECISIONS[precision])
+    model = GPT(config).to(param_dtype(precision))
     optimizer = build_optimizer(model, "AdamW", learning_rate=1e-3, weight_decay=0.1, device_type="cpu",
                                 param_dtype=param_dtype(precision))
     idx, targets = (torch.randint(0, ARCH["vocab_size"], (micro, block)) for _ in range(2))
@@ -84,18 +84,8 @@ def step_share(block: int, micro: int, precision: str, steps: int) -> dict:
             "attention_share": round(attention / total, 3)}
 
 
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
-
-
 def kernel_times(block: int, micro: int, precision: str, repeats: int) -> dict:
-    dtype = PRECISIONS[precision]
+    dtype = param_dtype(precision)
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(micro, block, HEADS, HEAD_SIZE, dtype=dtype, generator=generator).transpose(1, 2)
                .requires_grad_() for _ in range(3))
@@ -112,9 +102,9 @@ def kernel_times(block: int, micro: int, precision: str, repeats: int) -> dict:
         scores = (q @ k.transpose(-2, -1)).float().mul_(HEAD_SIZE ** -0.5).masked_fill_(above_diagonal, float("-inf"))
         (scores.softmax(-1).to(dtype) @ v).backward(upstream)
 
-    return {"flash_ms": round(best_ms(kernel(SDPBackend.FLASH_ATTENTION), repeats), 2),
-            "math_ms": round(best_ms(kernel(SDPBackend.MATH), repeats), 2),
-            "explicit_ms": round(best_ms(explicit, repeats), 2)}
+    return {"flash_ms": round(best_seconds(kernel(SDPBackend.FLASH_ATTENTION), repeats) * 1e3, 2),
+            "math_ms": round(best_seconds(kernel(SDPBackend.MATH), repeats) * 1e3, 2),
+            "explicit_ms": round(best_seconds(explicit, repeats) * 1e3, 2)}
 
 
 def main() -> None:

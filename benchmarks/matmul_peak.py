@@ -33,10 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _tables import cpu_description, csv_text, markdown_table
+from _tables import best_seconds, cpu_description, csv_text, markdown_table
 
 from lit_model.files import atomic_write
 
@@ -59,14 +58,7 @@ def best_mm_seconds(m: int, k: int, n: int, precision: str = "32-true", repeats:
     kernels = [lambda: torch.mm(a, b)]
     if dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available():
         kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], ""))
-    best = float("inf")
-    for kernel in kernels:
-        kernel()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            kernel()
-            best = min(best, time.perf_counter() - start)
-    return best
+    return min(best_seconds(kernel, repeats) for kernel in kernels)
 
 
 def matmul_peak(precision: str = "32-true", size: int = 4096, repeats: int = 5) -> float:
