@@ -4,6 +4,7 @@
     python benchmarks/plan_accuracy.py --quick    # 4 configurations, to see that it works
     python benchmarks/plan_accuracy.py --replan   # re-plan the committed measurements (after a planner change)
     python benchmarks/plan_accuracy.py --speed    # CPU step-time factors of the memory levers (calibration.SPEED)
+    python benchmarks/plan_accuracy.py --generation   # generate/base.py's whole runs against its plan (~10 minutes)
 
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
 ``--quantize bnb.nf4``, adapter.py) started as a user starts it, in the default environment (every ``MALLOC_*``
@@ -15,6 +16,11 @@ are built once before the grid (in ``LIT_MODEL_CACHE`` under the output director
 tokenizer or tokenizes the corpus; pretraining uses the default 8192-token BPE (``--tokenizer_dir``) with every
 architecture, and fine-tuning starts from a randomly initialised bf16 checkpoint of the architecture
 (``lit_model.checkpoint.save_checkpoint_dir``), so nothing is downloaded.
+
+``--generation``: the same for ``generate/base.py`` (a random bf16 checkpoint of each architecture, loaded in the
+run's precision; sampling at temperature 0.8 with top-k 50, the script's defaults). It writes no summary.json:
+``measured`` is the peak resident memory of the process from the kernel (``ru_maxrss`` that ``wait4`` returns),
+the median of ``--repeats`` runs.
 
 ``--speed`` still measures the training step alone in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536``): a
 warm-up step of a 1-block copy, then two steps of the configuration, timed.
@@ -91,6 +97,34 @@ GRID = [
     Case("adapter", "SmolLM2-135M", "bf16-true", 4, 128, ac=True),
 ]
 QUICK = [GRID[0], GRID[10], GRID[15], GRID[18]]
+
+
+@dataclass(frozen=True)
+class GenerationCase:
+    """One whole run of generate/base.py: a prompt of ``prompt_lines`` lines of code, ``new_tokens`` sampled for
+    ``samples`` samples in one batch."""
+
+    model: str
+    precision: str
+    prompt_lines: int
+    new_tokens: int
+    samples: int = 1
+
+    @property
+    def label(self) -> str:
+        samples = f" x{self.samples}" if self.samples > 1 else ""
+        return f"generate {self.model} {self.precision} {self.prompt_lines} lines + {self.new_tokens}{samples}"
+
+
+GENERATION_GRID = [
+    *[GenerationCase(model, precision, lines, new, samples)
+      for model in ("lit-model-5m", "pythia-70m", "pythia-160m", "SmolLM2-135M") for precision in ("32-true", "bf16-true")
+      for lines, new, samples in ((1, 100, 1), (12, 100, 1), (1, 50, 4))],
+    GenerationCase("pythia-160m", "32-true", 150, 200),
+    GenerationCase("pythia-160m", "bf16-true", 150, 200, 2),
+    GenerationCase("Qwen2.5-0.5B", "bf16-true", 12, 100),
+]
+PROMPT_LINE = "def fibonacci(n):\n"
 
 # Published GPU figures (../shared/README.md). Sequence lengths are not given with them: litgpt's resource
 # table says the longest Alpaca sample is 1304 tokens for Llama 2 and 1044 for phi-1.5 (batches are padded to
@@ -353,10 +387,15 @@ def case_source(case: Case, work: Path, env: dict[str, str], tokenizer_dir: Path
     """--tokenizer_dir (pretraining) or --checkpoint_dir (fine-tuning: a random checkpoint, made once)."""
     if case.method == "pretrain":
         return ["--tokenizer_dir", str(tokenizer_dir)]
-    checkpoint = work / "checkpoints" / case.model
+    return ["--checkpoint_dir", str(random_checkpoint(case.model, work, env, tokenizer_dir))]
+
+
+def random_checkpoint(model: str, work: Path, env: dict[str, str], tokenizer_dir: Path) -> Path:
+    """The model's random bf16 checkpoint with the benchmark's tokenizer, made once (in its own process)."""
+    checkpoint = work / "checkpoints" / model
     if not (checkpoint / "model.safetensors").exists() and not checkpoint.exists():
-        run([sys.executable, __file__, "--checkpoint", case.model, str(checkpoint), str(tokenizer_dir)], env)
-    return ["--checkpoint_dir", str(checkpoint)]
+        run([sys.executable, __file__, "--checkpoint", model, str(checkpoint), str(tokenizer_dir)], env)
+    return checkpoint
 
 
 def run_dir(case: Case, work: Path) -> Path:
@@ -418,19 +457,70 @@ def stats(rows: list[dict]) -> dict[str, float]:
             "worst_under_vs_max": min(r["error_vs_max_pct"] for r in rows)}
 
 
+def generation_command(case: GenerationCase, checkpoint: Path) -> list[str]:
+    return [sys.executable, "generate/base.py", "--checkpoint_dir", str(checkpoint), "--precision", case.precision,
+            "--prompt", PROMPT_LINE * case.prompt_lines, "--max_new_tokens", str(case.new_tokens),
+            "--num_samples", str(case.samples)]
+
+
+def peak_rss_of(argv: list[str], env: dict[str, str]) -> int:
+    """The process's peak resident memory (bytes) from the kernel, for a script that writes no summary.json."""
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(process.pid, 0)
+        if status != 0:
+            errors.seek(0)
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{errors.read().decode()[-3000:]}")
+    return usage.ru_maxrss * 1024  # KiB on Linux
+
+
+def generation_accuracy(grid: list[GenerationCase], out_dir: Path, work: Path, repeats: int) -> list[dict]:
+    """Plan every generation case, run it ``repeats`` times (the grid over and over), write the results."""
+    env = default_env(work)
+    tokenizer_dir = prepare(work, env)
+    argvs = {case: generation_command(case, random_checkpoint(case.model, work, env, tokenizer_dir)) for case in grid}
+    plans = {case: plan_of(argvs[case], env) for case in grid}
+    peaks: dict[GenerationCase, list[int]] = {case: [] for case in grid}
+    for round_ in range(repeats):
+        for case in grid:
+            peaks[case].append(peak_rss_of(argvs[case], env))
+            print(json.dumps({"round": round_ + 1, "label": case.label, "measured_mib": round(peaks[case][-1] / MiB, 1),
+                              "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1)}), flush=True)
+    rows = []
+    for case in grid:
+        plan, measured = plans[case], sorted(peaks[case])
+        median = statistics.median(measured)
+        rows.append({**asdict(case), "label": case.label, "prompt_tokens": plan["run"]["prompt_length"], "runs": len(measured),
+                     "measured_mib": round(median / MiB, 1), "measured_min_mib": round(measured[0] / MiB, 1),
+                     "measured_max_mib": round(measured[-1] / MiB, 1), "predicted_mib": round(plan["peak_bytes"] / MiB, 1),
+                     "error_pct": round(100 * (plan["peak_bytes"] - median) / median, 1),
+                     "error_vs_max_pct": round(100 * (plan["peak_bytes"] - measured[-1]) / measured[-1], 1),
+                     "predicted_tensors_mib": round(plan["tensor_peak_bytes"] / MiB, 1), "predicted_phase": plan["peak_phase"],
+                     "engine": plan["engine"]})
+    write_generation_results(rows, out_dir)
+    print(json.dumps(stats(rows)))
+    return rows
+
+
 # ---- reporting ---------------------------------------------------------------------------------------------
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with atomic_open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows({k: r[k] for k in columns} for r in rows)
+
+
+def report_heading(title: str, flags: str) -> list[str]:
+    return [f"# {title}", "", f"Generated by `python benchmarks/plan_accuracy.py{flags}` (see its docstring for exactly "
+            "what is measured).", ""]
+
+
 def write_results(rows: list[dict], published: list[dict], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_open(out_dir / "plan_accuracy.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
+    write_csv(out_dir / "plan_accuracy.csv", rows, COLUMNS)
     st = stats(rows)
     lines = [
-        "# Memory planner accuracy",
-        "",
-        "Generated by `python benchmarks/plan_accuracy.py` (see its docstring for exactly what is measured).",
-        "",
+        *report_heading("Memory planner accuracy", ""),
         "Measured: whole-run peak resident memory (`summary.json` `peak_memory_bytes`: VmHWM of the largest rank, "
         "imports, data, training, evaluation, the final save and the sample at the end included) of the real script, "
         "2 optimizer steps, in the default environment (no `MALLOC_*` variables). Predicted: the peak of `--plan json` "
@@ -490,6 +580,39 @@ def write_results(rows: list[dict], published: list[dict], out_dir: Path) -> Non
             )
     atomic_write(out_dir / "plan_accuracy.md", "\n".join(lines) + "\n")
     plot_accuracy(rows, out_dir / "plan_accuracy.png")
+
+
+GENERATION_COLUMNS = ["label", "model", "precision", "prompt_lines", "prompt_tokens", "new_tokens", "samples", "runs",
+                      "measured_mib", "measured_min_mib", "measured_max_mib", "predicted_mib", "error_pct", "error_vs_max_pct",
+                      "predicted_tensors_mib", "predicted_phase", "engine"]
+
+
+def write_generation_results(rows: list[dict], out_dir: Path) -> None:
+    write_csv(out_dir / "plan_accuracy_generation.csv", rows, GENERATION_COLUMNS)
+    st = stats(rows)
+    lines = [
+        *report_heading("Memory planner accuracy: generation", " --generation"),
+        "Measured: the whole process's peak resident memory (`ru_maxrss` from `wait4`) of `generate/base.py` on a random "
+        "bf16 checkpoint of the architecture, loaded in the run's precision, in the default environment (no `MALLOC_*` "
+        f"variables), the median of {max(r['runs'] for r in rows)} runs. Predicted: the peak of `--plan json` for the same "
+        "command line: the traced prefill and last decoding step (`trace.trace_generation`) plus the generation process's "
+        "runtime and retained heap (`calibration.OVERHEAD`). Error = (predicted - measured) / measured; MiB = 2^20 bytes.",
+        "",
+        f"**{st['within_10']}/{st['n']} runs within 10 %; median error {st['median']:+.1f} %; worst under-prediction "
+        f"{st['worst_under']:+.1f} % (against the highest peak {st['worst_under_vs_max']:+.1f} %), worst over-prediction "
+        f"{st['worst_over']:+.1f} %.**",
+        "",
+        "| run | model | precision | prompt tokens | new tokens | samples | measured MiB (median) | range MiB | predicted MiB "
+        "| error | predicted tensors MiB | predicted peak phase |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['model']} | {r['precision']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['samples']} | "
+            f"{r['measured_mib']:.0f} | {r['measured_min_mib']:.0f}-{r['measured_max_mib']:.0f} | {r['predicted_mib']:.0f} | "
+            f"{r['error_pct']:+.1f} % | {r['predicted_tensors_mib']:.1f} | {r['predicted_phase']} |"
+        )
+    atomic_write(out_dir / "plan_accuracy_generation.md", "\n".join(lines) + "\n")
 
 
 def plot_accuracy(rows: list[dict], path: Path) -> None:
@@ -599,6 +722,7 @@ def main() -> None:
     parser.add_argument("--replan", action="store_true", help="re-plan the measurements in --out_dir's CSV, run nothing")
     parser.add_argument("--only", help="the cases whose label contains this text")
     parser.add_argument("--speed", action="store_true", help="measure the CPU step-time factors of the levers")
+    parser.add_argument("--generation", action="store_true", help="generate/base.py's runs instead of the training grid")
     parser.add_argument("--no-published", action="store_true", help="skip the published GPU figures (~1 minute of tracing)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (the table has their median)")
     parser.add_argument("--out_dir", type=Path, default=RESULTS)
@@ -614,6 +738,10 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.speed:
         speed(args.out_dir)
+        return
+    if args.generation:
+        cases = [c for c in GENERATION_GRID if args.only is None or args.only in c.label]
+        generation_accuracy(cases, args.out_dir, args.work, args.repeats)
         return
     grid = [c for c in (QUICK if args.quick else GRID) if args.only is None or args.only in c.label]
     accuracy(grid, not (args.quick or args.no_published), args.out_dir, args.work, args.replan, args.repeats)

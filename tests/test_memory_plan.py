@@ -476,6 +476,69 @@ def test_generation_quantized_and_verdict():
         plan_generation(LLAMA2, 4000, 200, detect=False)
 
 
+@pytest.mark.parametrize("config, precision", [
+    (tiny(), "32-true"),
+    (tiny(tie_embeddings=False, mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", parallel_residual=True,
+          rotary_percentage=0.25, bias=True), "bf16-true"),
+    (tiny(attention_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window_size=16,
+          sliding_window_layer_stride=2), "32-true"),
+])
+def test_generation_trace_is_what_real_tensors_hold(config: Config, precision: str) -> None:
+    """The plan's generation trace (fake tensors) against the same code on real tensors under the same tracker
+    (PyTorch's MemTracker, which frozen weights need the planner's subclass of): every part's bytes are equal, and
+    each phase's peak (the prefill of a 40-token prompt, and the last step of 24 new tokens, which reads the whole
+    cache) equal or a few hundred bytes above."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    from lit_model.generation import forward_last, sample, set_kv_cache
+    from lit_model.memory.trace import TRACED_TOP_P, _Tracker, trace_generation
+    from lit_model.precision import param_dtype
+
+    dtype, prompt_length, new = param_dtype(precision), 40, 24
+    traced = trace_generation(config, prompt_length, new, 2, dtype, dtype, None, "cpu")
+    torch.manual_seed(0)
+    with default_dtype(dtype):
+        model = GPT(config)
+        model.max_seq_length = prompt_length + new
+    model.eval().requires_grad_(False)
+    set_kv_cache(model, 2, prompt_length + new)
+    held = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    resident = sum(sum(part.values()) for part in traced.resident.values())
+    assert resident == held
+    kv = 2 * config.n_layer * 2 * config.n_query_groups * (prompt_length + new) * config.head_size * dtype.itemsize  # k, v
+    assert sum(part["kv_cache"] for part in traced.resident.values()) == kv
+    prompt = torch.randint(0, config.padded_vocab_size, (2, prompt_length))
+    steps = {"prefill": (prompt, torch.arange(prompt_length), prompt_length),
+             "decode": (prompt[:, -1:], torch.tensor([prompt_length + new - 1]), prompt_length + new)}
+    for phase, (idx, input_pos, input_pos_maxp1) in steps.items():
+        tracker = _Tracker(config.padded_vocab_size)
+        tracker.track_external(model, prompt)
+        with torch.no_grad(), tracker:
+            sample(forward_last(model, idx, input_pos, input_pos_maxp1), temperature=1.0, top_p=TRACED_TOP_P)
+        real_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_TOTAL_KEY]
+        # equal, but for a few hundred bytes more in the trace where a window's mask meets soft-capping (fake kernels)
+        assert 0 <= resident + sum(traced.transient[phase].values()) - real_peak <= 1024, phase
+    assert traced.transient["prefill"]["activations"] > traced.transient["decode"]["activations"]
+
+
+def test_generation_plan_on_the_cpu_is_the_generation_process() -> None:
+    """A CPU generation plan counts generate/base.py's runtime and the heap its prefill leaves, not a training
+    process's (no training data); the training plan's sample at the end takes the traced tensors alone."""
+    from lit_model.memory.calibration import OVERHEAD
+
+    plan = plan_generation(tiny(), 40, 24, dtype="32-true", device_type="cpu", detect=False)
+    assert plan.engine == "trace"
+    prefill = plan.phase_categories["prefill"]
+    transient = prefill["activations"] + prefill["logits_loss"]
+    assert plan.overhead_terms == {"runtime": OVERHEAD.cpu_generation_runtime,
+                                   "allocator_retention": int(OVERHEAD.cpu_generation_retention * transient)}
+    # the run's sample: at most 100 new tokens after the training sequence length (128), in fp32, in this process
+    training = plan_training(tiny(), args(precision="32-true"), device_type="cpu", suggest=False, detect=False)
+    sample = plan_generation(tiny(), 128, 100, dtype=torch.float32, device_type="cpu", detect=False)
+    tensors = {c: size for c, size in sample.phase_categories["prefill"].items() if c != "overhead"}
+    assert {c: size for c, size in training.phase_categories["sample"].items() if c != "overhead"} == tensors
+
+
 # ---- units, device, plot -----------------------------------------------------------------------------------
 def test_parse_memory():
     assert parse_memory("24GB") == 24 * 10**9

@@ -55,6 +55,14 @@ class Overhead:
     # 0-30 MB): cpu_allocator_retention counts it. (Earlier versions of this term also held 100-112 MB of that heap,
     # counted twice, and over-planned the smallest model by ~14 %.)
     cpu_runtime: int = 373 * MiB
+    # generate/base.py's runtime: it imports neither Lightning nor the training code (228 MiB of VmRSS after its
+    # imports). Whole runs at glibc's defaults (peak RSS from wait4) held 322-335 MiB beyond the traced tensor peak:
+    # the 5.26M model of benchmarks/vs_peers.py, pythia-70m and pythia-160m, 32-true and bf16-true, prompts of 6 and
+    # 120 tokens, 1 and 4 samples (benchmarks/plan_accuracy.py --generation). Rounded up.
+    cpu_generation_runtime: int = 336 * MiB
+    # ... and the prefill's transient tensors (activations, logits) stay in its heap: a prompt of 1,500 tokens
+    # (pythia-160m, 32-true) held 377 MiB beyond the tensor peak, on 57 MiB of traced transients. All of them.
+    cpu_generation_retention: float = 1.0
     # a second process adds this per rank: the gloo process group, DDP's reducer or FSDP's bookkeeping, and the heap
     # they leave. Measured with pretrain/main.py at glibc's defaults: lit-model-5m 32-true, two DDP ranks 709-712 MB
     # each against 606-664 MB in one process (beyond DDP's gradient buckets, which the trace counts); pythia-70m

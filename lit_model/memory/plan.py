@@ -30,10 +30,11 @@ from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
-from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.precision import PRECISION_DTYPES, resolve_precision
 from lit_model.run import Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import (
-    TraceFailed, depth_segments, optimizer_state_ratio, sharded_traceable, trace_by_layers, trace_training,
+    GenerationTrace, TraceFailed, depth_segments, optimizer_state_ratio, sharded_traceable, trace_by_layers,
+    trace_generation, trace_training,
 )
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 from lit_model.ops import onednn_kernel_cache_bytes
@@ -134,7 +135,7 @@ def _glibc_returns_freed_blocks() -> bool:
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
-                       new_shapes: bool = False) -> dict[str, int]:
+                       new_shapes: bool = False, generation: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -142,13 +143,18 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     allocated once (DDP's buckets; each gradient autograd makes is copied in and freed at once), so the step frees no
     gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own).
     ``new_shapes``: the products change shape from step to step (a mixture of experts' routed rows in 16 bits, on
-    oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``)."""
+    oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``). ``generation``:
+    a generation process (generate/base.py), whose runtime is its own and which reads no training data."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     if _glibc_returns_freed_blocks():
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
+    elif generation:
+        retained = OVERHEAD.cpu_generation_retention * transient
     else:
         retained = OVERHEAD.cpu_allocator_retention * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
+    if generation:
+        return {"runtime": OVERHEAD.cpu_generation_runtime, "allocator_retention": int(retained)}
     terms = {
         "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
@@ -219,11 +225,17 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2}  # fp32 experts stay on BLAS
 
 
-def _finish_phases(phases: dict[str, dict[str, int]], spec: Run) -> dict[str, dict[str, int]]:
+def _cpu_terms(phase: str, spec: Run, generation: bool) -> dict[str, Any]:
+    """``cpu_overhead_terms``' keywords for a phase of a training run, or of a generation process."""
+    return {"generation": True} if generation else _cpu_churn(phase, spec)
+
+
+def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False) -> dict[str, dict[str, int]]:
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf, **_cpu_churn(name, spec))
+        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
+                                          **_cpu_terms(name, spec, generation))
         out[name] = cats
     return out
 
@@ -384,13 +396,15 @@ def lora_merge_bytes(spec: Run) -> int:
 
 
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
-              notes: list[str], offloaded: Optional[dict[str, int]] = None) -> Plan:
-    merge = lora_merge_bytes(spec) if spec.trainable == "lora" else 0
+              notes: list[str], offloaded: Optional[dict[str, int]] = None, generation: bool = False) -> Plan:
+    """The plan of these tensor phases: each phase's overhead added, and for a training run on the CPU the phases
+    of its end (the LoRA merge while saving, the sample). ``generation``: the phases of a generation process."""
+    merge = lora_merge_bytes(spec) if spec.trainable == "lora" and not generation else 0
     if spec.device_type == "cpu" and "checkpoint_save" in phases:  # the merge and the sample are in this process
         save = phases["checkpoint_save"]
         phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
                   "sample": _sample_phase(spec)}
-    phases = _finish_phases(phases, spec)
+    phases = _finish_phases(phases, spec, generation)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
         notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 would take "
@@ -406,7 +420,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, **_cpu_churn(peak_phase, spec))
+        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, **_cpu_terms(peak_phase, spec, generation))
                         if spec.device_type == "cpu" else {}),
     )
 
@@ -755,74 +769,54 @@ def plan_generation(
     detect: bool = True,
     devices: int = 1,
 ) -> Plan:
-    """Predicted peak memory of ``generate/base.py``: weights (quantized linears packed), the KV cache for
-    exactly prompt + new positions (not block_size), the prefill's activations and the last position's logits.
-    ``dtype``: a torch dtype or a --precision string (default bf16 on CUDA, fp32 on the CPU). ``devices``: the
-    GPUs ``--devices`` splits the blocks over (generation.pipeline_stages); the plan is the fullest one's."""
+    """Predicted peak memory of ``generate/base.py``, traced (``trace.trace_generation``): weights (quantized
+    linears packed), the KV cache for exactly prompt + new positions (not block_size), the prefill's and the
+    decoding step's activations and logits, sampling included. ``dtype``: a torch dtype or a --precision string
+    (default bf16 on CUDA, fp32 on the CPU). ``devices``: the GPUs ``--devices`` splits the blocks over
+    (generation.pipeline_stages); the plan is the fullest one's, each GPU holding its parts and the traced
+    transients of a pass (the logits where the head is)."""
     from lit_model.generation import pipeline_stages
-    from lit_model.memory.modules import quantized_weight_bytes
 
-    kv_dtype = dtype
+    compute_dtype = dtype
     if isinstance(dtype, str) or dtype is None:
         precision = resolve_precision(dtype, device_type, present=False)
         dtype, compute_dtype = PRECISION_DTYPES[precision]
-        kv_dtype = compute_dtype or dtype  # -mixed: generation keeps the cache in the autocast dtype
-    d = DTYPE_BYTES[dtype]
+        compute_dtype = compute_dtype or dtype  # -mixed: generation keeps the cache in the autocast dtype
     total = prompt_length + max_new_tokens
     if total > config.block_size:
         raise UsageError(f"Prompt plus new tokens ({total}) exceed {config.name}'s context of {config.block_size} tokens.")
-    pc = analytic.param_counts(config)
-    C, V, L, I = config.n_embd, config.padded_vocab_size, config.n_layer, config.intermediate_size
-    hs, n_kv = config.head_size, config.n_query_groups
-    # one block's weights
-    linear_bytes, block_quant_state, largest = 0, 0, 0
-    for i, o, bias in pc.block_linear.values():
-        if quantize:
-            packed, state = quantized_weight_bytes(i * o, quantize)
-            linear_bytes += packed
-            block_quant_state += o * 4 if quantize == "bnb.int8" else state
-            largest = max(largest, i * o)
-        else:
-            linear_bytes += i * o * d
-        linear_bytes += o * d if bias else 0
-    part_bytes = {"embed": pc.embed * d, "norm_f": pc.norm_f * d, "lm_head": pc.head * d}
-    block_kv = 2 * batch_size * n_kv * total * hs * DTYPE_BYTES[kv_dtype]
-    B, P = batch_size, prompt_length
-    mask = P * total * (1 + d)  # boolean mask and its float conversion for SDPA, one layer at a time
-    prefill_acts = B * P * (3 * I + 3 * C) * d + mask + 16 * B * P
-    if config.attention_logit_softcapping is not None:
-        prefill_acts = max(prefill_acts, B * config.n_head * P * total * (d + 4 + d))
-    decode_acts = B * (3 * I + 3 * C) * d + total * (1 + d)
-    logits = B * V * 4 * 3  # last position's logits, fp32 copy and probabilities for sampling
-    stages = pipeline_stages(config, devices)
+    traced = _generation_trace(config, prompt_length, max_new_tokens, batch_size, dtype, compute_dtype, quantize, device_type)
+    stages = {**pipeline_stages(config, devices), "rope": 0}  # the RoPE tables live with the embedding
     phases: dict[str, dict[str, int]] = {}
     fullest, fullest_bytes = 0, -1
     for stage in range(devices):
         parts = [part for part, where in stages.items() if where == stage]
-        blocks = sum(part.startswith("blocks.") for part in parts)
-        params = blocks * (linear_bytes + pc.block_norms * d) + sum(part_bytes.get(part, 0) for part in parts)
-        if stage == 0:
-            params += 2 * total * config.rope_n_elem * 4  # RoPE tables for max_seq_length = prompt + new
-        quant_state = blocks * block_quant_state
+        runs_blocks = any(part.startswith("blocks.") for part in parts)
         head_here = stages["lm_head"] == stage
-        prefill = {c: 0 for c in CATEGORIES}
-        prefill.update(parameters=params, quantization=quant_state + (largest * d if quantize and blocks else 0),
-                       kv_cache=blocks * block_kv, activations=prefill_acts if blocks or head_here else 0,
-                       logits_loss=logits if head_here else 0)
-        decode = {c: 0 for c in CATEGORIES}
-        decode.update(parameters=params, quantization=quant_state, kv_cache=blocks * block_kv,
-                      activations=decode_acts if blocks or head_here else 0, logits_loss=logits if head_here else 0)
-        stage_phases = {"prefill": prefill, "decode": decode}
+        stage_phases = {}
+        for phase, in_flight in traced.transient.items():
+            categories = {c: 0 for c in CATEGORIES}
+            for part in parts:
+                for category, size in traced.resident[part].items():
+                    categories[category] += size
+            if runs_blocks or head_here:
+                categories["activations"] += in_flight["activations"]
+                categories["quantization"] += in_flight["quantization"]
+            if head_here:
+                categories["logits_loss"] += in_flight["logits_loss"]
+            stage_phases[phase] = categories
         stage_bytes = max(sum(cats.values()) for cats in stage_phases.values())
         if stage_bytes > fullest_bytes:
             phases, fullest, fullest_bytes = stage_phases, stage, stage_bytes
-    kv = L * block_kv
+    B = batch_size
+    kv = sum(part["kv_cache"] for part in traced.resident.values())
     spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1, strategy="single",
                micro_batch_size=B, global_batch_size=B, seq_len=total)
     memory = _resolve_memory(device_memory, device_type, detect)
-    plan = _assemble(spec, phases, memory, "analytic", [])
-    plan.run = {"model": config.name, "parameters": pc.total, "dtype": str(dtype).replace("torch.", ""),
-                "quantize": quantize, "batch_size": B, "prompt_length": P, "max_new_tokens": max_new_tokens,
+    plan = _assemble(spec, phases, memory, "trace", [], generation=True)
+    plan.run = {"model": config.name, "parameters": analytic.param_counts(config).total,
+                "dtype": str(dtype).replace("torch.", ""), "quantize": quantize, "batch_size": B,
+                "prompt_length": prompt_length, "max_new_tokens": max_new_tokens,
                 "kv_cache_bytes": kv, "kv_cache_positions": total, "devices": devices}
     plan.host_bytes = {}
     plan.notes.append(f"KV cache: {format_bytes(kv)} for {total} positions (prompt + new tokens), allocated once.")
@@ -856,6 +850,18 @@ def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, d
             out.append(Suggestion(changes=changes, flags=render_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
                                   cost=speed, by_category=p.by_category))
     return sorted(out, key=lambda s: s.cost)
+
+
+_GENERATION_TRACES: dict[tuple, GenerationTrace] = {}
+
+
+def _generation_trace(config: Config, *args: Any) -> GenerationTrace:
+    """``trace_generation``, once per configuration and arguments: a training plan on the CPU plans its final
+    sample with it, once for each of the many runs its suggestion search screens."""
+    key = (repr(config), *args)
+    if key not in _GENERATION_TRACES:
+        _GENERATION_TRACES[key] = trace_generation(config, *args)
+    return _GENERATION_TRACES[key]
 
 
 # ---- text ------------------------------------------------------------------------------------------------
