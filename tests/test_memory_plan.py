@@ -185,6 +185,8 @@ def test_lora_suggestions_include_quantization_and_offload_on_gpu():
         ({}, dict(global_batch_size=8, micro_batch_size=2, loss_chunk_size=64), dict(trainable="full")),
         ({}, dict(precision="bf16-mixed"), dict(trainable="full")),
         ({}, dict(optimizer="AdamW8bit"), dict(trainable="lora", quantize="bnb.nf4")),
+        ({}, dict(optimizer="AdamW8bit"), dict(trainable="full")),  # the CPU step's fp32 temporaries, 16-bit weights
+        ({}, dict(optimizer="AdamW4bit", precision="32-true"), dict(trainable="full")),
         (dict(n_layer=3), dict(), dict(trainable="adapter")),
         (dict(mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", parallel_residual=True, bias=True,
               rotary_percentage=0.25, tie_embeddings=False), dict(precision="32-true"), dict(trainable="full")),
@@ -537,6 +539,54 @@ def test_generation_plan_on_the_cpu_is_the_generation_process() -> None:
     sample = plan_generation(tiny(), 128, 100, dtype=torch.float32, device_type="cpu", detect=False)
     tensors = {c: size for c, size in sample.phase_categories["prefill"].items() if c != "overhead"}
     assert {c: size for c, size in training.phase_categories["sample"].items() if c != "overhead"} == tensors
+
+
+CPU_STEP_PEAK = """
+import sys, torch
+from lit_model.training.optimizers import build_optimizer
+dtype = getattr(torch, sys.argv[2])
+param = torch.nn.Parameter(torch.randn(2048, 4096, dtype=dtype))
+optimizer = build_optimizer(torch.nn.ParameterList([param]), sys.argv[1], learning_rate=1e-3, device_type="cpu",
+                            param_dtype=dtype)
+param.grad = torch.randn_like(param)
+optimizer.step()  # the state, and torchao's compiled step
+resident = int(open("/proc/self/statm").read().split()[1]) * 4096
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts again from here
+optimizer.step()
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(peak - resident)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
+@pytest.mark.parametrize("name, dtype", [("AdamW8bit", "float32"), ("AdamW8bit", "bfloat16"), ("AdamW4bit", "float32"),
+                                         ("AdamWFp8", "float32")])
+def test_cpu_quantized_optimizer_step_temporaries_are_measured(name: str, dtype: str) -> None:
+    """What the trace's stand-in step allocates on the CPU (calibration.cpu_quantized_step_bytes) against the real
+    step of the library, in a fresh process: its resident peak above the memory before the step."""
+    import subprocess
+
+    from lit_model.memory.calibration import cpu_quantized_step_bytes
+
+    pytest.importorskip("torchao" if name != "AdamW8bit" else "bitsandbytes")
+    done = subprocess.run([sys.executable, "-c", CPU_STEP_PEAK, name, dtype], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = int(done.stdout.split()[-1])
+    planned = cpu_quantized_step_bytes(name, 2048 * 4096, getattr(torch, dtype).itemsize)
+    assert planned == pytest.approx(measured, abs=0.05 * 2048 * 4096 * 4), (measured, planned)
+
+
+def test_cpu_plan_counts_the_quantized_optimizers_library() -> None:
+    from lit_model.memory.calibration import CPU_OPTIMIZER_LIBRARY
+
+    plans = {name: plan_training(tiny(), args(optimizer=name), device_type="cpu", suggest=False, detect=False)
+             for name in ("AdamW", "AdamW8bit", "AdamWFp8")}
+    assert "optimizer_library" not in plans["AdamW"].overhead_terms
+    assert plans["AdamW8bit"].overhead_terms["optimizer_library"] == CPU_OPTIMIZER_LIBRARY["adamw8bit"]
+    assert plans["AdamWFp8"].overhead_terms["optimizer_library"] == CPU_OPTIMIZER_LIBRARY["adamwfp8"]
+    gpu = plan_training(tiny(), args(optimizer="AdamW8bit"), device_type="cuda", suggest=False, detect=False)
+    assert gpu.overhead_terms == {}
 
 
 # ---- units, device, plot -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Optional
 
 from lit_model.activations import MIN_OFFLOAD_BYTES
 from lit_model.config import Config
+from lit_model.memory.calibration import cpu_quantized_step_bytes
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
 from lit_model.ops import attends_in_halves, cuda_attention_kernel, expands_shared_heads, norms_by_hand
@@ -244,7 +245,8 @@ def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
     """Temporaries of the optimizer step on top of its state, for the lean optimizers (fused AdamW and the
     block-quantized kernels keep none; the older optimizers are not modelled): GaLore's and APOLLO's foreach step
     over the tensors they do not project keeps two or three tensors of their size at once (of one of them, stepped in
-    backward; the trace of a tiny GPT shows a third); Adam-mini and AdaLomo step one tensor at a time in fp32."""
+    backward; the trace of a tiny GPT shows a third); Adam-mini and AdaLomo step one tensor at a time in fp32, and so
+    do the block-quantized ones on the CPU (calibration.CPU_QUANTIZED_STEP_COPIES)."""
     name, d = spec.optimizer, spec.param_bytes
     largest = max(mb.trainable_tensors, default=0)
     if name in ("GaLore", "APOLLO"):
@@ -253,6 +255,8 @@ def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
         return 3 * d * (largest if spec.optimizer_in_backward else mb.trainable - projected)
     if name in ("AdamMini", "AdaLomo"):
         return 2 * 4 * largest
+    if spec.device_type == "cpu":  # the block-quantized optimizers' CPU step widens one tensor at a time
+        return cpu_quantized_step_bytes(name, largest, d)
     return 0
 
 

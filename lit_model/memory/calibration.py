@@ -13,6 +13,7 @@ of this file for the recipe).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GB = 10**9
@@ -114,6 +115,42 @@ class Overhead:
 
 
 OVERHEAD = Overhead()
+
+# CPU: the block-quantized optimizers step one tensor at a time, in fp32 temporaries of the whole tensor: the peak
+# resident memory of a step above the memory before it, in fp32 copies of the tensor stepped, measured on one
+# parameter of 4096 x 4096 and one of 8192 x 4096 (exactly proportional; bitsandbytes 0.50.2, torchao 0.18):
+# bitsandbytes' AdamW8bit 5.0 for an fp32 parameter and 6.0 for a bf16 one (it widens the parameter too), torchao's
+# AdamW4bit (its compiled step) 6.75 in either, AdamWFp8 none. On a GPU their kernels update in place.
+CPU_QUANTIZED_STEP_COPIES: dict[str, tuple[float, float]] = {  # optimizer -> (fp32 parameters, 16-bit parameters)
+    "adamw8bit": (5.0, 6.0), "pagedadamw8bit": (5.0, 6.0), "adamw4bit": (6.75, 6.75), "adamwfp8": (0.0, 0.0),
+}
+
+
+# ... and what loading them adds to a CPU process, beyond those temporaries (whole runs of pretrain/main.py,
+# pythia-70m mb4 x 128, 32-true and bf16-true, against the same run with AdamW, at glibc's defaults, rounded up):
+# bitsandbytes 118-127 MB (importing it alone: 120 MB of resident memory); torchao's AdamWFp8 64-82 MB and AdamW4bit
+# 215-252 MB (torch.compile's inductor and a compiled step for each shape of tensor). AdamW4bit's runs kept more
+# heap the more parameters they step: pythia-160m 32-true (162M) peaked 215 MB above the plan with the constant alone
+# (3,406 and 3,670 MB in two runs): plus 0.35 x the trainable parameters' fp32 bytes (fitted to the median of the
+# two models; pythia-70m then +7 %).
+CPU_OPTIMIZER_LIBRARY: dict[str, int] = {
+    "adamw8bit": 128 * MiB, "pagedadamw8bit": 128 * MiB, "adamw4bit": 256 * MiB, "adamwfp8": 96 * MiB,
+}
+CPU_OPTIMIZER_HEAP_PER_FP32_BYTE: dict[str, float] = {"adamw4bit": 0.35}
+
+
+def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: int) -> int:
+    """What the optimizer's library and its step leave in a CPU process beyond the tensors (0 for torch's own)."""
+    name = optimizer.lower()
+    return CPU_OPTIMIZER_LIBRARY.get(name, 0) + int(CPU_OPTIMIZER_HEAP_PER_FP32_BYTE.get(name, 0.0) * 4 * trainable_numel)
+
+
+def cpu_quantized_step_bytes(optimizer: str, numel: int, param_bytes: int) -> int:
+    """The temporaries of a block-quantized optimizer's CPU step on one tensor of ``numel`` elements (0 for others)."""
+    copies = CPU_QUANTIZED_STEP_COPIES.get(optimizer.lower())
+    if copies is None:
+        return 0
+    return math.ceil(copies[0 if param_bytes == 4 else 1] * 4 * numel)
 
 # ---- speed -------------------------------------------------------------------------------------------
 # Step-time factor of each lever relative to the run without it (>1: slower), for the same global batch.

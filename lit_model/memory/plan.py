@@ -29,7 +29,7 @@ from lit_model.errors import UsageError, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
-from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED
+from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes
 from lit_model.precision import PRECISION_DTYPES, resolve_precision
 from lit_model.run import Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import (
@@ -135,7 +135,7 @@ def _glibc_returns_freed_blocks() -> bool:
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
-                       new_shapes: bool = False, generation: bool = False) -> dict[str, int]:
+                       new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -143,7 +143,9 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     allocated once (DDP's buckets; each gradient autograd makes is copied in and freed at once), so the step frees no
     gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own).
     ``new_shapes``: the products change shape from step to step (a mixture of experts' routed rows in 16 bits, on
-    oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``). ``generation``:
+    oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``).
+    ``optimizer_library``: what the optimizer's library adds to the process (``calibration.cpu_optimizer_library_bytes``).
+    ``generation``:
     a generation process (generate/base.py), whose runtime is its own and which reads no training data."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
@@ -164,6 +166,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
     if new_shapes:
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
+    if optimizer_library:
+        terms["optimizer_library"] = optimizer_library
     return terms
 
 
@@ -222,7 +226,8 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
     return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
             "gathered": gathered_bytes(spec) if runs_model else 0,
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
-            "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2}  # fp32 experts stay on BLAS
+            "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
+            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, analytic.model_bytes(spec).trainable)}
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool) -> dict[str, Any]:

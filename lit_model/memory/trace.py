@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -44,6 +44,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lit_model.adapter import apply_adapter
 from lit_model.generation import forward_last, sample, set_kv_cache
 from lit_model.lora import apply_lora
+from lit_model.memory.calibration import cpu_quantized_step_bytes
 from lit_model.memory.modules import QuantLinearSim, quantize_model_sim
 from lit_model.model import GPT, default_dtype
 from lit_model.ops import cuda_attention_kernel, take_paths_of
@@ -284,11 +285,15 @@ _BLOCK_QUANTIZED = {
 
 class _SimQuantizedAdam(torch.optim.Optimizer):
     """State of the sizes a block-quantized AdamW keeps (bitsandbytes' kernels and torchao's compiled step do not
-    run under fake tensors); the step is in place, like theirs."""
+    run under fake tensors); the step is in place, like theirs on a GPU. ``step_bytes``: the temporaries its real step
+    allocates for a tensor of n elements (on the CPU, ``calibration.cpu_quantized_step_bytes``), allocated and freed
+    here while each tensor steps."""
 
-    def __init__(self, params, layout: _BlockQuantizedState, lr: float = 1e-3) -> None:
+    def __init__(self, params, layout: _BlockQuantizedState, lr: float = 1e-3,
+                 step_bytes: Callable[[int], int] = lambda numel: 0) -> None:
         super().__init__(params, {"lr": lr})
         self.layout = layout
+        self.step_bytes = step_bytes
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -298,10 +303,10 @@ class _SimQuantizedAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                # under FSDP, torchao's state is of this rank's shard (bitsandbytes' is refused: check_optimizer_run)
+                local = p.to_local() if isinstance(p, DTensor) else p
+                n = local.numel()
                 if not state:
-                    # under FSDP, torchao's state is of this rank's shard (bitsandbytes' is refused: check_optimizer_run)
-                    local = p.to_local() if isinstance(p, DTensor) else p
-                    n = local.numel()
                     quantized = n >= 4096 and (not layout.torchao or n % layout.block == 0)
                     for moment in ("exp_avg", "exp_avg_sq"):
                         if quantized:
@@ -313,7 +318,9 @@ class _SimQuantizedAdam(torch.optim.Optimizer):
                             state[moment] = torch.zeros_like(local, dtype=p.dtype if layout.torchao else torch.float32)
                     if layout.torchao:
                         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                temporaries = torch.empty(self.step_bytes(n), dtype=torch.uint8, device=p.device)
                 p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
+                del temporaries
 
 
 def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.optim.Optimizer:
@@ -325,9 +332,11 @@ def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.opti
                      f"({layout.code_bits}-bit codes and an fp32 scale per {layout.block} elements for tensors of >= 4096)."
                      + (" torchao compiles that step with torch.compile, whose own memory is not counted (about 80 MB "
                         "more process memory on the CPU for lit-model-5m, benchmarks/memory_ladder.py)." if layout.torchao else ""))
+        step_bytes = (partial(cpu_quantized_step_bytes, name, param_bytes=run.param_bytes) if run.device_type == "cpu"
+                      else lambda numel: 0)
         if run.optimizer_in_backward:
-            return InBackwardOptimizer([_SimQuantizedAdam([p], layout) for p in params])
-        return _SimQuantizedAdam(params, layout)
+            return InBackwardOptimizer([_SimQuantizedAdam([p], layout, step_bytes=step_bytes) for p in params])
+        return _SimQuantizedAdam(params, layout, step_bytes=step_bytes)
     if name.lower() == "apollo":
         # APOLLO's step limits its update with a Python max() over a tensor, which fake tensors cannot answer; its
         # state is GaLore's (projected moments and the projection, plus one scalar per matrix), its projection a
