@@ -778,8 +778,8 @@ def plan_generation(
     linears packed), the KV cache for exactly prompt + new positions (not block_size), the prefill's and the
     decoding step's activations and logits, sampling included. ``dtype``: a torch dtype or a --precision string
     (default bf16 on CUDA, fp32 on the CPU). ``devices``: the GPUs ``--devices`` splits the blocks over
-    (generation.pipeline_stages); the plan is the fullest one's, each GPU holding its parts and the traced
-    transients of a pass (the logits where the head is)."""
+    (generation.pipeline_stages); the plan is the fullest one's, each GPU holding its parts and the bytes the trace
+    had in flight at its peak."""
     from lit_model.generation import pipeline_stages
 
     compute_dtype = dtype
@@ -804,11 +804,12 @@ def plan_generation(
             for part in parts:
                 for category, size in traced.resident[part].items():
                     categories[category] += size
-            if runs_blocks or head_here:
-                categories["activations"] += in_flight["activations"]
-                categories["quantization"] += in_flight["quantization"]
             if head_here:
-                categories["logits_loss"] += in_flight["logits_loss"]
+                for category in ("activations", "quantization", "logits_loss"):
+                    categories[category] += in_flight[category]
+            elif runs_blocks:  # the trace's peak in flight bounds every moment's, wherever in the model it fell
+                categories["activations"] += in_flight["activations"] + in_flight["logits_loss"]
+                categories["quantization"] += in_flight["quantization"]
             stage_phases[phase] = categories
         stage_bytes = max(sum(cats.values()) for cats in stage_phases.values())
         if stage_bytes > fullest_bytes:
