@@ -125,7 +125,6 @@ CPU_QUANTIZED_STEP_COPIES: dict[str, tuple[float, float]] = {  # optimizer -> (f
     "adamw8bit": (5.0, 6.0), "pagedadamw8bit": (5.0, 6.0), "adamw4bit": (6.75, 6.75), "adamwfp8": (0.0, 0.0),
 }
 
-
 # ... and what loading them adds to a CPU process, beyond those temporaries (whole runs of pretrain/main.py,
 # pythia-70m mb4 x 128, 32-true and bf16-true, against the same run with AdamW, at glibc's defaults, rounded up):
 # bitsandbytes 118-127 MB (importing it alone: 120 MB of resident memory); torchao's AdamWFp8 64-82 MB and AdamW4bit
@@ -151,6 +150,7 @@ def cpu_quantized_step_bytes(optimizer: str, numel: int, param_bytes: int) -> in
     if copies is None:
         return 0
     return math.ceil(copies[0 if param_bytes == 4 else 1] * 4 * numel)
+
 
 # ---- speed -------------------------------------------------------------------------------------------
 # Step-time factor of each lever relative to the run without it (>1: slower), for the same global batch.

@@ -145,8 +145,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     ``new_shapes``: the products change shape from step to step (a mixture of experts' routed rows in 16 bits, on
     oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``).
     ``optimizer_library``: what the optimizer's library adds to the process (``calibration.cpu_optimizer_library_bytes``).
-    ``generation``:
-    a generation process (generate/base.py), whose runtime is its own and which reads no training data."""
+    ``generation``: a generation process (generate/base.py), whose runtime is its own and which reads no training
+    data."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     if _glibc_returns_freed_blocks():

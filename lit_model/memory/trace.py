@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lit_model.adapter import apply_adapter
+from lit_model.config import Config
 from lit_model.generation import forward_last, sample, set_kv_cache
 from lit_model.lora import apply_lora
 from lit_model.memory.calibration import cpu_quantized_step_bytes
@@ -697,7 +698,7 @@ class GenerationTrace:
     seconds: float
 
 
-def trace_generation(config, prompt_length: int, max_new_tokens: int, batch_size: int, dtype: torch.dtype,
+def trace_generation(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int, dtype: torch.dtype,
                      compute_dtype: torch.dtype, quantize: Optional[str], device_type: str) -> GenerationTrace:
     """Trace what generate/base.py runs (``generation.forward_last`` and ``generation.sample``) on the model as
     ``generation.load_model`` builds it (weights in ``dtype``, linear layers quantized with ``quantize``; RoPE
