@@ -131,7 +131,8 @@ CPU_QUANTIZED_STEP_COPIES: dict[str, tuple[float, float]] = {  # optimizer -> (f
 # 215-252 MB (torch.compile's inductor and a compiled step for each shape of tensor). AdamW4bit's runs kept more
 # heap the more parameters they step (32-true, mb4 x 128, beyond its state and step temporaries): lit-model-5m ~93 MB,
 # pythia-70m ~310 MB, pythia-160m 523 MB at the median of two runs (3,406 and 3,670 MB): 96 MiB + 0.7 x the trainable
-# parameters' fp32 bytes, which plans those three runs -4.4 %, -0.9 % and +2.0 % (an estimate fitted to three models).
+# parameters' fp32 bytes, which plans those runs -1.1 %, +3.9 % (bf16-true +2.5 %) and +1.7 % (against the higher run
+# -2.0 %): an estimate fitted to three models.
 CPU_OPTIMIZER_LIBRARY: dict[str, int] = {
     "adamw8bit": 128 * MiB, "pagedadamw8bit": 128 * MiB, "adamw4bit": 96 * MiB, "adamwfp8": 96 * MiB,
 }
