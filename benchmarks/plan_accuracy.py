@@ -429,19 +429,26 @@ def replan(case: Case, work: Path, env: dict[str, str], tokenizer_dir: Path) -> 
 
 def row(case: Case, runs: list[dict], plan: dict) -> dict:
     """One configuration's line: the median of its runs' peaks (and their range) against the plan."""
-    peaks = sorted(r["measured"] for r in runs)
-    measured = statistics.median(peaks)
     mean_rank = statistics.median(r["measured_all_ranks"] for r in runs) / case.devices
-    cats = plan["by_category"]
     return {
-        **{k: v for k, v in asdict(case).items()}, "label": case.label, "runs": len(runs),
-        "measured_mib": round(measured / MiB, 1), "measured_min_mib": round(peaks[0] / MiB, 1),
-        "measured_max_mib": round(peaks[-1] / MiB, 1), "measured_mean_rank_mib": round(mean_rank / MiB, 1),
-        "predicted_mib": round(plan["peak_bytes"] / MiB, 1), "error_pct": round(100 * (plan["peak_bytes"] - measured) / measured, 1),
+        **{k: v for k, v in asdict(case).items()}, "label": case.label, **peaks_against_plan([r["measured"] for r in runs], plan),
+        "measured_mean_rank_mib": round(mean_rank / MiB, 1),
+        "predicted_overhead_mib": round(plan["by_category"].get("overhead", 0) / MiB, 1),
+        "wall_s": round(statistics.median(r["wall_s"] for r in runs), 1),
+    }
+
+
+def peaks_against_plan(peaks: list[int], plan: dict) -> dict:
+    """The runs' peaks (median and range) and the plan's, and its error against the median and the highest."""
+    peaks = sorted(peaks)
+    measured = statistics.median(peaks)
+    return {
+        "runs": len(peaks), "measured_mib": round(measured / MiB, 1), "measured_min_mib": round(peaks[0] / MiB, 1),
+        "measured_max_mib": round(peaks[-1] / MiB, 1), "predicted_mib": round(plan["peak_bytes"] / MiB, 1),
+        "error_pct": round(100 * (plan["peak_bytes"] - measured) / measured, 1),
         "error_vs_max_pct": round(100 * (plan["peak_bytes"] - peaks[-1]) / peaks[-1], 1),
         "predicted_phase": plan["peak_phase"], "predicted_tensors_mib": round(plan["tensor_peak_bytes"] / MiB, 1),
-        "predicted_overhead_mib": round(cats.get("overhead", 0) / MiB, 1), "engine": plan["engine"],
-        "wall_s": round(statistics.median(r["wall_s"] for r in runs), 1),
+        "engine": plan["engine"],
     }
 
 
@@ -486,17 +493,8 @@ def generation_accuracy(grid: list[GenerationCase], out_dir: Path, work: Path, r
             peaks[case].append(peak_rss_of(argvs[case], env))
             print(json.dumps({"round": round_ + 1, "label": case.label, "measured_mib": round(peaks[case][-1] / MiB, 1),
                               "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1)}), flush=True)
-    rows = []
-    for case in grid:
-        plan, measured = plans[case], sorted(peaks[case])
-        median = statistics.median(measured)
-        rows.append({**asdict(case), "label": case.label, "prompt_tokens": plan["run"]["prompt_length"], "runs": len(measured),
-                     "measured_mib": round(median / MiB, 1), "measured_min_mib": round(measured[0] / MiB, 1),
-                     "measured_max_mib": round(measured[-1] / MiB, 1), "predicted_mib": round(plan["peak_bytes"] / MiB, 1),
-                     "error_pct": round(100 * (plan["peak_bytes"] - median) / median, 1),
-                     "error_vs_max_pct": round(100 * (plan["peak_bytes"] - measured[-1]) / measured[-1], 1),
-                     "predicted_tensors_mib": round(plan["tensor_peak_bytes"] / MiB, 1), "predicted_phase": plan["peak_phase"],
-                     "engine": plan["engine"]})
+    rows = [{**asdict(case), "label": case.label, "prompt_tokens": plans[case]["run"]["prompt_length"],
+             **peaks_against_plan(peaks[case], plans[case])} for case in grid]
     write_generation_results(rows, out_dir)
     print(json.dumps(stats(rows)))
     return rows

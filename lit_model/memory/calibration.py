@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 GB = 10**9
 MB = 10**6
@@ -139,10 +140,12 @@ CPU_OPTIMIZER_LIBRARY: dict[str, int] = {
 CPU_OPTIMIZER_HEAP_PER_FP32_BYTE: dict[str, float] = {"adamw4bit": 0.7}
 
 
-def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: int) -> int:
-    """What the optimizer's library and its step leave in a CPU process beyond the tensors (0 for torch's own)."""
+def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: Callable[[], int]) -> int:
+    """What the optimizer's library and its step leave in a CPU process beyond the tensors (0 for torch's own).
+    ``trainable_numel`` is asked only for an optimizer whose heap grows with the model (plans run this per phase)."""
     name = optimizer.lower()
-    return CPU_OPTIMIZER_LIBRARY.get(name, 0) + int(CPU_OPTIMIZER_HEAP_PER_FP32_BYTE.get(name, 0.0) * 4 * trainable_numel)
+    heap = CPU_OPTIMIZER_HEAP_PER_FP32_BYTE.get(name)
+    return CPU_OPTIMIZER_LIBRARY.get(name, 0) + (int(heap * 4 * trainable_numel()) if heap else 0)
 
 
 def cpu_quantized_step_bytes(optimizer: str, numel: int, param_bytes: int) -> int:

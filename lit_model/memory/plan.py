@@ -227,7 +227,7 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gathered": gathered_bytes(spec) if runs_model else 0,
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
-            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, analytic.model_bytes(spec).trainable)}
+            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable)}
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool) -> dict[str, Any]:
