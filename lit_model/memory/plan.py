@@ -811,6 +811,12 @@ def plan_generation(
                 categories["activations"] += in_flight["activations"] + in_flight["logits_loss"]
                 categories["quantization"] += in_flight["quantization"]
             stage_phases[phase] = categories
+        if quantize is not None and runs_blocks:
+            # load_weights streams one block at a time in ``dtype`` and quantizes it before the next: at the last,
+            # every other part is resident and one block's linear weights wait unquantized (no KV cache yet)
+            load = {c: sum(traced.resident[part].get(c, 0) for part in parts) for c in CATEGORIES if c != "kv_cache"}
+            load["quantization"] += staged_block_bytes(config, dtype)
+            stage_phases = {"load": {c: load.get(c, 0) for c in CATEGORIES}, **stage_phases}
         stage_bytes = max(sum(cats.values()) for cats in stage_phases.values())
         if stage_bytes > fullest_bytes:
             phases, fullest, fullest_bytes = stage_phases, stage, stage_bytes
@@ -856,6 +862,11 @@ def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, d
             out.append(Suggestion(changes=changes, flags=render_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
                                   cost=speed, by_category=p.by_category))
     return sorted(out, key=lambda s: s.cost)
+
+
+def staged_block_bytes(config: Config, dtype: torch.dtype) -> int:
+    """One block's linear weights in the checkpoint's load dtype: what a quantized load holds unquantized at once."""
+    return analytic.param_counts(config).block_linear_weights * dtype.itemsize
 
 
 _GENERATION_TRACES: dict[tuple, GenerationTrace] = {}

@@ -158,7 +158,10 @@ class _Tracker(MemTracker):
         if self._depth == 0:
             self.region_peaks: dict[str, dict] = {}
             self._region: tuple[int, str] = (0, "")
-        return super().__enter__()
+        super().__enter__()
+        if self._depth == 1:  # what __torch_dispatch__ compares with; MemTracker records it itself from torch 2.12
+            self._fake_mode_on_entry = active_fake_mode()
+        return self
 
     def _mode(self) -> str:
         return "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
