@@ -135,7 +135,8 @@ def _glibc_returns_freed_blocks() -> bool:
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
-                       new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False) -> dict[str, int]:
+                       new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
+                       transient_high: int = 0) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -146,9 +147,12 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``).
     ``optimizer_library``: what the optimizer's library adds to the process (``calibration.cpu_optimizer_library_bytes``).
     ``generation``: a generation process (generate/base.py), whose runtime is its own and which reads no training
-    data."""
+    data. ``transient_high``: the most transient bytes (activations, logits, gradients) of any stretch of the phase
+    (its forward, backward, optimizer step): glibc keeps heap from what was freed before the peak too, where the peak
+    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
+    transient = max(transient, transient_high + gathered)
     if _glibc_returns_freed_blocks():
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     elif generation:
@@ -230,17 +234,21 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable)}
 
 
-def _cpu_terms(phase: str, spec: Run, generation: bool) -> dict[str, Any]:
-    """``cpu_overhead_terms``' keywords for a phase of a training run, or of a generation process."""
-    return {"generation": True} if generation else _cpu_churn(phase, spec)
+def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """``cpu_overhead_terms``' keywords for a phase of a training run (``transient_highs``: the trace's most transient
+    bytes of any stretch of each phase), or of a generation process."""
+    if generation:
+        return {"generation": True}
+    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0)}
 
 
-def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False) -> dict[str, dict[str, int]]:
+def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,
+                   transient_highs: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
         cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
-                                          **_cpu_terms(name, spec, generation))
+                                          **_cpu_terms(name, spec, generation, transient_highs))
         out[name] = cats
     return out
 
@@ -271,10 +279,10 @@ def _traceable(spec: Run) -> bool:
 Phases = dict[str, dict[str, int]]
 
 
-def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int]]:
+def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int], dict[str, int]]:
     """Tensor bytes per phase (no overhead) from the chosen engine ("auto": the trace wherever it can plan the
-    run), the engine used, and the bytes the run keeps outside the device (offloaded activations, FSDP's offloaded
-    shards)."""
+    run), the engine used, the bytes the run keeps outside the device (offloaded activations, FSDP's offloaded
+    shards), and (traced) each phase's most transient bytes in any of its stretches (``cpu_overhead_terms``)."""
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
     if engine == "auto":
@@ -282,13 +290,13 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
     if engine == "trace":
         if not _traceable(spec):
             notes.append(f"Planned by the closed form: {_not_traceable(spec)}.")
-            return _analytic_phases(spec)
+            return (*_analytic_phases(spec), {})
         try:
             result = trace_by_layers(spec) if _traced_by_layers(spec) else None
             if result is None and not _traced_whole(spec):
                 notes.append("The shallow traces of this run differ in the order of their forward, backward and "
                              "optimizer stretches (an optimizer stepping in backward): planned by the closed form.")
-                return _analytic_phases(spec)
+                return (*_analytic_phases(spec), {})
             result = result or trace_training(spec)
         except Exception as error:  # an op without a fake-tensor implementation
             where, cause = ((f" in the {TRACE_PARTS[error.part]}", str(error)) if isinstance(error, TraceFailed)
@@ -297,7 +305,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             phases, used, host = _analytic_phases(spec)
             if canonical_name(spec.optimizer) is None:  # a class path
                 _bound_optimizer_state(spec, phases, notes)
-            return phases, used, host
+            return phases, used, host, {}
         notes.extend(result.notes)
         traced = {name: dict(cats) for name, cats in result.phases.items()}
         if result.values_read:
@@ -307,10 +315,13 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             for cats in traced.values():
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
         traced["checkpoint_save"]["checkpoint"] = analytic.checkpoint_gather_bytes(spec)
-        return traced, "trace", result.host_bytes
+        freed = ("activations", "logits_loss") + (() if _gradients_in_buckets(spec) else ("gradients",))
+        highs = {phase: max(sum(cats.get(c, 0) for c in freed) for cats in stretches.values())
+                 for phase, stretches in result.regions.items() if stretches}
+        return traced, "trace", result.host_bytes, highs
     if spec.optimizer == "Sophia":
         notes.append("Sophia: Hessian steps keep the backward graph and use the math attention kernel (estimate).")
-    return _analytic_phases(spec)
+    return (*_analytic_phases(spec), {})
 
 
 def _trainable_bytes(spec: Run) -> int:
@@ -401,15 +412,17 @@ def lora_merge_bytes(spec: Run) -> int:
 
 
 def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optional[int], engine: str,
-              notes: list[str], offloaded: Optional[dict[str, int]] = None, generation: bool = False) -> Plan:
+              notes: list[str], offloaded: Optional[dict[str, int]] = None, generation: bool = False,
+              transient_highs: Optional[dict[str, int]] = None) -> Plan:
     """The plan of these tensor phases: each phase's overhead added, and for a training run on the CPU the phases
-    of its end (the LoRA merge while saving, the sample). ``generation``: the phases of a generation process."""
+    of its end (the LoRA merge while saving, the sample). ``generation``: the phases of a generation process.
+    ``transient_highs``: see ``_tensor_phases``."""
     merge = lora_merge_bytes(spec) if spec.trainable == "lora" and not generation else 0
     if spec.device_type == "cpu" and "checkpoint_save" in phases:  # the merge and the sample are in this process
         save = phases["checkpoint_save"]
         phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
                   "sample": _sample_phase(spec)}
-    phases = _finish_phases(phases, spec, generation)
+    phases = _finish_phases(phases, spec, generation, transient_highs)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
         notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 would take "
@@ -425,7 +438,8 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size, **_cpu_terms(peak_phase, spec, generation))
+        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size,
+                                           **_cpu_terms(peak_phase, spec, generation, transient_highs))
                         if spec.device_type == "cpu" else {}),
     )
 
@@ -445,8 +459,8 @@ def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "ana
     cannot be (a UsageError)."""
     check_optimizer_run(spec)
     notes: list[str] = []
-    phases, used, offloaded = _tensor_phases(spec, engine, notes)
-    return _assemble(spec, phases, device_memory, used, notes, offloaded)
+    phases, used, offloaded, highs = _tensor_phases(spec, engine, notes)
+    return _assemble(spec, phases, device_memory, used, notes, offloaded, transient_highs=highs)
 
 
 # ---- public API ------------------------------------------------------------------------------------------
@@ -497,8 +511,8 @@ def plan_run(
         chunk = max_loss_chunk_size(run, memory) if memory else DEFAULT_LOSS_CHUNK_SIZE
         run = run.replace(loss_chunk_size=chunk, loss_chunk_auto=False)
         notes.append(f"--loss_chunk_size auto: {chunk} tokens (the largest whose logits fit with a 10 % margin)")
-    phases, used, offloaded = _tensor_phases(run, engine, notes)
-    plan = _assemble(run, phases, memory, used, notes, offloaded)
+    phases, used, offloaded, highs = _tensor_phases(run, engine, notes)
+    plan = _assemble(run, phases, memory, used, notes, offloaded, transient_highs=highs)
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
     if run.compile:
