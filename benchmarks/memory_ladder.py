@@ -21,7 +21,8 @@ at once, so resident memory tracks live tensors) and reads what the run wrote:
   overhead shows, parallel speed-up does not);
 - ``loss``: the training loss of the last step;
 - ``plan_mb``: the same command with ``--plan json`` (the planner's predicted peak; it starts no training), and
-  ``plan_tensors_mb``: the tensors alone in that prediction (``tensor_peak_bytes``: without the process's runtime),
+  ``plan_tensors_mb``: the tensors alone in that prediction (``tensor_peak_bytes``: without the process's runtime;
+  with the 8- and 4-bit optimizers it holds the fp32 copies their CPU steps make, calibration.CPU_QUANTIZED_STEP_COPIES),
   which is what a technique changes on a GPU; ``plan_tensors_vs_baseline`` is its ratio.
 
 Ratios are against the table's first row (the baseline) measured in the same invocation; the pretraining table
@@ -396,7 +397,8 @@ def main() -> None:
               "peak_mb is the whole process's peak resident memory (Python, torch's kernels, the token data and the "
               "tensors), so a lever's ratio is smaller than it would be on a GPU, where only tensors count; plan_mb is "
               "the `--plan json` prediction of the same command and plan_tensors_mb its tensors alone (what a GPU would "
-              "hold, less the CUDA context and allocator cache). tokens_per_sec is per second of CPU time, one thread per "
+              "hold, less the CUDA context and allocator cache, except that the 8- and 4-bit optimizers' CPU steps make "
+              "fp32 copies of each tensor they step, which their GPU kernels do not). tokens_per_sec is per second of CPU time, one thread per "
               "process: on a machine shared with other jobs wall-clock speed moved up to 4x with their load, CPU time "
               "much less, but they still share the cores and their caches, and the same rung measured in two "
               "invocations differed by up to about a fifth, so read speed ratios between 0.8 and 1.2 as no measurable "
