@@ -59,7 +59,9 @@ def main(args: BaseArgs) -> None:
         length = len(prompt_ids)
     total = check_lengths(length, args.max_new_tokens, setup.config)
     if args.plan is not None:
-        return setup.print_plan(length, args.max_new_tokens, args.num_samples)
+        from lit_model.memory import print_generation_plan  # the planner imports the training code: only for --plan
+
+        return print_generation_plan(setup, length, args.max_new_tokens, args.num_samples)
 
     model = setup.load(max_seq_length=total)
     with out_of_memory_hint("allocating the KV cache"):

@@ -51,7 +51,9 @@ def main(args: ChatArgs) -> None:
             "the messages)."
         )
     if args.plan is not None:
-        return setup.print_plan(context - args.max_new_tokens, args.max_new_tokens, 1)
+        from lit_model.memory import print_generation_plan  # the planner imports the training code: only for --plan
+
+        return print_generation_plan(setup, context - args.max_new_tokens, args.max_new_tokens, 1)
 
     model = setup.load(max_seq_length=context)
     with out_of_memory_hint("allocating the KV cache"):

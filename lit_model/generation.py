@@ -671,18 +671,6 @@ class GenerationSetup:
         with out_of_memory_hint("generating"), self.precision.context(self.device_type):
             yield
 
-    def print_plan(self, prompt_length: int, max_new_tokens: int, batch_size: int) -> None:
-        """``--plan text|json``: the predicted peak memory of generating ``max_new_tokens`` after
-        ``prompt_length`` tokens for ``batch_size`` samples: weights in the precision's dtype (or packed with
-        --quantize), the KV cache for exactly those positions, activations, logits and overhead."""
-        from lit_model.memory import check_plan_fits, plan_generation
-
-        args = self.args
-        plan = plan_generation(self.config, prompt_length, max_new_tokens, batch_size, self.precision.name,
-                               args.quantize, args.device_memory, self.device_type, devices=args.devices)
-        print(plan.to_json() if args.plan == "json" else plan.to_text())
-        check_plan_fits(plan)
-
 
 def check_generation_args(args: GenerationArgs) -> None:
     """Every flag of generate/base.py and chat.py (``num_samples``, ``prompt_length``, ``max_new_tokens``,

@@ -1,7 +1,7 @@
 """OOM foresight: predict a run's peak memory per rank before allocating anything, and the cheapest flag
 changes that make it fit.
 
-API (see plan.py): ``plan_run`` (a resolved ``lit_model.run.Run``), ``plan_training`` (a config and flags), ``plan_generation``, ``check_plan_fits``, ``max_micro_batch_size``, ``max_loss_chunk_size``, ``parse_memory``,
+API (see plan.py): ``plan_run`` (a resolved ``lit_model.run.Run``), ``plan_training`` (a config and flags), ``plan_generation``, ``print_generation_plan``, ``check_plan_fits``, ``max_micro_batch_size``, ``max_loss_chunk_size``, ``parse_memory``,
 ``detect_device_memory``, ``plot_plan``; ``Plan`` and ``Suggestion`` are the results. Calibration constants
 (framework overhead, lever speed factors) live in ``calibration.py``.
 """
@@ -13,7 +13,7 @@ from lit_model.memory.units import detect_device_memory, format_bytes, parse_mem
 # The planner traces the training step (lit_model.training.loop), whose modules import memory.units: the planner
 # loads on first use, so importing this package for its units does not import the training code.
 _PLAN = ("Plan", "Suggestion", "check_plan_fits", "max_loss_chunk_size", "max_micro_batch_size", "plan_generation",
-         "plan_run", "plan_training")
+         "plan_run", "plan_training", "print_generation_plan")
 
 __all__ = [*_PLAN, "detect_device_memory", "format_bytes", "parse_memory", "plot_plan"]
 

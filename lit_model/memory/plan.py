@@ -26,6 +26,7 @@ import torch
 from lit_model.checkpoint import WEIGHTS_NAME
 from lit_model.config import Config
 from lit_model.errors import UsageError, UserError
+from lit_model.generation import GenerationSetup, pipeline_stages
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
@@ -794,8 +795,6 @@ def plan_generation(
     (default bf16 on CUDA, fp32 on the CPU). ``devices``: the GPUs ``--devices`` splits the blocks over
     (generation.pipeline_stages); the plan is the fullest one's, each GPU holding its parts and the bytes the trace
     had in flight at its peak."""
-    from lit_model.generation import pipeline_stages
-
     compute_dtype = dtype
     if isinstance(dtype, str) or dtype is None:
         precision = resolve_precision(dtype, device_type, present=False)
@@ -856,6 +855,16 @@ def plan_generation(
         plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
                                                    memory, device_type, devices)
     return plan
+
+
+def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_tokens: int, batch_size: int) -> None:
+    """generate/base.py's and chat.py's ``--plan text|json``: the predicted peak memory of generating
+    ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings."""
+    args = setup.args
+    plan = plan_generation(setup.config, prompt_length, max_new_tokens, batch_size, setup.precision.name,
+                           args.quantize, args.device_memory, setup.device_type, devices=args.devices)
+    print(plan.to_json() if args.plan == "json" else plan.to_text())
+    check_plan_fits(plan)
 
 
 def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type, devices):
