@@ -184,9 +184,8 @@ def published_outcome_rows() -> list[dict]:
     for label, model, micro, gpus, published in PUBLISHED_OUTCOMES:
         config = Config.from_name(model)
         if micro:
-            settings = settings_for("bf16-true", micro, 1304, False, lora_query=True, lora_key=False, lora_value=True,
-                                    lora_projection=False, lora_mlp=False, lora_head=False, lora_r=8, lora_alpha=16.0)
-            settings.devices, settings.strategy, settings.global_batch_size = gpus, "fsdp" if gpus > 1 else "auto", micro * gpus
+            settings = settings_for("bf16-true", micro, 1304, False, devices=gpus, strategy="fsdp" if gpus > 1 else "auto",
+                                    global_batch_size=micro * gpus, **lora_flags(("query", "value")))
             plan = plan_training(config, settings, trainable="lora", device_type="cuda", device_memory=A100_40GB,
                                  engine="auto", suggest=False)
         else:  # litgpt's generate/base.py defaults: a 7-word prompt, 50 new tokens
@@ -322,6 +321,12 @@ def settings_for(precision: str, micro: int, seq_len: int, ac: bool, loss_chunk_
     return settings
 
 
+def lora_flags(targets: tuple[str, ...]) -> dict[str, object]:
+    """The anchors' LoRA settings (r 8, alpha 16, dropout 0.05) on these layers, as finetune/lora.py's flags."""
+    return dict(lora_r=8, lora_alpha=16.0, lora_dropout=0.05,
+                **{f"lora_{t}": (t in targets) for t in ("query", "key", "value", "projection", "mlp", "head")})
+
+
 def published_rows() -> list[dict]:
     from lit_model import Config
     from lit_model.memory import plan_training
@@ -336,8 +341,7 @@ def published_rows() -> list[dict]:
 
     rows = []
     for label, model, trainable, precision, quantize, micro, seq_len, ac, targets, published, metric in PUBLISHED:
-        flags = {f"lora_{t}": (t in targets) for t in ("query", "key", "value", "projection", "mlp", "head")}
-        lora = dict(lora_r=8, lora_alpha=16.0, lora_dropout=0.05, **flags)
+        lora = lora_flags(targets)
         plan, allocated, reserved, predicted = predict(model, settings_for(precision, micro, seq_len, ac, **lora),
                                                        trainable, quantize, metric)
         # the anchors computed the whole sequence's logits at once: lit-model's --loss_chunk_size 0 does the same
@@ -571,7 +575,7 @@ def report_heading(title: str, flags: str) -> list[str]:
             "what is measured).", ""]
 
 
-def write_results(rows: list[dict], published: list[dict], out_dir: Path) -> None:
+def write_results(rows: list[dict], published: list[dict], outcomes: list[dict], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "plan_accuracy.csv", rows, COLUMNS)
     st = stats(rows)
@@ -634,7 +638,6 @@ def write_results(rows: list[dict], published: list[dict], out_dir: Path) -> Non
                 f"{p['predicted_allocated_gb']:.2f} / {p['predicted_reserved_gb']:.2f} / "
                 f"{p['predicted_device_total_gb']:.2f} | {p['note']} |"
             )
-    outcomes = published_outcome_rows() if published else []
     if outcomes:
         lines += [
             "",
@@ -745,7 +748,8 @@ def accuracy(grid: list[Case], with_published: bool, out_dir: Path, work: Path, 
                               "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1)}), flush=True)
     rows = [row(case, runs[case], plans[case]) for case in grid]
     published = published_rows() if with_published else []
-    write_results(rows, published, out_dir)
+    outcomes = published_outcome_rows() if with_published else []
+    write_results(rows, published, outcomes, out_dir)
     print(json.dumps(stats(rows)))
     for p in published:
         print(f"{p['figure']:42s} T={p['seq_len']:5d} {p['metric']:9s} published {p['published_gb']:6.2f} GB  predicted "

@@ -827,9 +827,9 @@ def plan_generation(
         if quantize is not None and runs_blocks:
             # load_weights streams one block at a time in ``dtype`` and quantizes it before the next: at the last,
             # every other part is resident and one block's linear weights wait unquantized (no KV cache yet)
-            load = {c: sum(traced.resident[part].get(c, 0) for part in parts) for c in CATEGORIES if c != "kv_cache"}
+            load = {c: 0 if c == "kv_cache" else sum(traced.resident[part].get(c, 0) for part in parts) for c in CATEGORIES}
             load["quantization"] += staged_block_bytes(config, dtype)
-            stage_phases = {"load": {c: load.get(c, 0) for c in CATEGORIES}, **stage_phases}
+            stage_phases = {"load": load, **stage_phases}
         stage_bytes = max(sum(cats.values()) for cats in stage_phases.values())
         if stage_bytes > fullest_bytes:
             phases, fullest, fullest_bytes = stage_phases, stage, stage_bytes
