@@ -398,7 +398,7 @@ def main() -> None:
               "tensors), so a lever's ratio is smaller than it would be on a GPU, where only tensors count; plan_mb is "
               "the `--plan json` prediction of the same command and plan_tensors_mb its tensors alone (what a GPU would "
               "hold, less the CUDA context and allocator cache, except that the 8- and 4-bit optimizers' CPU steps make "
-              "fp32 copies of each tensor they step, which their GPU kernels do not). tokens_per_sec is per second of CPU time, one thread per "
+              "fp32 copies of each tensor they step, which bitsandbytes' GPU kernels do not). tokens_per_sec is per second of CPU time, one thread per "
               "process: on a machine shared with other jobs wall-clock speed moved up to 4x with their load, CPU time "
               "much less, but they still share the cores and their caches, and the same rung measured in two "
               "invocations differed by up to about a fifth, so read speed ratios between 0.8 and 1.2 as no measurable "

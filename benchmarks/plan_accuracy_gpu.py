@@ -132,6 +132,9 @@ CASES = [
     # the 8- and 4-bit optimizers (their GPU kernels step in place; PagedAdamW8bit's state is host memory)
     *[GpuCase(f"pretrain pythia-160m bf16-true mb8 T1024 {name}", "pretrain", "pythia-160m", "bf16-true", 8, 1024,
               flags=("--optimizer", name)) for name in ("AdamW8bit", "PagedAdamW8bit", "AdamW4bit")],
+    # --compile is not modelled (the plan says so and gives the eager run's memory): this row shows how far off
+    GpuCase("pretrain pythia-160m bf16-true mb8 T1024 --compile", "pretrain", "pythia-160m", "bf16-true", 8, 1024,
+            flags=("--compile", "true")),
     # generate/base.py: a long prompt sampled twice, and the published single-GPU inference runs
     GpuCase("generate Qwen2.5-0.5B bf16-true 300 lines + 200 x2", "generate", "Qwen2.5-0.5B", "bf16-true", 2, 0,
             prompt=PROMPT_LINE * 300, new_tokens=200),
@@ -146,18 +149,21 @@ CASES = [
 ]
 # What the committed runs showed beyond their rows (benchmarks/results/plan_accuracy_gpu.md)
 NOTES = [
-    "Not in the table: torchtune's Llama-2-7B LoRA settings (micro batch 2 x 1,304 tokens, activation checkpointing, "
-    "full logits) trained its two steps and evaluated at a reserved peak of 14.6 GB (its log; torchtune published "
-    "15.57 GB reserved), but its final save failed: the machine's 64 GB disk was full of the earlier runs' final/ "
-    "directories (since then the benchmark deletes each run's directory), and the lent GPU time ran out before a rerun "
-    "(again on 2026-11-27).",
-    "Two lent H200s measured these rows: the first ten on 2026-11-26, the fp32 SmolLM2-360M run again and the "
-    "optimizer and generation rows on 2026-11-27. The fp32 SmolLM2-360M run was measured on 2026-11-26 at 11.43 GB "
+    "Three lent H200s measured these rows: the first ten on 2026-11-26, the fp32 SmolLM2-360M run again and the "
+    "optimizer and generation rows on 2026-11-27 (morning), AdamW4bit, the long-prompt generation, torchtune's 7B LoRA "
+    "and --compile on 2026-11-27 (afternoon; torchtune's row had trained on 2026-11-26 but its save failed on a full "
+    "disk). The fp32 SmolLM2-360M run was measured on 2026-11-26 at 11.43 GB "
     "allocated, when CUDA ran its attention with the math kernel (every head's T x T probabilities: with grouped "
     "queries in fp32 no fused kernel applies; planned then 16.8 % under); the model now copies k and v to every query "
-    "head there (ops.expands_shared_heads) and the memory-efficient kernel runs: 9.37 GB. Its plan is 15.8 % over: "
+    "head there (ops.expands_shared_heads) and the memory-efficient kernel runs: 9.37 GB. Its plan is 16 % over: "
     "the allocator-reserve term (12 % of the tensors other than the weights) counts the fp32 gradients and optimizer "
     "state, which are allocated once and leave little reserve (measured 0.07 GB).",
+    "torchtune's Llama-2-7B LoRA settings (activation checkpointing, whole-sequence logits) reserved 0.61 GB above "
+    "their allocated peak, where 12 % of the moving tensors gave 0.31 GB with the workspaces: planned 1.7 % under the "
+    "device peak. The loss's vocabulary-wide blocks (0.67 GB of logits, their fp32 copy and gradient at the peak) are "
+    "the largest transient tensors and come after the activations: the reserve now counts them whole "
+    "(Overhead.cuda_logits_reserve), which moved the other whole-sequence-logits rows up by 1.3 to 6.7 points and the "
+    "others by at most 2.1.",
     "The machines' torch 2.11 has a MemTracker that records no fake mode on entry, which the planner's tracker "
     "compared with until 2026-11-27: there every training plan fell back to the closed form and every generation plan "
     "failed (so did the final sample of a pretraining run). The plans in this table are today's traced plans, made "
@@ -166,6 +172,19 @@ NOTES = [
     "PagedAdamW8bit: its state (0.33 GB: AdamW8bit's allocated peak less this run's) lives in CUDA managed memory, "
     "which max_memory_reserved does not count. The plan counts it on the device, where it stays until the GPU runs "
     "short (the plan says so): this row is over by that much.",
+    "--compile: measured first with the whole model compiled (torch.compile(model), the code until 2026-11-27): "
+    "4.56 GB allocated against eager's 3.70 (planned 14.4 % under the device peak). A diagnostic on the same H200 "
+    "(one forward and backward, pythia-160m bf16 8 x 1,024) put the excess in the fused loss: compiled whole, the "
+    "step peaked 0.83 GB above eager (one loss chunk for all tokens: 2.2 GB above), as if inductor kept every chunk's "
+    "bf16 logits gradient (64 x 12.9 MB) at once; with each block compiled in place and the loss eager, the step "
+    "peaked 0.03 GB below eager and ran ~10 % faster than eager, its compilation 3.5 s against 109 s. The scripts now "
+    "compile block by block (training/session.py), and this row is that run.",
+    "AdamW4bit (torchao, its step compiled per tensor shape): allocated as planned (-3.6 %), but reserved 1.27 GB "
+    "above its allocated peak against the 0.47 GB the reserve term gave (planned 16 % under the device peak). The step "
+    "runs after backward, making fp32 temporaries of each whole parameter (6.75 copies on the CPU, "
+    "calibration.CPU_QUANTIZED_STEP_COPIES; 1.04 GB for the 50,304 x 768 embedding), too large for the gaps the freed "
+    "activations leave between the gradients: the plan now counts the largest parameter's step temporaries on top of "
+    "the reserve (Overhead.cuda_step_fresh_copies), an estimate from this run.",
     "Generation rows (generate/base.py writes no summary.json): the process's own peaks, for the load, the prefill "
     "and every new token. With --quantize each block is loaded in bf16 and quantized before the next: the plan's load "
     "phase holds one block unquantized (added 2026-11-27: before it the Llama-2-7B nf4 run was planned 2.6 % under "

@@ -22,7 +22,7 @@ from typing import Optional
 
 from lit_model.activations import MIN_OFFLOAD_BYTES
 from lit_model.config import Config
-from lit_model.memory.calibration import cpu_quantized_step_bytes
+from lit_model.memory.calibration import quantized_step_bytes
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
 from lit_model.ops import attends_in_halves, cuda_attention_kernel, expands_shared_heads, norms_by_hand
@@ -246,7 +246,7 @@ def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
     block-quantized kernels keep none; the older optimizers are not modelled): GaLore's and APOLLO's foreach step
     over the tensors they do not project keeps two or three tensors of their size at once (of one of them, stepped in
     backward; the trace of a tiny GPT shows a third); Adam-mini and AdaLomo step one tensor at a time in fp32, and so
-    do the block-quantized ones on the CPU (calibration.CPU_QUANTIZED_STEP_COPIES)."""
+    do the block-quantized ones on the CPU, and torchao's on a GPU (calibration.quantized_step_bytes)."""
     name, d = spec.optimizer, spec.param_bytes
     largest = max(mb.trainable_tensors, default=0)
     if name in ("GaLore", "APOLLO"):
@@ -255,9 +255,8 @@ def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
         return 3 * d * (largest if spec.optimizer_in_backward else mb.trainable - projected)
     if name in ("AdamMini", "AdaLomo"):
         return 2 * 4 * largest
-    if spec.device_type == "cpu":  # the block-quantized optimizers' CPU step widens one tensor at a time
-        return cpu_quantized_step_bytes(name, largest, d)
-    return 0
+    # the block-quantized optimizers' CPU step (and torchao's compiled GPU step) widens one tensor at a time
+    return quantized_step_bytes(name, largest, d, spec.device_type)
 
 
 # ---- activations ---------------------------------------------------------------------------------------

@@ -48,6 +48,19 @@ class Overhead:
     # memory can grow without bound (pytorch/pytorch#123548): then 0.20 too.
     cuda_fragmentation: float = 0.20
     cuda_fragmentation_expandable: float = 0.12
+    # CUDA: a step that makes temporaries of a whole parameter (torchao's compiled AdamW4bit step,
+    # quantized_step_bytes) runs after backward has freed the activations, whose blocks lie between the gradients
+    # made meanwhile: too small for the largest parameter's temporaries, which the allocator maps anew on top of the
+    # reserve. On the H200, pythia-160m bf16 8 x 1,024 with AdamW4bit reserved 1.27 GB above its allocated peak, where
+    # the reserve term above gives 0.47 GB; the largest parameter's (50,304 x 768) step temporaries are 1.04 GB.
+    # Counted in full for the training step (benchmarks/results/plan_accuracy_gpu.md; one run: an estimate).
+    cuda_step_fresh_copies: float = 1.0
+    # CUDA: the loss's vocabulary-wide blocks (logits, their fp32 copy and gradient; large only with whole-sequence
+    # logits, --loss_chunk_size 0) are the largest transient tensors and come after the activations: the reserve
+    # counts them whole instead of at the fraction above. torchtune's Llama-2-7B LoRA settings (micro batch 2 x 1,304,
+    # activation checkpointing, whole-sequence logits) reserved 0.61 GB above the allocated peak on the H200, where
+    # the fraction above gave 0.31 GB (with the workspaces) on 0.67 GB of logits and 0.79 GB of other moving tensors.
+    cuda_logits_reserve: float = 1.0
     # CPU, per process: what a training process holds besides the model's tensors, in named terms (plan.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
@@ -121,7 +134,9 @@ OVERHEAD = Overhead()
 # resident memory of a step above the memory before it, in fp32 copies of the tensor stepped, measured on one
 # parameter of 4096 x 4096 and one of 8192 x 4096 (exactly proportional; bitsandbytes 0.50.2, torchao 0.18):
 # bitsandbytes' AdamW8bit 5.0 for an fp32 parameter and 6.0 for a bf16 one (it widens the parameter too), torchao's
-# AdamW4bit (its compiled step) 6.75 in either, AdamWFp8 none. On a GPU their kernels update in place.
+# AdamW4bit (its compiled step) 6.75 in either, AdamWFp8 none. On a GPU bitsandbytes' kernels update in place;
+# torchao's step is the same compiled graph (Triton kernels instead of C++): counted with the CPU's copies, an
+# estimate that the H200's AdamW4bit run bears out (Overhead.cuda_step_fresh_copies).
 CPU_QUANTIZED_STEP_COPIES: dict[str, tuple[float, float]] = {  # optimizer -> (fp32 parameters, 16-bit parameters)
     "adamw8bit": (5.0, 6.0), "pagedadamw8bit": (5.0, 6.0), "adamw4bit": (6.75, 6.75), "adamwfp8": (0.0, 0.0),
 }
@@ -138,6 +153,7 @@ CPU_OPTIMIZER_LIBRARY: dict[str, int] = {
     "adamw8bit": 128 * MiB, "pagedadamw8bit": 128 * MiB, "adamw4bit": 96 * MiB, "adamwfp8": 96 * MiB,
 }
 CPU_OPTIMIZER_HEAP_PER_FP32_BYTE: dict[str, float] = {"adamw4bit": 0.7}
+TORCHAO_OPTIMIZERS = ("adamw4bit", "adamwfp8")
 
 
 def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: Callable[[], int]) -> int:
@@ -148,10 +164,11 @@ def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: Callable[[], in
     return CPU_OPTIMIZER_LIBRARY.get(name, 0) + (int(heap * 4 * trainable_numel()) if heap else 0)
 
 
-def cpu_quantized_step_bytes(optimizer: str, numel: int, param_bytes: int) -> int:
-    """The temporaries of a block-quantized optimizer's CPU step on one tensor of ``numel`` elements (0 for others)."""
+def quantized_step_bytes(optimizer: str, numel: int, param_bytes: int, device_type: str) -> int:
+    """The temporaries of a block-quantized optimizer's step on one tensor of ``numel`` elements (0 for others, and
+    for bitsandbytes' in-place GPU kernels)."""
     copies = CPU_QUANTIZED_STEP_COPIES.get(optimizer.lower())
-    if copies is None:
+    if copies is None or (device_type != "cpu" and optimizer.lower() not in TORCHAO_OPTIMIZERS):
         return 0
     return math.ceil(copies[0 if param_bytes == 4 else 1] * 4 * numel)
 

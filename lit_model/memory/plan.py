@@ -30,7 +30,8 @@ from lit_model.generation import GenerationSetup, pipeline_stages
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.memory import analytic
 from lit_model.memory.analytic import CATEGORIES
-from lit_model.memory.calibration import DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes
+from lit_model.memory.calibration import (DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes,
+                                         quantized_step_bytes)
 from lit_model.precision import PRECISION_DTYPES, resolve_precision
 from lit_model.run import Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import (
@@ -194,19 +195,34 @@ def gathered_bytes(spec: Run) -> int:
 
 
 def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
-                   cuda_alloc_conf: Optional[str] = None, **cpu_churn: Any) -> int:
+                   cuda_alloc_conf: Optional[str] = None, step_fresh: int = 0, **cpu_churn: Any) -> int:
     """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
-    fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``); ``cpu_churn``: the keywords of
-    ``cpu_overhead_terms`` (``_cpu_churn``)."""
+    fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``) and ``step_fresh`` is what the
+    optimizer step maps anew (``cuda_step_fresh_bytes``); ``cpu_churn``: the keywords of ``cpu_overhead_terms``
+    (``_cpu_churn``)."""
     if device_type == "cuda":
         # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
-        moving = sum(size for category, size in categories.items() if category not in ("overhead", "parameters"))
+        moving = sum(size for category, size in categories.items()
+                     if category not in ("overhead", "parameters", "logits_loss"))
         fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
         settings = (cuda_alloc_conf or "").replace(" ", "").lower()
         expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
         fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
-        return int(fixed + fragmentation * moving)
+        logits = OVERHEAD.cuda_logits_reserve * categories.get("logits_loss", 0)
+        return int(fixed + fragmentation * moving + logits + step_fresh)
     return sum(cpu_overhead_terms(categories, world_size, **cpu_churn).values())
+
+
+def cuda_step_fresh_bytes(spec: Run) -> int:
+    """CUDA: the temporaries an optimizer step makes for the largest trainable tensor (a rank's shard under FSDP),
+    which the caching allocator cannot place in the gaps the freed activations leave (calibration.py,
+    ``cuda_step_fresh_copies``); 0 for steps that make none."""
+    if spec.device_type != "cuda":
+        return 0
+    largest = max(analytic.model_bytes(spec).trainable_tensors, default=0)
+    if spec.strategy == "fsdp":
+        largest = math.ceil(largest / spec.world_size)
+    return int(OVERHEAD.cuda_step_fresh_copies * quantized_step_bytes(spec.optimizer, largest, spec.param_bytes, "cuda"))
 
 
 def _sample_phase(spec: Run) -> dict[str, int]:
@@ -248,7 +264,8 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: boo
     out = {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf,
+        fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
+        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf, fresh,
                                           **_cpu_terms(name, spec, generation, transient_highs))
         out[name] = cats
     return out
@@ -517,8 +534,9 @@ def plan_run(
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
     if run.compile:
-        plan.notes.append("--compile is not modelled: this is the eager run's memory (torch.compile fuses element-wise "
-                          "ops, which usually keeps less, and needs memory of its own while it compiles).")
+        plan.notes.append("--compile (each block compiled) is not traced: this is the eager run's memory, which the "
+                          "compiled run matched on a GPU (pythia-160m bf16 8 x 1,024 on an H200: 1 % less allocated, "
+                          "benchmarks/results/plan_accuracy_gpu.md); compiling needs host memory of its own.")
     if run.config.n_expert and run.device_type == "cpu" and run.compute_bytes == 2:
         plan.notes.append("Half-precision matmuls on the CPU make a kernel for every new expert row count, so the "
                           "process grows over the first steps until oneDNN's capped kernel caches are full: the "
@@ -533,6 +551,11 @@ def plan_run(
                           f"{OVERHEAD.cuda_fragmentation_expandable:.0%} with expandable segments), measured on one H200 "
                           "(torch 2.11) and rounded up; other GPUs and drivers differ by a few hundred MB "
                           "(benchmarks/results/plan_accuracy_gpu.md).")
+        fresh = cuda_step_fresh_bytes(run)
+        if fresh:
+            plan.notes.append(f"{run.optimizer}'s compiled step makes {format_bytes(fresh)} of temporaries for the "
+                              "largest parameter after backward, which the allocator maps anew: counted on top of the "
+                              "reserve (an estimate from one H200 run).")
     else:
         terms = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.overhead_terms.items())
         plan.notes.append(f"CPU overhead per process: {terms} (measured on whole runs here and rounded up; the data term "

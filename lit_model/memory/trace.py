@@ -45,7 +45,7 @@ from lit_model.adapter import apply_adapter
 from lit_model.config import Config
 from lit_model.generation import forward_last, sample, set_kv_cache
 from lit_model.lora import apply_lora
-from lit_model.memory.calibration import cpu_quantized_step_bytes
+from lit_model.memory.calibration import quantized_step_bytes
 from lit_model.memory.modules import QuantLinearSim, quantize_model_sim
 from lit_model.model import GPT, default_dtype
 from lit_model.ops import cuda_attention_kernel, take_paths_of
@@ -289,8 +289,8 @@ _BLOCK_QUANTIZED = {
 
 class _SimQuantizedAdam(torch.optim.Optimizer):
     """State of the sizes a block-quantized AdamW keeps (bitsandbytes' kernels and torchao's compiled step do not
-    run under fake tensors); the step is in place, like theirs on a GPU. ``step_bytes``: the temporaries its real step
-    allocates for a tensor of n elements (on the CPU, ``calibration.cpu_quantized_step_bytes``), allocated and freed
+    run under fake tensors); the step is in place, like theirs. ``step_bytes``: the temporaries its real step
+    allocates for a tensor of n elements (``calibration.quantized_step_bytes``), allocated and freed
     here while each tensor steps."""
 
     def __init__(self, params, layout: _BlockQuantizedState, lr: float = 1e-3,
@@ -336,8 +336,7 @@ def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.opti
                      f"({layout.code_bits}-bit codes and an fp32 scale per {layout.block} elements for tensors of >= 4096)."
                      + (" torchao compiles that step with torch.compile, whose own memory is not counted (about 80 MB "
                         "more process memory on the CPU for lit-model-5m, benchmarks/memory_ladder.py)." if layout.torchao else ""))
-        step_bytes = (partial(cpu_quantized_step_bytes, name, param_bytes=run.param_bytes) if run.device_type == "cpu"
-                      else lambda numel: 0)
+        step_bytes = partial(quantized_step_bytes, name, param_bytes=run.param_bytes, device_type=run.device_type)
         if run.optimizer_in_backward:
             return InBackwardOptimizer([_SimQuantizedAdam([p], layout, step_bytes=step_bytes) for p in params])
         return _SimQuantizedAdam(params, layout, step_bytes=step_bytes)

@@ -396,8 +396,7 @@ def format_duration(seconds: float) -> str:
 
 # ---- the training step ---------------------------------------------------------------------------
 def unwrap(model: nn.Module) -> nn.Module:
-    module = getattr(model, "module", model)  # Fabric's wrapper
-    return getattr(module, "_orig_mod", module)  # torch.compile's
+    return getattr(model, "module", model)  # Fabric's wrapper (--compile compiles the blocks in place)
 
 
 class TrainStep:

@@ -101,7 +101,11 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, run: Run, args: TrainA
         fabric.print(f"Frozen: {frozen:,} parameters ({args.freeze_layers})")
     configure_model(model, run)
     if run.compile:
-        model = torch.compile(model)
+        # Block by block, in place (regional compilation, as torchtune and torchtitan do): every block compiles to the
+        # same code once, and the fused loss stays eager. Compiling the whole model made inductor keep every loss
+        # chunk's logits gradient at once (pythia-160m 8 x 1,024 on a GPU: +0.83 GB over eager; blocks: eager's).
+        for block in model.blocks:
+            block.compile()
     model = fabric.setup(model)
     optimizer = build_optimizer(
         model,
