@@ -173,8 +173,8 @@ NOTES = [
     "which max_memory_reserved does not count. The plan counts it on the device, where it stays until the GPU runs "
     "short (the plan says so): this row is over by that much.",
     "--compile: measured first with the whole model compiled (torch.compile(model), the code until 2026-11-27): "
-    "4.56 GB allocated against eager's 3.70 (planned 14.4 % under the device peak). A diagnostic on the same H200 "
-    "(one forward and backward, pythia-160m bf16 8 x 1,024) put the excess in the fused loss: compiled whole, the "
+    "4.56 GB allocated against eager's 3.70 (planned 14.4 % under the device peak). benchmarks/compile_memory_gpu.py on "
+    "the same H200 (one forward and backward, pythia-160m bf16 8 x 1,024; results/compile_memory_gpu.txt) put the excess in the fused loss: compiled whole, the "
     "step peaked 0.83 GB above eager (one loss chunk for all tokens: 2.2 GB above), as if inductor kept every chunk's "
     "bf16 logits gradient (64 x 12.9 MB) at once; with each block compiled in place and the loss eager, the step "
     "peaked 0.03 GB below eager and ran ~10 % faster than eager, its compilation 3.5 s against 109 s. The scripts now "
