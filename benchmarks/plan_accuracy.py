@@ -259,7 +259,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     x = torch.randint(0, config.vocab_size, (job["micro_batch"], job["seq_len"]))
     y = torch.randint(0, config.vocab_size, (job["micro_batch"], job["seq_len"]))
     times = []
-    for _ in range(steps):  # as lit_model/training/loop.py: forward with targets, backward, clip, step, zero_grad
+    for _ in range(steps):  # as lit_model/training/step.py: forward with targets, backward, clip, step, zero_grad
         start = time.perf_counter()
         loss = model(x, targets=y)
         loss.backward()

@@ -28,7 +28,7 @@ from lit_model.training import finetune, session
 from lit_model.training.args import check_args
 from lit_model.run import Run
 from lit_model.training.fabric import launch, setup_fabric
-from lit_model.training.loop import check_out_dir
+from lit_model.training.resumable import check_out_dir
 
 
 @dataclass

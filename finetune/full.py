@@ -23,7 +23,8 @@ from lit_model.training import finetune, session
 from lit_model.training.args import check_args
 from lit_model.run import Run
 from lit_model.training.fabric import launch, setup_fabric
-from lit_model.training.loop import check_out_dir, save_final
+from lit_model.training.loop import save_final
+from lit_model.training.resumable import check_out_dir
 
 
 @dataclass

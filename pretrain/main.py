@@ -29,7 +29,8 @@ from lit_model.training import session
 from lit_model.training.args import TrainArgs, check_args
 from lit_model.run import Run, resolve_run
 from lit_model.training.fabric import launch, setup_fabric
-from lit_model.training.loop import Progress, check_out_dir, fit, save_final, write_summary
+from lit_model.training.loop import Progress, fit, save_final, write_summary
+from lit_model.training.resumable import check_out_dir
 
 
 @dataclass

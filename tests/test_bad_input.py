@@ -279,7 +279,7 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
     from lit_model import Config
     from lit_model.run import resolve_run
     from lit_model.training.args import TrainArgs
-    from lit_model.training.recovery import out_of_memory_report
+    from lit_model.training.oom_report import out_of_memory_report
 
     config = Config(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4)
     args = TrainArgs(out_dir=tmp_path, micro_batch_size=1, global_batch_size=4, device_memory="2MB")
@@ -296,7 +296,7 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
         (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
     assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-10'}: continue with the new flags and --resume auto." in report()
     # After an explicit --resume of step-2, the lineage (what --resume auto takes) ends there, not at step-10
-    from lit_model.training.loop import write_lineage
+    from lit_model.training.resumable import write_lineage
 
     write_lineage(tmp_path, [tmp_path / "checkpoints" / "step-2"])
     assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-2'}:" in report()

@@ -24,9 +24,8 @@ from lit_model.training import session
 from lit_model.training.args import TrainArgs
 from lit_model.run import resolve_run
 from lit_model.training.fabric import StateIO, setup_fabric
-from lit_model.training.loop import (
-    CHECKPOINTS, LINEAGE_NAME, STATE_NAME, MetricsWriter, Progress, lineage, save_resumable, start_lineage,
-)
+from lit_model.training.loop import MetricsWriter, Progress
+from lit_model.training.resumable import CHECKPOINTS, LINEAGE_NAME, STATE_NAME, lineage, save_resumable, start_lineage
 
 CONFIG = Config(name="faults", block_size=16, vocab_size=32, n_layer=1, n_embd=8, n_head=2)
 

@@ -179,7 +179,7 @@ def test_in_backward_refuses_a_hessian_class_path():
 def fabric_step(name: str, in_backward: bool):
     from lightning.fabric import Fabric
 
-    from lit_model.training.loop import TrainStep
+    from lit_model.training.step import TrainStep
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     model = tiny_model()

@@ -31,7 +31,7 @@ def fabric():
 
 
 def make_step(fabric, micro_batch_size: int, recover: bool = True, optimizer_name: str = "AdamW"):
-    from lit_model.training.loop import TrainStep
+    from lit_model.training.step import TrainStep
     from lit_model.training.optimizers import build_optimizer
 
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def test_report_when_even_one_sample_does_not_fit(fabric, monkeypatch):
 
 def test_out_of_memory_report_names_categories_and_fixes(tmp_path):
     from lit_model.training.args import TrainArgs
-    from lit_model.training.recovery import out_of_memory_report
+    from lit_model.training.oom_report import out_of_memory_report
 
     from lit_model.run import resolve_run
 

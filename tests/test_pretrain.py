@@ -243,7 +243,7 @@ def test_compile_compiles_each_block_in_place():
     from lit_model.model import GPT
     from lit_model.run import resolve_run
     from lit_model.training.args import TrainArgs
-    from lit_model.training.loop import unwrap
+    from lit_model.training.step import unwrap
     from lit_model.training.session import setup_model_and_optimizer
 
     config = Config(name="tiny", block_size=64, vocab_size=256, n_layer=2, n_embd=32, n_head=2, intermediate_size=64)

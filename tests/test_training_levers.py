@@ -9,7 +9,7 @@ import torch
 
 from lit_model import GPT, Config
 from lit_model.errors import UsageError
-from lit_model.training.loop import freeze_layers
+from lit_model.training.step import freeze_layers
 
 CONFIG = dict(name="levers", block_size=128, vocab_size=256, n_layer=4, n_embd=64, n_head=4, n_query_groups=2,
               intermediate_size=128)

@@ -51,7 +51,7 @@ from lit_model.model import GPT, default_dtype
 from lit_model.ops import cuda_attention_kernel, take_paths_of
 from lit_model.run import Run
 from lit_model.training.fabric import configure_model, fsdp_mesh, shard_model
-from lit_model.training.loop import TrainStep, evaluation_sums, freeze_layers
+from lit_model.training.step import TrainStep, evaluation_sums, freeze_layers
 from lit_model.training.optimizers import InBackwardOptimizer, build_optimizer
 
 try:

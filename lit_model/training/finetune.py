@@ -28,7 +28,9 @@ from lit_model.tokenizer import Tokenizer
 from lit_model.run import Run, Trainable, resolve_run
 from lit_model.training import session
 from lit_model.training.args import TrainArgs
-from lit_model.training.loop import STATE_NAME, Progress, fit, unwrap, write_summary
+from lit_model.training.loop import Progress, fit, write_summary
+from lit_model.training.resumable import STATE_NAME
+from lit_model.training.step import unwrap
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")
 # What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from

@@ -22,7 +22,9 @@ from lit_model.model import GPT
 from lit_model.training.args import TrainArgs
 from lit_model.run import Run
 from lit_model.training.fabric import configure_model
-from lit_model.training.loop import Progress, freeze_layers, release_cached_memory, start_lineage, STATE_NAME
+from lit_model.training.loop import Progress
+from lit_model.training.resumable import STATE_NAME, start_lineage
+from lit_model.training.step import freeze_layers, release_cached_memory
 from lit_model.training.optimizers import build_optimizer
 
 
