@@ -260,15 +260,19 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,
-                   transient_highs: Optional[dict[str, int]] = None) -> dict[str, dict[str, int]]:
-    out = {}
+                   transient_highs: Optional[dict[str, int]] = None) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """Each phase's categories with its overhead added, and (CPU) that overhead by term, per phase."""
+    out, terms = {}, {}
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
-        cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf, fresh,
-                                          **_cpu_terms(name, spec, generation, transient_highs))
+        if spec.device_type == "cpu":
+            terms[name] = cpu_overhead_terms(cats, spec.world_size, **_cpu_terms(name, spec, generation, transient_highs))
+            cats["overhead"] = sum(terms[name].values())
+        else:
+            fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
+            cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf, fresh)
         out[name] = cats
-    return out
+    return out, terms
 
 
 # ---- engines ---------------------------------------------------------------------------------------------
@@ -440,7 +444,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         save = phases["checkpoint_save"]
         phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
                   "sample": _sample_phase(spec)}
-    phases = _finish_phases(phases, spec, generation, transient_highs)
+    phases, terms = _finish_phases(phases, spec, generation, transient_highs)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
     if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
         notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 would take "
@@ -456,9 +460,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
         world_size=spec.world_size, run=_run_summary(spec), host_bytes=host, notes=notes, planned=spec,
-        overhead_terms=(cpu_overhead_terms(phases[peak_phase], spec.world_size,
-                                           **_cpu_terms(peak_phase, spec, generation, transient_highs))
-                        if spec.device_type == "cpu" else {}),
+        overhead_terms=terms.get(peak_phase, {}),
     )
 
 
