@@ -67,6 +67,7 @@ class Case:
     devices: int = 1
     strategy: str = "auto"
     optimizer: str = "AdamW"
+    compile: bool = False
 
     @property
     def label(self) -> str:
@@ -74,6 +75,7 @@ class Case:
         parts += ["AC"] if self.ac else []
         parts += [f"{self.devices}x {self.strategy}"] if self.devices > 1 else []
         parts += [self.optimizer] if self.optimizer != "AdamW" else []
+        parts += ["compile"] if self.compile else []
         return " ".join(parts)
 
 
@@ -104,6 +106,9 @@ GRID = [
     Case("pretrain", "pythia-70m", "32-true", 4, 128, optimizer="AdamW4bit"),
     Case("pretrain", "pythia-70m", "32-true", 4, 128, optimizer="AdamWFp8"),
     Case("full", "pythia-160m", "32-true", 2, 256, optimizer="AdamW4bit"),
+    # --compile (each block compiled by inductor; 32-true: PyTorch 2.13's CPU compiler fails on some bf16 kernels)
+    Case("pretrain", "pythia-70m", "32-true", 4, 128, compile=True),
+    Case("lora", "pythia-70m", "32-true", 4, 256, compile=True),
 ]
 QUICK = [GRID[0], GRID[10], GRID[15], GRID[18]]
 
@@ -405,6 +410,8 @@ def command(case: Case, source: list[str], out_dir: Path) -> list[str]:
         argv += ["--quantize", "bnb.nf4"]
     if case.optimizer != "AdamW":
         argv += ["--optimizer", case.optimizer]
+    if case.compile:
+        argv += ["--compile", "true"]
     return argv
 
 

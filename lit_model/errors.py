@@ -223,3 +223,29 @@ def run_cli(entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 message = textwrap.fill(str(error), width=100, break_long_words=False, break_on_hyphens=False)
                 print(f"error: {message}", file=sys.stderr, flush=True)
             _exit(error.exit_code)
+        except Exception as error:
+            failure = compile_failure(error)
+            if failure is None or os.environ.get("LIT_MODEL_DEBUG") == "1":
+                raise
+            if _is_first_rank():  # every rank compiles the same code and fails alike
+                message = textwrap.fill(failure, width=100, break_long_words=False, break_on_hyphens=False)
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            _exit(1)
+
+
+def compile_failure(error: BaseException) -> Optional[str]:
+    """The message for ``--compile`` when torch.compile could not build its code (``error`` is a
+    ``torch._dynamo.exc.BackendCompilerFailed``, or was raised from one), else None. Such a failure is PyTorch's: on
+    the CPU its inductor writes C++ that does not compile for some bf16 kernels (pythia-70m in bf16-true, torch 2.13:
+    a conflicting declaration in a reduction), while the same run works eagerly."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(c.__name__ == "BackendCompilerFailed" and c.__module__.startswith("torch._dynamo") for c in type(error).__mro__):
+            first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            return (f"--compile failed: torch.compile could not build the compiled code ({first[:200]}). That is a "
+                    "PyTorch compiler bug for this model, precision and device; the same run works without --compile "
+                    "(on a CPU, PyTorch's compiler fails this way for some bf16 kernels, where --precision 32-true may "
+                    "compile). Checkpoints already written are kept; LIT_MODEL_DEBUG=1 shows the traceback.")
+        error = error.__cause__ or error.__context__
+    return None

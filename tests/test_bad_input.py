@@ -300,3 +300,30 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
 
     write_lineage(tmp_path, [tmp_path / "checkpoints" / "step-2"])
     assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-2'}:" in report()
+
+
+def test_a_compiler_failure_is_a_message_not_a_traceback(capsys):
+    """torch.compile that cannot build its code (PyTorch's CPU inductor writes C++ that does not compile for some
+    bf16 kernels) ends the run with a message naming the fix and exit code 1; any other error still raises."""
+    import torch
+
+    from lit_model.errors import run_cli
+
+    def broken_backend(graph, inputs):
+        raise RuntimeError("C++ compile error")
+
+    def compiled_run() -> None:
+        torch.compile(lambda x: x + 1, backend=broken_backend)(torch.ones(2))
+
+    with pytest.raises(SystemExit) as stopped:
+        run_cli(compiled_run)
+    assert stopped.value.code == 1
+    message = capsys.readouterr().err
+    assert message.startswith("error: --compile failed: torch.compile could not build the compiled code")
+    assert "without --compile" in message and "Traceback" not in message
+
+    def other_error() -> None:
+        raise RuntimeError("not a compiler failure")
+
+    with pytest.raises(RuntimeError, match="not a compiler failure"):
+        run_cli(other_error)

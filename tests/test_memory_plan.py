@@ -1090,3 +1090,21 @@ def test_the_trace_holds_two_embedding_sized_tensors_when_a_tied_embedding_backp
     assert 2 * table <= backward_peak(True) < 2.2 * table
     # untied: the same two tensors, each its own parameter's gradient
     assert 2 * table <= backward_peak(False) < 2.2 * table
+
+
+def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
+    """--compile on the CPU: the compiler, its code and the heap its kernels leave (pretrain/main.py, lit-model-5m
+    4 x 128 in 32-true: 128 MiB above the eager run's peak), a term of its own in every phase; the tensors are the
+    eager run's (on an H200 the compiled blocks allocated what eager does)."""
+    from lit_model.memory.calibration import OVERHEAD
+
+    eager, compiled = (plan_training(tiny(), args(compile=flag, precision="32-true"), device_type="cpu", suggest=False,
+                                     detect=False) for flag in (False, True))
+    assert compiled.tensor_peak_bytes == eager.tensor_peak_bytes and "compiled_code" not in eager.overhead_terms
+    cats = compiled.by_category
+    expected = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * cats["parameters"]
+                + OVERHEAD.cpu_compile_per_activation_byte * (cats["activations"] + cats["logits_loss"]))
+    assert compiled.overhead_terms["compiled_code"] == int(expected)
+    assert compiled.peak_bytes == eager.peak_bytes + compiled.overhead_terms["compiled_code"]
+    gpu = plan_training(tiny(), args(compile=True), device_type="cuda", suggest=False, detect=False)
+    assert gpu.peak_bytes == plan_training(tiny(), args(), device_type="cuda", suggest=False, detect=False).peak_bytes

@@ -70,6 +70,15 @@ class Overhead:
     # 0-30 MB): cpu_allocator_retention counts it. (Earlier versions of this term also held 100-112 MB of that heap,
     # counted twice, and over-planned the smallest model by ~14 %.)
     cpu_runtime: int = 373 * MiB
+    # --compile on the CPU (each block compiled by inductor): the compiler, its generated code and the heap its kernels
+    # leave, beyond the eager run. pretrain/main.py, 32-true, 6 steps, glibc's defaults, compiled minus eager peak RSS:
+    # lit-model-5m 4 x 128 +128 MiB, pythia-70m 4 x 128 +173 and 8 x 256 +241, pythia-160m 4 x 128 +217; least
+    # squares 118 MiB + 0.14 x the parameters' bytes + 0.17 x the activations' (and logits'), rounded up to the terms
+    # below (which plan those runs +0.1 %, +1.3 %, +5.1 % and +1.7 %; bf16-true did not compile there, see
+    # errors.compile_failure). An estimate from four runs.
+    cpu_compile_runtime: int = 128 * MiB
+    cpu_compile_per_parameter_byte: float = 0.15
+    cpu_compile_per_activation_byte: float = 0.20
     # generate/base.py's runtime: it imports neither Lightning nor the training code (228 MiB of VmRSS after its
     # imports). Whole runs at glibc's defaults (peak RSS from wait4) held 322-335 MiB beyond the traced tensor peak:
     # the 5.26M model of benchmarks/vs_peers.py, pythia-70m and pythia-160m, 32-true and bf16-true, prompts of 6 and

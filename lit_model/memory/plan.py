@@ -138,7 +138,7 @@ def _glibc_returns_freed_blocks() -> bool:
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
-                       transient_high: int = 0) -> dict[str, int]:
+                       transient_high: int = 0, compiled: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -151,7 +151,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     ``generation``: a generation process (generate/base.py), whose runtime is its own and which reads no training
     data. ``transient_high``: the most transient bytes (activations, logits, gradients) of any stretch of the phase
     (its forward, backward, optimizer step): glibc keeps heap from what was freed before the peak too, where the peak
-    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed)."""
+    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed). ``compiled``:
+    the blocks run torch.compile's code (--compile): the compiler's own memory and the heap its kernels leave."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     transient = max(transient, transient_high + gathered)
@@ -174,6 +175,11 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
     if optimizer_library:
         terms["optimizer_library"] = optimizer_library
+    if compiled:
+        activations = categories.get("activations", 0) + categories.get("logits_loss", 0)
+        terms["compiled_code"] = int(OVERHEAD.cpu_compile_runtime
+                                     + OVERHEAD.cpu_compile_per_parameter_byte * categories.get("parameters", 0)
+                                     + OVERHEAD.cpu_compile_per_activation_byte * activations)
     return terms
 
 
@@ -248,7 +254,8 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gathered": gathered_bytes(spec) if runs_model else 0,
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
-            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable)}
+            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable),
+            "compiled": spec.compile}
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
@@ -536,9 +543,10 @@ def plan_run(
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
     if run.compile:
-        plan.notes.append("--compile (each block compiled) is not traced: this is the eager run's memory, which the "
+        plan.notes.append("--compile (each block compiled) is not traced: these are the eager run's tensors, which the "
                           "compiled run matched on a GPU (pythia-160m bf16 8 x 1,024 on an H200: 1 % less allocated, "
-                          "benchmarks/results/plan_accuracy_gpu.md); compiling needs host memory of its own.")
+                          "benchmarks/results/plan_accuracy_gpu.md); on the CPU the compiler and its code add the "
+                          "compiled_code term (an estimate from four runs).")
     if run.config.n_expert and run.device_type == "cpu" and run.compute_bytes == 2:
         plan.notes.append("Half-precision matmuls on the CPU make a kernel for every new expert row count, so the "
                           "process grows over the first steps until oneDNN's capped kernel caches are full: the "
