@@ -151,10 +151,12 @@ def dropout_before_linear(x: torch.Tensor, p: float) -> tuple[torch.Tensor, floa
     the map of ``dropped`` is the map of ``F.dropout(x, p)``. Each value is kept with probability ``1 - p``, as
     F.dropout keeps it. On the CPU the kept values are not divided by ``1 - p``: ``factor`` carries it to the map's
     scale, so the input is read once where F.dropout reads it twice (for the same mask memory, a 0/1 tensor of x's
-    dtype where F.dropout keeps a scaled one). Elsewhere F.dropout (CUDA's fused kernel keeps a boolean mask)."""
+    dtype where F.dropout keeps a scaled one). Elsewhere F.dropout (CUDA's fused kernel keeps a boolean mask), and
+    under torch.compile, where the in-place ``bernoulli_`` on ``empty_like`` gave NaN (torch 2.13's CPU inductor: a
+    LoRA fine-tune with --compile lost its first step) and inductor fuses F.dropout anyway."""
     if p == 0:
         return x, 1.0
-    if path_device(x) != "cpu":
+    if path_device(x) != "cpu" or torch.compiler.is_compiling():
         return F.dropout(x, p, training=True), 1.0
     return x * torch.empty_like(x).bernoulli_(1 - p), 1 / (1 - p)
 
