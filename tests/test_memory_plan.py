@@ -1096,15 +1096,24 @@ def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
     """--compile on the CPU: the compiler, its code and the heap its kernels leave (pretrain/main.py, lit-model-5m
     4 x 128 in 32-true: 128 MiB above the eager run's peak), a term of its own in every phase; the tensors are the
     eager run's (on an H200 the compiled blocks allocated what eager does)."""
+    from lit_model.memory.analytic import model_bytes
     from lit_model.memory.calibration import OVERHEAD
 
     eager, compiled = (plan_training(tiny(), args(compile=flag, precision="32-true"), device_type="cpu", suggest=False,
                                      detect=False) for flag in (False, True))
     assert compiled.tensor_peak_bytes == eager.tensor_peak_bytes and "compiled_code" not in eager.overhead_terms
     cats = compiled.by_category
-    expected = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * cats["parameters"]
+    trainable = model_bytes(compiled.planned).trainable * 4  # every parameter trains (elements, in fp32)
+    expected = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * trainable
                 + OVERHEAD.cpu_compile_per_activation_byte * (cats["activations"] + cats["logits_loss"]))
     assert compiled.overhead_terms["compiled_code"] == int(expected)
     assert compiled.peak_bytes == eager.peak_bytes + compiled.overhead_terms["compiled_code"]
+    # LoRA: the compiler's memory takes the place of the heap an eager adapter fine-tune keeps (pythia-70m: no more)
+    lora = plan_training(tiny(), args(compile=True, precision="32-true"), trainable="lora", device_type="cpu",
+                         suggest=False, detect=False)
+    terms, cats = lora.overhead_terms, lora.by_category
+    compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * 4 * model_bytes(lora.planned).trainable
+                + OVERHEAD.cpu_compile_per_activation_byte * (cats["activations"] + cats["logits_loss"]))
+    assert terms["compiled_code"] == pytest.approx(max(compiler - terms["adapter_fine_tuning"], 0), abs=2)
     gpu = plan_training(tiny(), args(compile=True), device_type="cuda", suggest=False, detect=False)
     assert gpu.peak_bytes == plan_training(tiny(), args(), device_type="cuda", suggest=False, detect=False).peak_bytes

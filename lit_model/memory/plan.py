@@ -138,7 +138,7 @@ def _glibc_returns_freed_blocks() -> bool:
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
-                       transient_high: int = 0, compiled: bool = False) -> dict[str, int]:
+                       transient_high: int = 0, compiled: Optional[int] = None) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -152,7 +152,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     data. ``transient_high``: the most transient bytes (activations, logits, gradients) of any stretch of the phase
     (its forward, backward, optimizer step): glibc keeps heap from what was freed before the peak too, where the peak
     falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed). ``compiled``:
-    the blocks run torch.compile's code (--compile): the compiler's own memory and the heap its kernels leave."""
+    the trainable parameters' bytes when the blocks run torch.compile's code (--compile): the compiler's own memory
+    and the heap its kernels leave, which in a LoRA or adapter fine-tune takes the place of the eager run's."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     transient = max(transient, transient_high + gathered)
@@ -175,11 +176,11 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
     if optimizer_library:
         terms["optimizer_library"] = optimizer_library
-    if compiled:
+    if compiled is not None:
         activations = categories.get("activations", 0) + categories.get("logits_loss", 0)
-        terms["compiled_code"] = int(OVERHEAD.cpu_compile_runtime
-                                     + OVERHEAD.cpu_compile_per_parameter_byte * categories.get("parameters", 0)
-                                     + OVERHEAD.cpu_compile_per_activation_byte * activations)
+        compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * compiled
+                    + OVERHEAD.cpu_compile_per_activation_byte * activations)
+        terms["compiled_code"] = int(max(compiler - terms.get("adapter_fine_tuning", 0), 0))
     return terms
 
 
@@ -255,7 +256,7 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable),
-            "compiled": spec.compile}
+            "compiled": analytic.model_bytes(spec).trainable * spec.param_bytes if spec.compile else None}
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:

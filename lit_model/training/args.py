@@ -79,7 +79,7 @@ class TrainArgs(DistributedSettings):
         save_interval: write a resumable checkpoint every N steps (0: only at the end)
         keep_last: keep the newest N resumable checkpoints
         resume: auto (the newest checkpoint in out_dir) or a checkpoint path
-        compile: torch.compile the model
+        compile: torch.compile each transformer block (the loss stays eager)
         seed: full determinism on CPU for a given seed
         freeze_layers: keep these frozen: N (embedding + first N blocks) or parameter-name patterns
         empty_cache_interval: release cached allocator memory every N steps (0: never)
