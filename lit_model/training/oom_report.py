@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 import torch
 
-from lit_model.memory.plan import SUGGESTION_MARGIN, plan_run, suggest_changes
 from lit_model.memory.units import detect_device_memory, format_bytes, parse_memory
 from lit_model.run import Run
 from lit_model.training.resumable import lineage
@@ -33,6 +32,9 @@ def write_snapshot(device: torch.device, out_dir: Path) -> Optional[Path]:
 def out_of_memory_report(run: Run, args: Any, device: torch.device, where: str, message: str) -> str:
     """What took the memory (the planner's categories for ``run``, the micro batch that failed), the three
     cheapest fixes with their predicted peaks, and a memory snapshot on GPU: one paragraph."""
+    # at call time: a training process loads the planner (5 MiB, 75 ms) only when it writes this report
+    from lit_model.memory.plan import SUGGESTION_MARGIN, plan_run, suggest_changes
+
     out_dir, micro_batch_size = args.out_dir, run.micro_batch_size
     plan = plan_run(run, suggest=False, detect=False)
     memory = parse_memory(args.device_memory) if args.device_memory else detect_device_memory(run.device_type, device.index or 0)
