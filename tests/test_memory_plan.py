@@ -1108,12 +1108,12 @@ def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
                 + OVERHEAD.cpu_compile_per_activation_byte * (cats["activations"] + cats["logits_loss"]))
     assert compiled.overhead_terms["compiled_code"] == int(expected)
     assert compiled.peak_bytes == eager.peak_bytes + compiled.overhead_terms["compiled_code"]
-    # LoRA: the compiler's memory takes the place of the heap an eager adapter fine-tune keeps (pythia-70m: no more)
+    # LoRA: the compiler's memory takes the place of the heap an eager adapter fine-tune keeps (pythia-70m: no more),
+    # and does not grow with the activations (compiled adapters save fewer of them)
     lora = plan_training(tiny(), args(compile=True, precision="32-true"), trainable="lora", device_type="cpu",
                          suggest=False, detect=False)
-    terms, cats = lora.overhead_terms, lora.by_category
-    compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * 4 * model_bytes(lora.planned).trainable
-                + OVERHEAD.cpu_compile_per_activation_byte * (cats["activations"] + cats["logits_loss"]))
+    terms = lora.overhead_terms
+    compiler = OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * 4 * model_bytes(lora.planned).trainable
     assert terms["compiled_code"] == pytest.approx(max(compiler - terms["adapter_fine_tuning"], 0), abs=2)
     gpu = plan_training(tiny(), args(compile=True), device_type="cuda", suggest=False, detect=False)
     assert gpu.peak_bytes == plan_training(tiny(), args(), device_type="cuda", suggest=False, detect=False).peak_bytes

@@ -77,7 +77,10 @@ class Overhead:
     # terms below (which plan those runs +0.1 %, +1.3 %, +5.1 % and +1.7 %; bf16-true did not compile there, see
     # errors.compile_failure). A LoRA fine-tune (pythia-70m 4 x 256, benchmarks/plan_accuracy.py) held no more compiled
     # than eager (1,017 against 1,040 MiB): the compiled kernels leave less of the heap that cpu_adapter_fine_tuning
-    # counts, so that term is subtracted from this one. An estimate from five configurations.
+    # counts, so that term is subtracted from this one, and the activation term is left out of an adapter fine-tune:
+    # its compiled blocks save fewer activations than eager ones (on an H100, LoRA TinyLlama-1.1B 2 x 1,024 allocated
+    # 4.75 against 5.59 GB, QLoRA SmolLM2-360M 2.10 against 2.67; benchmarks/results/plan_accuracy_gpu.md). An
+    # estimate from five configurations.
     cpu_compile_runtime: int = 128 * MiB
     cpu_compile_per_parameter_byte: float = 0.15
     cpu_compile_per_activation_byte: float = 0.20
