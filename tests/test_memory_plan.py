@@ -18,6 +18,7 @@ from lit_model.memory import (
     Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
 )
 from lit_model.memory.analytic import CATEGORIES, param_counts, training_phases
+from lit_model.memory.plan import CLOSED_FORM_MARGIN
 from lit_model.model import GPT, default_dtype
 from lit_model.ops import cuda_attention_kernel
 from lit_model.run import Run, resolve_run
@@ -199,7 +200,10 @@ def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
     closed = training_phases(spec)
     for phase in ("train_step", "evaluation"):
         t, a = sum(traced[phase].values()), sum(closed[phase].values())
-        assert a == pytest.approx(t, rel=0.05), (phase, traced[phase], closed[phase])
+        assert a == pytest.approx(t, rel=CLOSED_FORM_MARGIN), (phase, traced[phase], closed[phase])
+        # where the trace cannot plan a run, the closed form rounded up by that margin is not below it
+        moving = lambda cats: sum(v for c, v in cats.items() if c != "parameters")  # noqa: E731
+        assert moving(closed[phase]) * (1 + CLOSED_FORM_MARGIN) >= moving(traced[phase]), (phase, traced[phase], closed[phase])
     # the resident state is exact
     for category in ("parameters", "optimizer_state"):
         assert closed["train_step"][category] == pytest.approx(traced["train_step"][category], rel=0.01)
@@ -931,7 +935,7 @@ def test_an_optimizer_step_the_trace_cannot_run_is_bounded_by_a_real_one():
                          detect=False, suggest=False)
     weights = param_counts(config).total * 2  # bf16
     assert plan.engine == "analytic"
-    assert any(n.startswith("The exact trace failed in the optimizer step (") for n in plan.notes)
+    assert any(n.startswith("Planned by the closed form, because the exact trace failed in the optimizer step (") for n in plan.notes)
     assert plan.phase_categories["checkpoint_save"]["optimizer_state"] == 3 * weights
     assert plan.phase_categories["train_step"]["optimizer_state"] == 4 * weights
     assert any("HostStepOptimizer's state measured on a small real model" in n for n in plan.notes)
@@ -946,7 +950,8 @@ def test_an_evaluation_the_trace_cannot_run_is_named_in_the_plan(monkeypatch):
     monkeypatch.setattr(trace, "evaluation_sums", unsupported)
     plan = plan_training(tiny(), args(), device_type="cpu", engine="trace", detect=False, suggest=False)
     assert plan.engine == "analytic"
-    assert any(n.startswith("The exact trace failed in the evaluation pass (NotImplementedError: no fake-tensor")
+    assert any(n.startswith("Planned by the closed form, because the exact trace failed in the evaluation pass "
+                            "(NotImplementedError: no fake-tensor")
                for n in plan.notes), plan.notes
 
 
@@ -990,14 +995,21 @@ def test_fsdp_hybrid_shard_is_traced_over_its_two_dimensional_mesh():
     assert trace_training(hybrid).phases == trace_training(one_node).phases
 
 
-def test_fsdp_in_a_process_that_already_has_a_process_group_is_planned_by_the_closed_form_with_a_note(monkeypatch):
-    import lit_model.memory.trace as trace
+@pytest.mark.slow
+def test_fsdp_planned_inside_a_process_group_is_traced_in_a_fresh_process(tmp_path):
+    """The ranks of a run plan --micro_batch_size auto inside their process group, where the trace cannot make its
+    fake one: the trace runs in a newly started process and gives the same plan as outside a process group."""
+    import torch.distributed as dist
 
-    monkeypatch.setattr(trace.dist, "is_initialized", lambda: True)
-    plan = plan_training(tiny(), args(devices=2, strategy="fsdp"), device_type="cuda", engine="trace",
-                         detect=False, suggest=False)
-    assert plan.engine == "analytic"
-    assert any("already belongs to a process group" in note for note in plan.notes)
+    config, flags = tiny(), args(devices=2, strategy="fsdp")
+    outside = plan_training(config, flags, device_type="cuda", engine="trace", detect=False, suggest=False)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        inside = plan_training(config, flags, device_type="cuda", engine="trace", detect=False, suggest=False)
+    finally:
+        dist.destroy_process_group()
+    assert inside.engine == outside.engine == "trace"
+    assert inside.by_phase == outside.by_phase and inside.notes == outside.notes
 
 
 def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():

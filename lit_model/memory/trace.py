@@ -250,9 +250,12 @@ def _device_bytes(snap: dict) -> int:
 class TraceFailed(RuntimeError):
     """An op of the traced run that fake tensors cannot run; ``part``: forward, backward, optimizer or evaluation."""
 
-    def __init__(self, part: str, cause: Exception) -> None:
-        super().__init__(f"{type(cause).__name__}: {str(cause)[:200]}")
+    def __init__(self, part: str, cause: Union[Exception, str]) -> None:
+        super().__init__(cause if isinstance(cause, str) else f"{type(cause).__name__}: {str(cause)[:200]}")
         self.part = part
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # crosses from a fresh process (plan._trace_tensors)
+        return TraceFailed, (self.part, str(self))
 
 
 @dataclass
@@ -440,13 +443,6 @@ def _trace_fabric(run: Run) -> Fabric:
     return _TraceFabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
 
 
-def sharded_traceable(run: Run) -> Optional[str]:
-    """Why the trace cannot shard this FSDP run in this process (None: it can)."""
-    if dist.is_initialized():
-        return "this process already belongs to a process group"
-    return None
-
-
 @contextlib.contextmanager
 def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
     """For FSDP, the run's ranks as PyTorch's fake process group (collectives that move nothing) and the mesh the
@@ -456,9 +452,8 @@ def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
     if run.strategy != "fsdp":
         yield None
         return
-    reason = sharded_traceable(run)
-    if reason is not None:
-        raise NotImplementedError(reason)
+    if dist.is_initialized():  # plan._trace_tensors traces such a run in a fresh process
+        raise RuntimeError("this process already belongs to a process group: trace the FSDP run in a fresh process")
     dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (run.world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
