@@ -75,13 +75,12 @@ def test_categories_add_up_to_the_peak(engine):
 
 def test_cpu_overhead_terms_add_up(monkeypatch):
     from lit_model.memory.calibration import MB, MiB, OVERHEAD
-    from lit_model.memory.plan import cpu_overhead_terms, overhead_bytes
+    from lit_model.memory.plan import cpu_overhead_terms
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
     assert terms == {"runtime": 373 * MiB, "data": 48 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
-    assert overhead_bytes(cats, "cpu") == sum(terms.values())
     # a second process adds its process group; persistent tensors (parameters) leave no retained heap
     assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 373 * MiB + OVERHEAD.cpu_distributed
     assert cpu_overhead_terms({"parameters": 5 * 10**9})["allocator_retention"] == 0
@@ -637,12 +636,12 @@ def test_cuda_reserve_counts_the_loss_logits_and_a_compiled_steps_temporaries_wh
     vocabulary-wide blocks (torchtune's 7B LoRA run on an H200 reserved 0.61 GB where 12 % of its moving tensors
     gave 0.31) and torchao's compiled AdamW4bit step on the largest parameter (pythia-160m: 1.27 GB against 0.47)."""
     from lit_model.memory.calibration import MB, OVERHEAD
-    from lit_model.memory.plan import cuda_step_fresh_bytes, overhead_bytes
+    from lit_model.memory.plan import cuda_overhead_bytes, cuda_step_fresh_bytes
 
     fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces
     cats = {"parameters": 10**9, "activations": 200 * MB, "logits_loss": 100 * MB}
-    assert overhead_bytes(cats, "cuda") == int(fixed + OVERHEAD.cuda_fragmentation * 200 * MB + 100 * MB)
-    assert overhead_bytes(cats, "cuda", step_fresh=7 * MB) == overhead_bytes(cats, "cuda") + 7 * MB
+    assert cuda_overhead_bytes(cats) == int(fixed + OVERHEAD.cuda_fragmentation * 200 * MB + 100 * MB)
+    assert cuda_overhead_bytes(cats, step_fresh=7 * MB) == cuda_overhead_bytes(cats) + 7 * MB
 
     config = tiny(n_layer=2, vocab_size=32000, n_embd=256, tie_embeddings=False)  # largest: 32,000 x 256
     plans = {name: plan_training(config, args(optimizer=name, precision="bf16-true"), device_type="cuda", suggest=False,
@@ -1031,7 +1030,7 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
 
 def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_run_its_own_term():
     from lit_model.memory.calibration import OVERHEAD
-    from lit_model.memory.plan import gathered_bytes, overhead_bytes
+    from lit_model.memory.plan import cpu_overhead_terms, gathered_bytes
 
     config = tiny()
     fsdp = args(devices=2, strategy="fsdp")
@@ -1040,7 +1039,7 @@ def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_ru
     assert gathered_bytes(resolved(config, args(devices=2, strategy="ddp"), "full", "cpu")) == 0
     plan = plan_training(config, fsdp, device_type="cpu", engine="analytic", suggest=False, detect=False)
     for phase, cats in plan.phase_categories.items():  # the step and the evaluation gather; the save and sample do not
-        extra = cats["overhead"] - overhead_bytes(cats, "cpu", 2)
+        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2).values())
         runs_model = phase in ("train_step", "evaluation")
         assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention * gathered_bytes(run) if runs_model else 0, abs=2)
     for trainable in ("lora", "adapter"):

@@ -143,7 +143,7 @@ def _glibc_returns_freed_blocks() -> bool:
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
-                       transient_high: int = 0, compiled: Optional[int] = None) -> dict[str, int]:
+                       transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -156,10 +156,11 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     ``generation``: a generation process (generate/base.py), whose runtime is its own and which reads no training
     data. ``transient_high``: the most transient bytes (activations, logits, gradients) of any stretch of the phase
     (its forward, backward, optimizer step): glibc keeps heap from what was freed before the peak too, where the peak
-    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed). ``compiled``:
-    the trainable parameters' bytes when the blocks run torch.compile's code (--compile): the compiler's own memory
-    and the heap its kernels leave, which in a LoRA or adapter fine-tune takes the place of the eager run's (and does
-    not grow with the activations, which the compiled adapters save fewer of)."""
+    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed).
+    ``compiled_trainable_bytes``: the trainable parameters' bytes when the blocks run torch.compile's code
+    (--compile), else None: the compiler's own memory and the heap its kernels leave, which in a LoRA or adapter
+    fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
+    adapters save fewer of)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     transient = max(transient, transient_high + gathered)
@@ -182,11 +183,11 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
     if optimizer_library:
         terms["optimizer_library"] = optimizer_library
-    if compiled is not None:
+    if compiled_trainable_bytes is not None:
         # an adapter fine-tune's compiled blocks save fewer activations than its eager ones (calibration.py), so
         # only a full training's compiler grows with them
         activations = 0 if adapters else categories.get("activations", 0) + categories.get("logits_loss", 0)
-        compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * compiled
+        compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * compiled_trainable_bytes
                     + OVERHEAD.cpu_compile_per_activation_byte * activations)
         terms["compiled_code"] = int(max(compiler - terms.get("adapter_fine_tuning", 0), 0))
     return terms
@@ -209,23 +210,20 @@ def gathered_bytes(spec: Run) -> int:
     return int(OVERHEAD.cpu_fsdp_gather_copies * analytic.param_counts(spec.config).total * spec.param_bytes)
 
 
-def overhead_bytes(categories: dict[str, int], device_type: str, world_size: int = 1,
-                   cuda_alloc_conf: Optional[str] = None, step_fresh: int = 0, **cpu_churn: Any) -> int:
-    """Framework overhead of one rank for a phase with these tensor bytes (see calibration.py); on CUDA, the
-    fragmentation follows the allocator's settings (``Run.cuda_alloc_conf``) and ``step_fresh`` is what the
-    optimizer step maps anew (``cuda_step_fresh_bytes``); ``cpu_churn``: the keywords of ``cpu_overhead_terms``
-    (``_cpu_churn``)."""
-    if device_type == "cuda":
-        # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
-        moving = sum(size for category, size in categories.items()
-                     if category not in ("overhead", "parameters", "logits_loss"))
-        fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
-        settings = (cuda_alloc_conf or "").replace(" ", "").lower()
-        expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
-        fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
-        logits = OVERHEAD.cuda_logits_reserve * categories.get("logits_loss", 0)
-        return int(fixed + fragmentation * moving + logits + step_fresh)
-    return sum(cpu_overhead_terms(categories, world_size, **cpu_churn).values())
+def cuda_overhead_bytes(categories: dict[str, int], world_size: int = 1, cuda_alloc_conf: Optional[str] = None,
+                        step_fresh: int = 0) -> int:
+    """What a CUDA rank holds besides a phase's tensor bytes (see calibration.py): the context, cuBLAS's workspaces,
+    NCCL's buffers, and the caching allocator's reserve, which follows its settings (``Run.cuda_alloc_conf``);
+    ``step_fresh`` is what the optimizer step maps anew (``cuda_step_fresh_bytes``). The CPU's overhead is
+    ``cpu_overhead_terms``."""
+    # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
+    moving = sum(size for category, size in categories.items() if category not in ("overhead", "parameters", "logits_loss"))
+    fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
+    settings = (cuda_alloc_conf or "").replace(" ", "").lower()
+    expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
+    fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
+    logits = OVERHEAD.cuda_logits_reserve * categories.get("logits_loss", 0)
+    return int(fixed + fragmentation * moving + logits + step_fresh)
 
 
 def cuda_step_fresh_bytes(spec: Run) -> int:
@@ -264,7 +262,7 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable),
-            "compiled": analytic.model_bytes(spec).trainable * spec.param_bytes if spec.compile else None}
+            "compiled_trainable_bytes": analytic.model_bytes(spec).trainable * spec.param_bytes if spec.compile else None}
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
@@ -286,7 +284,7 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: boo
             cats["overhead"] = sum(terms[name].values())
         else:
             fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
-            cats["overhead"] = overhead_bytes(cats, spec.device_type, spec.world_size, spec.cuda_alloc_conf, fresh)
+            cats["overhead"] = cuda_overhead_bytes(cats, spec.world_size, spec.cuda_alloc_conf, fresh)
         out[name] = cats
     return out, terms
 
