@@ -6,6 +6,7 @@
     python benchmarks/plan_accuracy.py --add      # run the grid's new cases, re-plan the committed ones
     python benchmarks/plan_accuracy.py --speed    # CPU step-time factors of the memory levers (calibration.SPEED)
     python benchmarks/plan_accuracy.py --generation   # generate/base.py's whole runs against its plan (~10 minutes)
+    python benchmarks/plan_accuracy.py --generation --add   # its new cases only, the committed ones re-planned
 
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
 ``--quantize bnb.nf4``, adapter.py) started as a user starts it, in the default environment (every ``MALLOC_*``
@@ -123,11 +124,13 @@ class GenerationCase:
     prompt_lines: int
     new_tokens: int
     samples: int = 1
+    compile: bool = False  # --compile: the decode step compiled
 
     @property
     def label(self) -> str:
         samples = f" x{self.samples}" if self.samples > 1 else ""
-        return f"generate {self.model} {self.precision} {self.prompt_lines} lines + {self.new_tokens}{samples}"
+        compiled = " compile" if self.compile else ""
+        return f"generate {self.model} {self.precision} {self.prompt_lines} lines + {self.new_tokens}{samples}{compiled}"
 
 
 GENERATION_GRID = [
@@ -137,6 +140,10 @@ GENERATION_GRID = [
     GenerationCase("pythia-160m", "32-true", 150, 200),
     GenerationCase("pythia-160m", "bf16-true", 150, 200, 2),
     GenerationCase("Qwen2.5-0.5B", "bf16-true", 12, 100),
+    # --compile: the compiler and its code beside the eager run's tensors
+    *[GenerationCase(model, precision, 12, 100, compile=True)
+      for model, precision in (("lit-model-5m", "32-true"), ("lit-model-5m", "bf16-true"), ("pythia-70m", "32-true"),
+                               ("pythia-160m", "32-true"), ("pythia-160m", "bf16-true"))],
 ]
 PROMPT_LINE = "def fibonacci(n):\n"
 
@@ -536,7 +543,7 @@ def stats(rows: list[dict]) -> dict[str, float]:
 def generation_command(case: GenerationCase, checkpoint: Path) -> list[str]:
     return [sys.executable, "generate/base.py", "--checkpoint_dir", str(checkpoint), "--precision", case.precision,
             "--prompt", PROMPT_LINE * case.prompt_lines, "--max_new_tokens", str(case.new_tokens),
-            "--num_samples", str(case.samples)]
+            "--num_samples", str(case.samples), "--compile", str(case.compile).lower()]
 
 
 def peak_rss_of(argv: list[str], env: dict[str, str]) -> int:
@@ -550,15 +557,23 @@ def peak_rss_of(argv: list[str], env: dict[str, str]) -> int:
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 
-def generation_accuracy(grid: list[GenerationCase], out_dir: Path, work: Path, repeats: int) -> list[dict]:
-    """Plan every generation case, run it ``repeats`` times (the grid over and over), write the results."""
+def generation_accuracy(grid: list[GenerationCase], out_dir: Path, work: Path, repeats: int, add: bool = False) -> list[dict]:
+    """Plan every generation case, run it ``repeats`` times (the grid over and over), write the results; with ``add``,
+    run the cases out_dir's CSV lacks and re-plan the others."""
     env = default_env(work)
     tokenizer_dir = prepare(work, env)
     argvs = {case: generation_command(case, random_checkpoint(case.model, work, env, tokenizer_dir)) for case in grid}
     plans = {case: plan_of(argvs[case], env) for case in grid}
-    peaks: dict[GenerationCase, list[int]] = {case: [] for case in grid}
+    old: dict[str, dict] = {}
+    if add:
+        with open(out_dir / "plan_accuracy_generation.csv") as f:
+            old = {r["label"]: r for r in csv.DictReader(f)}
+    peaks: dict[GenerationCase, list[int]] = {
+        case: [int(float(old[case.label][key]) * MiB) for key in ("measured_min_mib", "measured_mib", "measured_max_mib")]
+        if case.label in old else [] for case in grid}
+    to_run = [case for case in grid if not peaks[case]]
     for round_ in range(repeats):
-        for case in grid:
+        for case in to_run:
             peaks[case].append(peak_rss_of(argvs[case], env))
             print(json.dumps({"round": round_ + 1, "label": case.label, "measured_mib": round(peaks[case][-1] / MiB, 1),
                               "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1)}), flush=True)
@@ -832,7 +847,7 @@ def main() -> None:
         return
     if args.generation:
         cases = [c for c in GENERATION_GRID if args.only is None or args.only in c.label]
-        generation_accuracy(cases, args.out_dir, args.work, args.repeats)
+        generation_accuracy(cases, args.out_dir, args.work, args.repeats, args.add)
         return
     grid = [c for c in (QUICK if args.quick else GRID) if args.only is None or args.only in c.label]
     accuracy(grid, not (args.quick or args.no_published), args.out_dir, args.work, args.replan, args.repeats, args.add)

@@ -1103,6 +1103,23 @@ def test_the_trace_holds_two_embedding_sized_tensors_when_a_tied_embedding_backp
     assert 2 * table <= backward_peak(False) < 2.2 * table
 
 
+def test_cpu_plan_of_a_compiled_generation_counts_the_compiler() -> None:
+    """generate --compile on the CPU: the compiler and its code beside the eager step's tensors (whole runs, 5M to
+    160M parameters: 120-156 MiB above eager), a term that follows the parameter count; on a GPU no term."""
+    from lit_model.memory.calibration import OVERHEAD
+
+    config = tiny()
+    eager, compiled = (plan_generation(config, 10, 20, dtype="32-true", device_type="cpu", detect=False, compile=flag)
+                       for flag in (False, True))
+    assert compiled.tensor_peak_bytes == eager.tensor_peak_bytes and "compiled_code" not in eager.overhead_terms
+    expected = OVERHEAD.cpu_generation_compile_runtime + OVERHEAD.cpu_generation_compile_per_parameter * param_counts(config).total
+    assert compiled.overhead_terms["compiled_code"] == int(expected)
+    assert compiled.peak_bytes == eager.peak_bytes + int(expected)
+    assert any(note.startswith("--compile:") for note in compiled.notes)
+    gpu = [plan_generation(config, 10, 20, device_type="cuda", detect=False, compile=flag).peak_bytes for flag in (False, True)]
+    assert gpu[0] == gpu[1]
+
+
 def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
     """--compile on the CPU: the compiler, its code and the heap its kernels leave (pretrain/main.py, lit-model-5m
     4 x 128 in 32-true: 128 MiB above the eager run's peak), a term of its own in every phase; the tensors are the

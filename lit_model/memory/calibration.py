@@ -92,6 +92,12 @@ class Overhead:
     # ... and the prefill's transient tensors (activations, logits) stay in its heap: a prompt of 1,500 tokens
     # (pythia-160m, 32-true) held 377 MiB beyond the tensor peak, on 57 MiB of traced transients. All of them.
     cpu_generation_retention: float = 1.0
+    # generate/base.py --compile (the decode step compiled once, inductor's C++ kernels): whole runs, 12-line prompt,
+    # 100 new tokens, compiled minus eager peak RSS: lit-model-5m +120 MiB (32-true) / +121 (bf16-true), pythia-70m
+    # +128 (32-true), pythia-160m +149 (32-true) / +156 (bf16-true) (2026-11-27, AMD EPYC). It follows the parameter
+    # count, not the bytes (bf16 as much as fp32): ~117 MiB + ~0.22 bytes a parameter, rounded up to the terms below.
+    cpu_generation_compile_runtime: int = 124 * MiB
+    cpu_generation_compile_per_parameter: float = 0.25
     # a second process adds this per rank: the gloo process group, DDP's reducer or FSDP's bookkeeping, and the heap
     # they leave. Measured with pretrain/main.py at glibc's defaults: lit-model-5m 32-true, two DDP ranks 709-712 MB
     # each against 606-664 MB in one process (beyond DDP's gradient buckets, which the trace counts); pythia-70m

@@ -143,7 +143,8 @@ def _glibc_returns_freed_blocks() -> bool:
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
-                       transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None) -> dict[str, int]:
+                       transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
+                       compiled_decode_parameters: Optional[int] = None) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -160,7 +161,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     ``compiled_trainable_bytes``: the trainable parameters' bytes when the blocks run torch.compile's code
     (--compile), else None: the compiler's own memory and the heap its kernels leave, which in a LoRA or adapter
     fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
-    adapters save fewer of)."""
+    adapters save fewer of). ``compiled_decode_parameters``: a generation process's parameter count when it compiles
+    its decode step (generate --compile), else None."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     transient = max(transient, transient_high + gathered)
@@ -171,7 +173,11 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     else:
         retained = OVERHEAD.cpu_allocator_retention * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
     if generation:
-        return {"runtime": OVERHEAD.cpu_generation_runtime, "allocator_retention": int(retained)}
+        terms = {"runtime": OVERHEAD.cpu_generation_runtime, "allocator_retention": int(retained)}
+        if compiled_decode_parameters is not None:
+            terms["compiled_code"] = int(OVERHEAD.cpu_generation_compile_runtime
+                                         + OVERHEAD.cpu_generation_compile_per_parameter * compiled_decode_parameters)
+        return terms
     terms = {
         "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
@@ -269,7 +275,8 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     """``cpu_overhead_terms``' keywords for a phase of a training run (``transient_highs``: the trace's most transient
     bytes of any stretch of each phase), or of a generation process."""
     if generation:
-        return {"generation": True}
+        return {"generation": True,
+                "compiled_decode_parameters": analytic.param_counts(spec.config).total if spec.compile else None}
     return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0)}
 
 
@@ -854,13 +861,15 @@ def plan_generation(
     device_type: str = "cuda",
     detect: bool = True,
     devices: int = 1,
+    compile: bool = False,
 ) -> Plan:
     """Predicted peak memory of ``generate/base.py``, traced (``trace.trace_generation``): weights (quantized
     linears packed), the KV cache for exactly prompt + new positions (not block_size), the prefill's and the
     decoding step's activations and logits, sampling included. ``dtype``: a torch dtype or a --precision string
     (default bf16 on CUDA, fp32 on the CPU). ``devices``: the GPUs ``--devices`` splits the blocks over
     (generation.pipeline_stages); the plan is the fullest one's, each GPU holding its parts and the bytes the trace
-    had in flight at its peak."""
+    had in flight at its peak. ``compile``: the decode step is compiled (--compile): on the CPU the compiler and its
+    code add a term; the tensors are the eager step's (the last step reads the whole cache either way)."""
     compute_dtype = dtype
     if isinstance(dtype, str) or dtype is None:
         precision = resolve_precision(dtype, device_type, present=False)
@@ -902,7 +911,7 @@ def plan_generation(
     B = batch_size
     kv = sum(part["kv_cache"] for part in traced.resident.values())
     spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1, strategy="single",
-               micro_batch_size=B, global_batch_size=B, seq_len=total)
+               micro_batch_size=B, global_batch_size=B, seq_len=total, compile=compile)
     memory = _resolve_memory(device_memory, device_type, detect)
     plan = _assemble(spec, phases, memory, "trace", [], generation=True)
     plan.run = {"model": config.name, "parameters": analytic.param_counts(config).total,
@@ -917,9 +926,14 @@ def plan_generation(
                           f"({f'blocks {held[0]}-{held[-1]}' if held else 'no blocks'}"
                           + (", the embedding" if stages["embed"] == fullest else "")
                           + (", the head" if stages["lm_head"] == fullest else "") + "), the fullest of them.")
+    if compile:
+        plan.notes.append("--compile: the decode step's tensors are the eager step's (not traced compiled); on the CPU "
+                          "the compiler and its code add the compiled_code term (measured on five runs here)"
+                          if device_type == "cpu" else
+                          "--compile: the decode step's tensors are the eager step's (not traced compiled).")
     if memory is not None and not plan.fits:
         plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
-                                                   memory, device_type, devices)
+                                                   memory, device_type, devices, compile)
     return plan
 
 
@@ -928,12 +942,13 @@ def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_to
     ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings."""
     args = setup.args
     plan = plan_generation(setup.config, prompt_length, max_new_tokens, batch_size, setup.precision.name,
-                           args.quantize, args.device_memory, setup.device_type, devices=args.devices)
+                           args.quantize, args.device_memory, setup.device_type, devices=args.devices, compile=args.compile)
     print(plan.to_json() if args.plan == "json" else plan.to_text())
     check_plan_fits(plan)
 
 
-def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type, devices):
+def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type, devices,
+                            compile):
     options = []
     if quantize is None:
         options += [({"quantize": "bnb.nf4"}, 1.5), ({"quantize": "bnb.int8"}, 2.0)]
@@ -946,7 +961,8 @@ def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, d
         q = changes.get("quantize", quantize)
         dt = torch.bfloat16 if "precision" in changes else dtype
         b = changes.get("num_samples", batch_size)
-        p = plan_generation(config, prompt_length, max_new_tokens, b, dt, q, memory, device_type, detect=False, devices=devices)
+        p = plan_generation(config, prompt_length, max_new_tokens, b, dt, q, memory, device_type, detect=False, devices=devices,
+                            compile=compile)
         if p.fits:
             out.append(Suggestion(changes=changes, flags=render_flags(changes), peak_bytes=p.peak_bytes, speed_factor=speed,
                                   cost=speed, by_category=p.by_category))
