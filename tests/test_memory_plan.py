@@ -165,6 +165,25 @@ def test_suggestions_of_a_traced_plan_show_the_trace_of_the_changed_run():
         assert suggestion.peak_bytes == traced.peak_bytes and suggestion.by_category == traced.by_category
 
 
+def test_the_closed_form_only_screens_suggestions_the_trace_decides(monkeypatch):
+    """The closed form wrong by up to its tested margin, either way, changes no suggestion offered: it lets through
+    what it puts within that margin of the budget, and the trace decides."""
+    import lit_model.memory.plan as plan_module
+    from lit_model.memory.plan import CLOSED_FORM_MARGIN
+
+    settings = args(micro_batch_size=1, global_batch_size=8, override_max_seq_length=1024)
+    expected = plan_training(LLAMA2, settings, trainable="lora", device_memory="12GB", max_suggestions=3).suggestions
+    exact = plan_module._analytic_phases
+    for factor in (1 + 0.9 * CLOSED_FORM_MARGIN, 1 - 0.9 * CLOSED_FORM_MARGIN):
+        def skewed(spec, factor=factor):
+            phases, used, host = exact(spec)
+            return {p: {c: int(v * factor) for c, v in cats.items()} for p, cats in phases.items()}, used, host
+        monkeypatch.setattr(plan_module, "_analytic_phases", skewed)
+        suggestions = plan_training(LLAMA2, settings, trainable="lora", device_memory="12GB", max_suggestions=3).suggestions
+        assert [s.flags for s in suggestions] == [s.flags for s in expected]
+        assert [s.peak_bytes for s in suggestions] == [s.peak_bytes for s in expected]
+
+
 def test_lora_suggestions_include_quantization_and_offload_on_gpu():
     plan = plan_training(LLAMA2, args(micro_batch_size=1, global_batch_size=1, override_max_seq_length=1024),
                          trainable="lora", device_memory="12GB", engine="analytic")

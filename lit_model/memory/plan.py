@@ -48,7 +48,7 @@ MLP_TILES_FROM = 2048  # suggest --mlp_tiles for sequences this long: below, the
 # the closed form (analytic.py) against the trace: each phase's tensors within this share (tests/test_memory_plan.py,
 # test_trace_agrees_with_analytic): where it plans a run the trace cannot, it is rounded up by as much
 CLOSED_FORM_MARGIN = 0.05
-SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare (analytic vs trace: <1 %)
+SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare
 WHOLE_TRACE_LAYERS = 8  # deeper models are traced at a few blocks and extrapolated (equal to the whole trace)
 MAX_TRACE_LAYERS = 48  # ... and where their blocks do not repeat (--freeze_layers patterns) traced whole up to this
 MAX_TRACE_PARAMETERS = 15e9  # depth and size (a 32-layer 7B traces whole in 10-25 s here), else planned analytically
@@ -799,11 +799,13 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                     engine: str = "auto") -> list[Suggestion]:
     """The cheapest combinations of up to ``max_changes`` flag changes that fit, ranked by predicted slowdown (times
     a penalty for changes that alter what is trained; see calibration.py). Each is a changed run; its flags are the
-    difference of the two runs. The closed form screens every combination (microseconds each); each one offered is
-    then planned by ``engine`` (the trace: a second or two, see _tensor_phases), whose figures it shows, and
-    dropped if that plan does not fit."""
+    difference of the two runs. The closed form screens every combination (microseconds each), letting through what
+    it puts within its tested margin of the budget (``CLOSED_FORM_MARGIN``), so that its errors drop no combination
+    the trace would fit; each one offered is then planned by ``engine`` (the trace: a second or two, see
+    _tensor_phases), whose figures it shows, and dropped if that plan does not fit."""
     options = _options(run)
     budget = device_memory * (1.0 - SUGGESTION_MARGIN)
+    screen = budget if engine == "analytic" else budget * (1.0 + CLOSED_FORM_MARGIN)
     fitting: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
     for size in range(1, max_changes + 1):
         for combo in itertools.combinations(range(len(options)), size):
@@ -820,7 +822,7 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                 plan = plan_spec(run.replace(**changes), device_memory, "analytic")
             except UsageError:
                 continue
-            if plan.peak_bytes <= budget:
+            if plan.peak_bytes <= screen:
                 fitting.append((speed * penalty, size, combo, plan, speed))
     fitting.sort(key=lambda f: (f[0], f[1], f[3].peak_bytes))
     chosen: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
