@@ -150,6 +150,8 @@ CASES = [
     # generate/base.py: a long prompt sampled twice, and the published single-GPU inference runs
     GpuCase("generate Qwen2.5-0.5B bf16-true 300 lines + 200 x2", "generate", "Qwen2.5-0.5B", "bf16-true", 2, 0,
             prompt=PROMPT_LINE * 300, new_tokens=200),
+    GpuCase("generate Qwen2.5-0.5B bf16-true 300 lines + 200 x2 --compile", "generate", "Qwen2.5-0.5B", "bf16-true", 2, 0,
+            prompt=PROMPT_LINE * 300, new_tokens=200, flags=("--compile", "true")),
     GpuCase("litgpt generate phi-1.5 bf16-true", "generate", "phi-1_5", "bf16-true", 1, 0, prompt=LITGPT_PROMPT,
             new_tokens=50, published=(2.86, "allocated", LITGPT_INFERENCE)),
     GpuCase("litgpt generate phi-1.5 nf4", "generate", "phi-1_5", "bf16-true", 1, 0, prompt=LITGPT_PROMPT,
@@ -204,7 +206,7 @@ NOTES = [
     "12 tokens of the benchmark's tokenizer.",
 ]
 NOTES += [
-    "A lent H100 (80 GB, the same torch 2.11, CUDA context 0.72 GB as the H200's) measured the last eight rows on "
+    "A lent H100 (80 GB, the same torch 2.11, CUDA context 0.72 GB as the H200's) measured the eight H100 rows on "
     "2026-11-27 (evening): --compile with LoRA, QLoRA and the adapter, the pretraining --compile row again, three "
     "more 32-true runs and litgpt's Llama-2-7B LoRA at micro batch 2. The pretraining --compile row allocated the same "
     "3.66 GB on both GPUs and reserved 0.07 GB less on the H100.",
@@ -212,6 +214,11 @@ NOTES += [
     "which is an upper bound there: compiled, LoRA TinyLlama-1.1B allocated 4.75 GB against eager's 5.59 and QLoRA "
     "SmolLM2-360M 2.10 against 2.67 (inductor recomputes the dropout and the low-rank path in backward instead of "
     "keeping them), so those rows are 18-33 % over; the adapter allocated what eager did (1.43 against 1.42 GB).",
+    "generate --compile (the decode step compiled, after the eager prefill): on an H200 (2026-11-27, evening) the "
+    "long-prompt Qwen2.5-0.5B run allocated 1.45 GB and reserved 1.75 against the eager run's 1.34 and 1.42, on top of "
+    "the prefill's reserve, and was planned 6.9 % under the device peak, as its eager run. The plan now counts a copy "
+    "of the KV cache and 288 MiB of reserve for the compiled step (Overhead.cuda_compiled_decode), an estimate from "
+    "this one run, rounded up.",
     "32-true: the four fp32 runs reserved 0.06-0.27 GB above their allocated peaks, where the reserve term (12 % of "
     "the moving tensors, the logits whole, the workspaces) gives 0.89-1.18 GB: planned 6.9-16.2 % over. The bf16 runs "
     "reserve more for the same tensors (0.24-0.93 GB; the Qwen2.5-0.5B bf16 run with activation checkpointing is "

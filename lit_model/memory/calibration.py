@@ -61,6 +61,13 @@ class Overhead:
     # activation checkpointing, whole-sequence logits) reserved 0.61 GB above the allocated peak on the H200, where
     # the fraction above gave 0.31 GB (with the workspaces) on 0.67 GB of logits and 0.79 GB of other moving tensors.
     cuda_logits_reserve: float = 1.0
+    # CUDA, generate --compile (the decode step compiled once, after the eager prefill): on the H200, Qwen2.5-0.5B bf16,
+    # a 3,000-token prompt, 200 new tokens x 2 samples, allocated 0.11 GB and reserved 0.33 GB more than the eager run
+    # (1.45 / 1.75 against 1.34 / 1.42 GB) on 0.08 GB of KV cache, on top of the prefill's reserve: planned as a copy
+    # of the KV cache (inductor can copy a buffer it writes in place) and a fixed reserve, the excess rounded up, in
+    # every phase. One run: an estimate (larger models and caches unmeasured).
+    cuda_compiled_decode: int = 288 * MiB
+    cuda_compiled_decode_kv_copies: float = 1.0
     # CPU, per process: what a training process holds besides the model's tensors, in named terms (plan.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).

@@ -291,6 +291,8 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: boo
             cats["overhead"] = sum(terms[name].values())
         else:
             fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
+            if generation and spec.compile:  # the compiled decode step's own memory, on top of the prefill's reserve
+                fresh += int(OVERHEAD.cuda_compiled_decode + OVERHEAD.cuda_compiled_decode_kv_copies * cats["kv_cache"])
             cats["overhead"] = cuda_overhead_bytes(cats, spec.world_size, spec.cuda_alloc_conf, fresh)
         out[name] = cats
     return out, terms
@@ -930,9 +932,12 @@ def plan_generation(
                           + (", the head" if stages["lm_head"] == fullest else "") + "), the fullest of them.")
     if compile:
         plan.notes.append("--compile: the decode step's tensors are the eager step's (not traced compiled); on the CPU "
-                          "the compiler and its code add the compiled_code term (measured on five runs here)"
+                          "the compiler and its code add the compiled_code term (measured on five runs here)."
                           if device_type == "cpu" else
-                          "--compile: the decode step's tensors are the eager step's (not traced compiled).")
+                          f"--compile: the decode step's tensors are the eager step's (not traced compiled); the compiled "
+                          f"step's own memory is counted as a copy of the KV cache and "
+                          f"{format_bytes(OVERHEAD.cuda_compiled_decode)} of reserve in the overhead (an estimate from one "
+                          "H200 run, rounded up; benchmarks/results/plan_accuracy_gpu.md).")
     if memory is not None and not plan.fits:
         plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
                                                    memory, device_type, devices, compile)
