@@ -323,14 +323,14 @@ Phases = dict[str, dict[str, int]]
 
 
 def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, str, dict[str, int], dict[str, int]]:
-    """Tensor bytes per phase (no overhead) from the chosen engine ("auto": the trace wherever it can plan the
-    run), the engine used, the bytes the run keeps outside the device (offloaded activations, FSDP's offloaded
+    """Tensor bytes per phase (no overhead) from the chosen engine ("trace" and "auto": the trace wherever it can plan
+    the run, else the closed form rounded up), the engine used, the bytes the run keeps outside the device (offloaded activations, FSDP's offloaded
     shards), and (traced) each phase's most transient bytes in any of its stretches (``cpu_overhead_terms``)."""
     if engine not in ("auto", "trace", "analytic"):
         raise ValueError(f"engine={engine!r}: use 'auto', 'trace' or 'analytic'")
     if engine in ("auto", "trace"):
         if not _traceable(spec):
-            return (*_closed_form_instead(spec, f"{_not_traceable(spec)}", notes), {})
+            return (*_closed_form_instead(spec, _not_traceable(spec), notes), {})
         try:
             result = _trace_in_fresh_process(spec) if _needs_fresh_process(spec) else _trace_tensors(spec)
             if result is None:
@@ -566,8 +566,10 @@ def plan_run(
     detect: bool = True,
 ) -> Plan:
     """Predicted peak memory per rank of a resolved run. device_memory: bytes or "24GB"; None detects it when
-    planning for this machine's device type (``detect``), else the plan has no verdict (fits=True). engine:
-    "trace" (exact, seconds), "analytic" (closed form, milliseconds) or "auto" (trace when the run is traceable). ``--micro_batch_size auto`` is planned with the micro batch it would pick."""
+    planning for this machine's device type (``detect``), else the plan has no verdict (fits=True). engine: "trace"
+    or its alias "auto" (exact, seconds; the closed form, rounded up and with a note, where the trace cannot plan the
+    run) or "analytic" (the closed form alone, milliseconds). ``--micro_batch_size auto`` is planned with the micro
+    batch it would pick."""
     memory = _resolve_memory(device_memory, run.device_type, detect)
     notes: list[str] = []
     if run.micro_batch_auto:
