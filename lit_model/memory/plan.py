@@ -220,8 +220,9 @@ def cuda_overhead_bytes(categories: dict[str, int], world_size: int = 1, cuda_al
                         step_fresh: int = 0) -> int:
     """What a CUDA rank holds besides a phase's tensor bytes (see calibration.py): the context, cuBLAS's workspaces,
     NCCL's buffers, and the caching allocator's reserve, which follows its settings (``Run.cuda_alloc_conf``);
-    ``step_fresh`` is what the optimizer step maps anew (``cuda_step_fresh_bytes``). The CPU's overhead is
-    ``cpu_overhead_terms``."""
+    ``step_fresh`` is what is mapped anew on top of that reserve: an optimizer step's temporaries
+    (``cuda_step_fresh_bytes``) or a compiled decoding step's own memory (``Overhead.cuda_compiled_decode``). The
+    CPU's overhead is ``cpu_overhead_terms``."""
     # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
     moving = sum(size for category, size in categories.items() if category not in ("overhead", "parameters", "logits_loss"))
     fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
