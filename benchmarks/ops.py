@@ -1,7 +1,7 @@
 """lit_model/ops.py against the PyTorch calls it replaces, forward + backward, on this machine's CPU:
 
     python benchmarks/ops.py            # ~30 seconds; writes benchmarks/results/ops.{csv,md}
-    python benchmarks/ops.py --ops linear --threads 0 --report ops_linear   # the fp32 linear kernels, default threads
+    python benchmarks/ops.py --ops linear decoding --threads 0 --report ops_linear   # fp32 linear kernels, default threads
 
 1. RMSNorm: ``ops.rms_norm`` vs ``F.rms_norm`` on (4 x 512, width) fp32 activations, and in bf16 vs the upcast
    formula (``ops.upcast_rms_norm``: fp32 statistics, as Hugging Face's and litgpt's RMSNorm).
@@ -15,6 +15,10 @@
    (MKL), forward + backward, on the shapes of benchmarks/vs_peers.py's model: 8 x 256 tokens through its 256 -> 256,
    256 -> 688, 688 -> 256 and 256 -> 4096 (head) maps, and forward only for one token (a decoding step).
    lit-model takes oneDNN by default on x86 CPUs other than Intel's (``ops.onednn_fp32_linear``).
+5. Decoding's fp32 products: one row through every matrix of a decoding step (three model shapes), each matrix read
+   once a step, with the weights stored as ``ops.decoding_column_major`` says (column-major where MKL multiplies them on
+   CPUs other than Intel's) against row-major, lit-model's kernel choice for both:
+   ``python benchmarks/ops.py --ops linear decoding --threads 0 --report ops_linear``.
 
 One thread (as benchmarks/vs_litgpt.py runs); each figure is the median of 5 rounds of 10 calls, the two
 implementations alternating within a round, so the ratio comes from the same moments of a shared machine.
@@ -44,6 +48,7 @@ from lit_model.ops import causal_attention_in_halves, linear, rms_norm, rotate, 
 from lit_model.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_ONEDNN_LINEAR_MIN_MACS = ops.ONEDNN_LINEAR_MIN_MACS  # linear_rows lowers it to time the raw kernels
 
 
 def compare(ours: Callable[[], None], theirs: Callable[[], None], rounds: int = 5, calls: int = 10) -> tuple[float, float]:
@@ -144,7 +149,45 @@ def linear_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = {"rms_norm": rms_norm_rows, "rope": rope_rows, "attention": attention_rows, "linear": linear_rows}
+# A decoding step's matrices, (in, out) for each product: the 5.26M model of benchmarks/vs_peers.py (4 layers), a
+# GPT-NeoX layer of 768 (pythia-160m's x 12) and a Llama layer of 2048 (TinyLlama-1.1B's) with their heads
+DECODING_MODELS = {
+    "5.26M (4 x 256)": 4 * [(256, 256)] * 4 + 4 * [(256, 688), (256, 688), (688, 256)] + [(256, 4096)],
+    "pythia-160m (12 x 768)": 12 * [(768, 2304), (768, 768), (768, 3072), (3072, 768)] + [(768, 50304)],
+    "TinyLlama-1.1B, one layer of 2048": [(2048, 2048), (2048, 256), (2048, 256), (2048, 2048), (2048, 5632),
+                                          (2048, 5632), (5632, 2048), (2048, 32000)],
+}
+
+
+def decoding_rows() -> list[dict]:
+    """One-row products through every matrix of a decoding step, each read once a step as decoding reads them (not
+    from a warm cache): ops.linear with the weights stored as ``ops.decoding_column_major`` says (as generation loads them) against row-major, fp32,
+    with lit-model's default kernel choice."""
+    os.environ.pop(ops.FP32_LINEAR_ENV, None)
+    ops.onednn_fp32_linear.cache_clear()
+    ops.ONEDNN_LINEAR_MIN_MACS = DEFAULT_ONEDNN_LINEAR_MIN_MACS
+    rows = []
+    for name, shapes in DECODING_MODELS.items():
+        weights = [torch.randn(n_out, n_in) for n_in, n_out in shapes]
+        laid_out = [w.t().contiguous().t() if ops.decoding_column_major(w.shape, w.dtype, w.device) else w
+                    for w in weights]
+        inputs = {n_in: torch.randn(1, 1, n_in) for n_in, _ in shapes}
+
+        def step(matrices: list[torch.Tensor]) -> Callable[[], None]:
+            return lambda: [linear(inputs[w.size(1)], w) for w in matrices]
+
+        with torch.no_grad():
+            ours, theirs = compare(step(laid_out), step(weights), calls=20)
+        column_major = sum(w.numel() for w in laid_out if not w.is_contiguous())
+        share = column_major / sum(w.numel() for w in weights)
+        rows.append({"op": "decoding step's products",
+                     "shape": f"{name}: {len(shapes)} x 1 row, {share:.0%} of the weights column-major",
+                     "dtype": "float32", "multiply_adds": sum(w.numel() for w in weights), "lit_model_ms": round(ours, 4), "pytorch_ms": round(theirs, 4), "speedup": round(theirs / ours, 3)})
+    return rows
+
+
+SECTIONS = {"rms_norm": rms_norm_rows, "rope": rope_rows, "attention": attention_rows, "linear": linear_rows,
+            "decoding": decoding_rows}
 
 
 def main() -> None:
@@ -170,7 +213,8 @@ def main() -> None:
         f"Regenerate: `{command}`\n\n"
         "Median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
         "(for the bf16 RMSNorm, the upcast formula Hugging Face and litgpt use; for the rotary embedding, the formula "
-        "written with PyTorch's operations, as model.py had it; for the linear maps, F.linear on PyTorch's BLAS). "
+        "written with PyTorch's operations, as model.py had it; for the linear maps, F.linear on PyTorch's BLAS; for decoding's products, "
+        "ops.linear over the same weights stored row-major). "
         "Attention: 4 query heads over 2 key/value heads of 64, 2048 tokens a batch; lit-model takes the halves "
         f"for 384 <= T <= 512. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
         f"{table}\n"

@@ -22,7 +22,8 @@ from lit_model.config import Config
 from lit_model.download import resolve_checkpoint
 from lit_model.errors import UsageError, UserError
 from lit_model.memory.units import format_bytes
-from lit_model.model import GPT, KVCache
+from lit_model.model import GPT, KVCache, plain_linear
+from lit_model.ops import decoding_column_major
 from lit_model.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.prompts import PromptStyle
 from lit_model.run import resolve_devices as run_devices
@@ -146,10 +147,25 @@ def load_model(
     model = GPT.on_meta(config)
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length  # cheap on meta: the real tables are built once, below
-    load_weights(model, checkpoint_dir, dtype, device_map(config, devices), quantize)
+    parts = device_map(config, devices)
+    column_major = column_major_weights(model, dtype, parts) if quantize is None else frozenset()
+    load_weights(model, checkpoint_dir, dtype, parts, quantize, column_major=column_major)
     load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
     model.reset_rope_cache(devices[0])
     return model.eval().requires_grad_(False)
+
+
+def column_major_weights(model: GPT, dtype: torch.dtype, parts: dict[str, torch.device]) -> frozenset[str]:
+    """The linear weights that decoding multiplies fastest stored column-major (``ops.decoding_column_major``),
+    by their checkpoint names; a head tied to the embedding keeps the table's rows."""
+    names = set()
+    for name, module in model.named_modules():
+        part = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]
+        device = parts.get(part, torch.device("cpu"))  # load_model_weights' default
+        tied_head = name == "lm_head" and model.config.tie_embeddings
+        if plain_linear(module) and not tied_head and decoding_column_major(module.weight.shape, dtype, device):
+            names.add(f"{name}.weight")
+    return frozenset(names)
 
 
 def set_kv_cache(model: GPT, batch_size: int, max_length: int, dtype: Optional[torch.dtype] = None) -> None:

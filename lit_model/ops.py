@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,11 @@ def onednn_fp32_linear() -> bool:
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if choice != "auto" or not available:
         return available and choice == "onednn"
+    return mkl_off_vendor()
+
+
+def mkl_off_vendor() -> bool:
+    """Whether PyTorch's BLAS is MKL on an x86 CPU other than Intel's, where MKL takes its slower code."""
     return torch.backends.mkl.is_available() and _cpu_vendor() not in (None, "GenuineIntel")
 
 
@@ -144,6 +150,22 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
+
+
+def decoding_column_major(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``linear`` multiplies one row (decoding) by a weight of this shape fastest stored column-major
+    (``weight.t()`` contiguous, the same values): a fp32 matrix on the CPU whose one-row product goes to the BLAS
+    (below ``ONEDNN_LINEAR_MIN_MACS``, or every one where oneDNN is off) where that BLAS is MKL off Intel's CPUs.
+    On an AMD EPYC, the 29 one-row products of a decoding step of a 5.26M model (256-wide, 17 MB of weights) took
+    0.42 instead of 0.51 ms, pythia-160m's 49 17.4 instead of 19.2 (benchmarks/results/ops_linear.md), and
+    ``generate/base.py`` of the 5.26M model ran at 1.33x litgpt's tokens/s where it had run at 1.02-1.06x
+    (benchmarks/results/vs_peers_amd_generate.md); products of many rows run at the same speed either way (+-6 %,
+    64 to 2,048 rows). The larger matrices stay row-major, for oneDNN, whose one-row product is
+    the fastest from that layout (2048 x 8192: 1.6 ms, against 2.4 ms column-major on MKL and 3.0 column-major on
+    oneDNN): benchmarks/results/ops_linear.md."""
+    if not (torch.device(device).type == "cpu" and dtype is torch.float32 and len(shape) == 2 and mkl_off_vendor()):
+        return False
+    return math.prod(shape) <= ONEDNN_LINEAR_MIN_MACS or not onednn_fp32_linear()
 
 
 def dropout_before_linear(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:

@@ -162,9 +162,11 @@ def load_weights(
     devices: Optional[dict[str, torch.device]] = None,
     quantize: Optional[str] = None,
     skip: Sequence[str] = ("lm_head",),
+    column_major: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """Stream a checkpoint into ``model`` (built on the meta device) part by part (checkpoint.py), quantizing
-    each part's linear layers as soon as it arrives, before the next part is read."""
+    each part's linear layers as soon as it arrives, before the next part is read; the matrices named in
+    ``column_major`` are read in that layout."""
     from lit_model.checkpoint import load_model_weights
 
     tied = bool(getattr(model.config, "tie_embeddings", False))
@@ -179,5 +181,6 @@ def load_weights(
         else:
             quantize_model(part, quantize, dtype, skip=skip)
 
-    load_model_weights(model, checkpoint_dir, dtype=dtype, devices=devices, on_part=quantize_part)
+    load_model_weights(model, checkpoint_dir, dtype=dtype, devices=devices, on_part=quantize_part,
+                       column_major=column_major)
     return model

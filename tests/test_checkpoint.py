@@ -55,14 +55,17 @@ def test_a_cast_read_equals_the_stored_tensor_cast(tmp_path, monkeypatch, stored
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    tensors = {"a": torch.randn(37, 11).to(stored), "b": torch.randn(5).to(stored), "ids": torch.arange(7)}
+    tensors = {"a": torch.randn(37, 11).to(stored), "b": torch.randn(5).to(stored), "c": torch.randn(3, 40).to(stored),
+               "ids": torch.arange(7)}
     save_file(tensors, str(tmp_path / "w.safetensors"))
-    monkeypatch.setattr(SafetensorsReader, "STAGING_BYTES", 64)  # several chunks, the last one partial
+    monkeypatch.setattr(SafetensorsReader, "STAGING_BYTES", 64)  # several chunks, the last one partial; c's rows are larger
     with SafetensorsReader(tmp_path / "w.safetensors") as file:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for name in ("a", "b"):
-                read = file.read(name, dtype)
-                assert read.dtype == dtype and torch.equal(read, tensors[name].to(dtype))
+        for dtype in (stored, torch.float32, torch.bfloat16, torch.float16):
+            for name in ("a", "b", "c"):
+                for column_major in (False, True):
+                    read = file.read(name, dtype, column_major)
+                    assert read.dtype == dtype and torch.equal(read, tensors[name].to(dtype))
+                    assert read.is_contiguous() is not (column_major and read.dim() == 2)  # a vector stays as it is
         assert torch.equal(file.read("ids", torch.float32), tensors["ids"])  # integers stay as stored
         assert file.read("a").dtype == stored
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model import GPT, Config
+from lit_model import GPT, Config, ops
 from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
 from lit_model.errors import UsageError, UserError
 from lit_model.generation import (
@@ -174,6 +174,31 @@ def test_loaded_checkpoint_generates_like_the_model(checkpoint_dir: Path) -> Non
     prompt = torch.tensor([9, 8, 7])
     loaded = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=20)
     assert generate(loaded, prompt, 10, temperature=0).tokens == generate(tiny_model(), prompt, 10, temperature=0).tokens
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch's BLAS is not MKL")
+def test_fp32_decoding_on_mkl_off_intel_reads_column_major_weights_with_the_same_logits(checkpoint_dir: Path,
+                                                                                        monkeypatch) -> None:
+    prompt = torch.tensor([9, 8, 7, 6])
+    reference = tiny_model()
+    set_kv_cache(reference, 1, 20)
+    expected = forward_last(reference, prompt[None], torch.arange(4), 4)
+    for vendor, column_major in (("AuthenticAMD", True), ("GenuineIntel", False)):
+        monkeypatch.setattr(ops, "_cpu_vendor", lambda vendor=vendor: vendor)
+        loaded = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=20)
+        linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(linears) == 1 + 7 * loaded.config.n_layer
+        for module in linears:  # read straight into that layout (no row-major copy made and freed)
+            assert module.weight.t().is_contiguous() is column_major and not module.weight.requires_grad
+        assert loaded.embed.weight.is_contiguous()
+        torch.testing.assert_close(loaded.state_dict(), reference.state_dict(), rtol=0, atol=0)
+        set_kv_cache(loaded, 1, 20)
+        torch.testing.assert_close(forward_last(loaded, prompt[None], torch.arange(4), 4), expected,
+                                   rtol=1e-5, atol=1e-5)
+        assert generate(loaded, prompt, 10, temperature=0).tokens == generate(reference, prompt, 10, temperature=0).tokens
+    monkeypatch.setattr(ops, "_cpu_vendor", lambda: "AuthenticAMD")
+    bf16 = load_model(checkpoint_dir, dtype=torch.bfloat16, max_seq_length=20)  # ATen's one-row kernel reads rows
+    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_length_errors_name_the_limit() -> None:

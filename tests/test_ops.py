@@ -338,6 +338,22 @@ def test_auto_takes_onednn_on_cpus_other_than_intels_and_is_the_default(kernel, 
         ops.onednn_fp32_linear()
 
 
+def test_decoding_reads_column_major_matrices_where_mkl_off_intel_multiplies_one_row(kernel, monkeypatch):
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    monkeypatch.setattr(ops, "_cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(ops, "ONEDNN_LINEAR_MIN_MACS", 48 * 40)  # one-row products of larger matrices: oneDNN
+    cpu, small, large = torch.device("cpu"), (40, 48), (41, 48)
+    kernel("auto")
+    assert ops.decoding_column_major(small, torch.float32, cpu)
+    assert ops.decoding_column_major(large, torch.float32, cpu) is not ops.onednn_fp32_linear()  # oneDNN reads rows
+    kernel("blas")  # every product on MKL
+    assert ops.decoding_column_major(large, torch.float32, cpu)
+    for shape, dtype, device in ((small, torch.bfloat16, cpu), ((48,), torch.float32, cpu), (small, torch.float32, torch.device("meta"))):
+        assert not ops.decoding_column_major(shape, dtype, device)
+    monkeypatch.setattr(ops, "_cpu_vendor", lambda: "GenuineIntel")
+    assert not ops.decoding_column_major(small, torch.float32, cpu)
+
+
 @onednn
 def test_a_model_trains_alike_on_either_kernel(kernel):
     config = Config(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64, padded_vocab_size=64,
