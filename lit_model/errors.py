@@ -191,10 +191,35 @@ def _signal_children(signum: int) -> None:
                 os.kill(int(pid), signum)
 
 
+# How long a rank that the first one started waits for it to leave first, on an error (see _exit)
+FIRST_RANK_EXIT_WAIT_S = 60.0
+
+
+def _argv(pid: str) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def _started_by_first_rank() -> bool:
+    """Whether this process's parent is the same script (Fabric starts ranks 1.. as children of rank 0, with the
+    script's absolute path), not torchrun's agent or a shell."""
+    try:
+        parent, own = _argv(str(os.getppid())), _argv("self")
+    except OSError:
+        return False
+    return len(parent) > 1 and len(own) > 1 and Path(parent[1]).name == Path(own[1]).name and parent[2:] == own[2:]
+
+
 def _exit(code: int) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
+        if code != 0 and not _is_first_rank() and _started_by_first_rank():
+            # Fabric's launcher in the first rank kills every rank, itself included (SIGKILL), when it sees a child
+            # end with an error: the run's exit status would depend on which rank got there first (the first one
+            # may still be writing its report). So the children leave after it, within a bound.
+            parent, deadline = os.getppid(), time.monotonic() + FIRST_RANK_EXIT_WAIT_S
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.05)
         os._exit(code)  # skip process-group teardown, which can hang or abort
     sys.exit(code)
 

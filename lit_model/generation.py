@@ -135,10 +135,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     quantize: Optional[str] = None,
     max_seq_length: Optional[int] = None,
+    decoding: bool = False,
 ) -> GPT:
-    """The checkpoint's model for inference, built on the meta device and filled part by part: every tensor
-    goes straight to its final dtype and device, and with ``quantize`` each block is quantized before the next
-    one is read. ``max_seq_length`` (default: the block size) sizes the RoPE tables."""
+    """The checkpoint's model, built on the meta device and filled part by part: every tensor goes straight to its
+    final dtype and device, and with ``quantize`` each block is quantized before the next one is read.
+    ``max_seq_length`` (default: the block size) sizes the RoPE tables. ``decoding`` (a model only to generate with):
+    the weights in the layout decoding multiplies fastest (``column_major_weights``); fine-tuning, which trains them
+    (and shards them under FSDP), keeps them row-major."""
     from lit_model.adapter import load_saved_adapter
     from lit_model.quantize import load_weights
 
@@ -148,7 +151,7 @@ def load_model(
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length  # cheap on meta: the real tables are built once, below
     parts = device_map(config, devices)
-    column_major = column_major_weights(model, dtype, parts) if quantize is None else frozenset()
+    column_major = column_major_weights(model, dtype, parts) if decoding and quantize is None else frozenset()
     load_weights(model, checkpoint_dir, dtype, parts, quantize, column_major=column_major)
     load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
     model.reset_rope_cache(devices[0])
@@ -670,7 +673,7 @@ class GenerationSetup:
         torch.manual_seed(self.args.seed)
         with out_of_memory_hint("loading the model"):
             return load_model(self.checkpoint_dir, self.devices, self.precision.dtype, self.args.quantize,
-                              max_seq_length)
+                              max_seq_length, decoding=True)
 
     def sampling(self, model: GPT) -> dict[str, Any]:
         """``generate``'s (and ``ChatSession``'s) sampling arguments: the flags, a generator seeded on the head's

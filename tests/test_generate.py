@@ -185,7 +185,7 @@ def test_fp32_decoding_on_mkl_off_intel_reads_column_major_weights_with_the_same
     expected = forward_last(reference, prompt[None], torch.arange(4), 4)
     for vendor, column_major in (("AuthenticAMD", True), ("GenuineIntel", False)):
         monkeypatch.setattr(ops, "_cpu_vendor", lambda vendor=vendor: vendor)
-        loaded = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=20)
+        loaded = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=20, decoding=True)
         linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
         assert len(linears) == 1 + 7 * loaded.config.n_layer
         for module in linears:  # read straight into that layout (no row-major copy made and freed)
@@ -197,8 +197,10 @@ def test_fp32_decoding_on_mkl_off_intel_reads_column_major_weights_with_the_same
                                    rtol=1e-5, atol=1e-5)
         assert generate(loaded, prompt, 10, temperature=0).tokens == generate(reference, prompt, 10, temperature=0).tokens
     monkeypatch.setattr(ops, "_cpu_vendor", lambda: "AuthenticAMD")
-    bf16 = load_model(checkpoint_dir, dtype=torch.bfloat16, max_seq_length=20)  # ATen's one-row kernel reads rows
-    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+    bf16 = load_model(checkpoint_dir, dtype=torch.bfloat16, max_seq_length=20, decoding=True)  # ATen's kernel reads rows
+    to_train = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=20)  # fine-tuning (FSDP shards rows)
+    for model in (bf16, to_train):
+        assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_length_errors_name_the_limit() -> None:
