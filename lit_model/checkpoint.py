@@ -325,7 +325,7 @@ class SafetensorsReader:
         row_bytes = rows.size(1) * size
         if self.staging is None or self.staging.numel() < row_bytes:
             self.staging = torch.empty(max(self.STAGING_BYTES, row_bytes), dtype=torch.uint8)
-        step = self.staging.numel() // row_bytes  # whole rows at a time
+        step = self.staging.numel() // max(row_bytes, 1)  # whole rows at a time (an empty row: one pass)
         for first in range(0, rows.size(0), step):
             count = min(step, rows.size(0) - first)
             chunk = self.staging[: count * row_bytes]

@@ -56,7 +56,7 @@ def test_a_cast_read_equals_the_stored_tensor_cast(tmp_path, monkeypatch, stored
 
     torch.manual_seed(0)
     tensors = {"a": torch.randn(37, 11).to(stored), "b": torch.randn(5).to(stored), "c": torch.randn(3, 40).to(stored),
-               "ids": torch.arange(7)}
+               "ids": torch.arange(7), "empty": torch.zeros(3, 0).to(stored), "scalar": torch.tensor(2.5).to(stored)}
     save_file(tensors, str(tmp_path / "w.safetensors"))
     monkeypatch.setattr(SafetensorsReader, "STAGING_BYTES", 64)  # several chunks, the last one partial; c's rows are larger
     with SafetensorsReader(tmp_path / "w.safetensors") as file:
@@ -66,6 +66,8 @@ def test_a_cast_read_equals_the_stored_tensor_cast(tmp_path, monkeypatch, stored
                     read = file.read(name, dtype, column_major)
                     assert read.dtype == dtype and torch.equal(read, tensors[name].to(dtype))
                     assert read.is_contiguous() is not (column_major and read.dim() == 2)  # a vector stays as it is
+            for name in ("empty", "scalar"):
+                assert torch.equal(file.read(name, dtype, True), tensors[name].to(dtype))
         assert torch.equal(file.read("ids", torch.float32), tensors["ids"])  # integers stay as stored
         assert file.read("a").dtype == stored
 
