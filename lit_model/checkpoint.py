@@ -321,7 +321,7 @@ class SafetensorsReader:
         size = stored.itemsize
         if end - start != tensor.numel() * size:
             raise UserError(f"{self.path} is damaged at tensor {name!r}: its header's size and shape disagree.")
-        rows = tensor.view(-1, 1) if tensor.dim() < 2 else tensor.flatten(1) if not column_major else tensor
+        rows = tensor.view(-1, 1) if tensor.dim() < 2 else tensor.flatten(1)  # a matrix itself, either layout
         row_bytes = rows.size(1) * size
         if self.staging is None or self.staging.numel() < row_bytes:
             self.staging = torch.empty(max(self.STAGING_BYTES, row_bytes), dtype=torch.uint8)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
+from lit_model.checkpoint import model_parts
 from lit_model.config import Config
 from lit_model.download import resolve_checkpoint
 from lit_model.errors import UsageError, UserError
@@ -162,12 +163,12 @@ def column_major_weights(model: GPT, dtype: torch.dtype, parts: dict[str, torch.
     """The linear weights that decoding multiplies fastest stored column-major (``ops.decoding_column_major``),
     by their checkpoint names; a head tied to the embedding keeps the table's rows."""
     names = set()
-    for name, module in model.named_modules():
-        part = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]
-        device = parts.get(part, torch.device("cpu"))  # load_model_weights' default
-        tied_head = name == "lm_head" and model.config.tie_embeddings
-        if plain_linear(module) and not tied_head and decoding_column_major(module.weight.shape, dtype, device):
-            names.add(f"{name}.weight")
+    for part_name, part in model_parts(model):  # the parts load_model_weights reads, each to its device
+        device = parts.get(part_name, torch.device("cpu"))
+        for name, module in part.named_modules(prefix=part_name):
+            tied_head = name == "lm_head" and model.config.tie_embeddings
+            if plain_linear(module) and not tied_head and decoding_column_major(module.weight.shape, dtype, device):
+                names.add(f"{name}.weight")
     return frozenset(names)
 
 
