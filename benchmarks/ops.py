@@ -11,6 +11,11 @@
    2048 tokens a batch (batch = 2048 / T), 4 query heads over 2 key/value heads of 64, fp32 and bf16, for T
    from 128 to 1024. The model takes the halves for 384 <= T <= 512 (``ops.attends_in_halves``), where this table
    shows them faster in both dtypes.
+   ``python benchmarks/ops.py --ops blocks --threads 0 --report ops_attention_blocks``: causal attention by query
+   blocks (``ops.causal_attention_in_blocks``: fp32 scores and softmax per block of 128 queries, the probabilities
+   kept) vs PyTorch's flash kernel, as many key/value heads as query heads, from vs_peers.py's model (4 heads of 64)
+   to TinyLlama's 32 heads, bf16 and fp32, default threads (as the scripts run). The model takes the blocks in bf16
+   on the CPU (``ops.attends_in_blocks``), within a bound on the probabilities it keeps.
 4. fp32 linear maps: ``ops.linear`` on oneDNN (``LIT_MODEL_FP32_LINEAR=onednn``) vs ``F.linear`` on PyTorch's BLAS
    (MKL), forward + backward, on the shapes of benchmarks/vs_peers.py's model: 8 x 256 tokens through its 256 -> 256,
    256 -> 688, 688 -> 256 and 256 -> 4096 (head) maps, and forward only for one token (a decoding step).
@@ -126,6 +131,28 @@ def attention_rows() -> list[dict]:
     return rows
 
 
+BLOCK_SHAPES = ((1, 4, 256, 64), (8, 4, 256, 64), (1, 4, 512, 64), (1, 4, 1024, 64), (1, 9, 512, 64),
+                (1, 16, 512, 128), (1, 32, 1024, 64), (1, 4, 2048, 64), (1, 32, 2048, 64))
+
+
+def block_attention_rows() -> list[dict]:
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, heads, length, head_size in BLOCK_SHAPES if dtype == torch.bfloat16 else BLOCK_SHAPES[:4]:
+            q, k, v = (torch.randn(batch, heads, length, head_size, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.randn(batch, length, heads, head_size, dtype=dtype)
+            scale = head_size**-0.5
+            blocks = lambda: ops.causal_attention_in_blocks(q, k, v, scale).transpose(1, 2).backward(grad)  # noqa: E731
+            flash = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                q, k, v, is_causal=True, scale=scale).transpose(1, 2).backward(grad)
+            calls = max(1, min(10, 2**26 // (batch * heads * length * length)))
+            ours, theirs = compare(blocks, flash, calls=calls)
+            rows.append({"op": "causal attention in blocks fwd+bwd",
+                         "shape": f"{batch}x{heads}x{length}x{head_size}", "dtype": str(dtype).removeprefix("torch."),
+                         "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
+    return rows
+
+
 def linear_rows() -> list[dict]:
     """ops.linear forced onto oneDNN (whatever the product's size) against F.linear (BLAS), fp32."""
     os.environ[ops.FP32_LINEAR_ENV] = "onednn"
@@ -186,8 +213,8 @@ def decoding_rows() -> list[dict]:
     return rows
 
 
-SECTIONS = {"rms_norm": rms_norm_rows, "rope": rope_rows, "attention": attention_rows, "linear": linear_rows,
-            "decoding": decoding_rows}
+SECTIONS = {"rms_norm": rms_norm_rows, "rope": rope_rows, "attention": attention_rows, "blocks": block_attention_rows,
+            "linear": linear_rows, "decoding": decoding_rows}
 
 
 def main() -> None:
@@ -216,7 +243,8 @@ def main() -> None:
         "written with PyTorch's operations, as model.py had it; for the linear maps, F.linear on PyTorch's BLAS; for decoding's products, "
         "ops.linear over the same weights stored row-major). "
         "Attention: 4 query heads over 2 key/value heads of 64, 2048 tokens a batch; lit-model takes the halves "
-        f"for 384 <= T <= 512. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
+        "for 384 <= T <= 512 where it does not take the blocks. Attention in blocks: batch x heads x T x head size, "
+        f"against the flash kernel; calls per round fewer for the largest shapes. 1-minute load average {before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
         f"{table}\n"
     )
     print(table)

@@ -31,8 +31,10 @@ aten = torch.ops.aten
 # The ops whose outputs a selective checkpoint keeps: the matmuls and attention, which cost the most to redo. Every
 # other op (norms, activations, RoPE, residual adds, casts) is recomputed in backward from the kept outputs and the
 # block's input. As torchtitan's "op" selective AC (which also keeps every other matmul only; this keeps them all).
+# Not baddbmm: only the CPU's attention in blocks (ops.py) calls it, for fp32 score tiles that are cheaper to redo
+# than to keep (4 bytes a score; the blocks' products with the values are kept).
 SAVED_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._flash_attention_forward.default, aten._efficient_attention_forward.default,

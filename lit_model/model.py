@@ -22,8 +22,8 @@ from lit_model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.config import Config
 from lit_model.errors import STOPS, UserError
 from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.ops import (attends_in_halves, causal_attention_in_halves, expands_shared_heads, linear, path_device,
-                           rms_norm, rotate, upcast_rms_norm)
+from lit_model.ops import (attends_in_blocks, attends_in_halves, causal_attention_in_blocks, causal_attention_in_halves,
+                           expands_shared_heads, linear, path_device, rms_norm, rotate, upcast_rms_norm)
 
 try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
     from flash_attn import flash_attn_func
@@ -364,6 +364,12 @@ class CausalSelfAttention(nn.Module):
             return self.proj(pieces[0].reshape(B, T, n_head * hs))
         return torch.cat([self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in pieces], dim=1)
 
+    def attends_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Causal self-attention of a step that needs gradients, where ``ops.attends_in_blocks`` takes the blocks."""
+        T = q.size(2)
+        return (T == k.size(2) and T > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+                and attends_in_blocks(path_device(q), attention_dtype(q), q.size(0), q.size(1), T, self.config.n_embd))
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
     ) -> list[torch.Tensor]:
@@ -393,6 +399,11 @@ class CausalSelfAttention(nn.Module):
             )
             return [out]
         enable_gqa = k.size(1) != q.size(1)
+        if mask is None and self.attends_in_blocks(q, k, v):
+            if enable_gqa:  # copies of the shared heads, whose gradients autograd sums back
+                k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+                v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+            return [causal_attention_in_blocks(q, k, v, self.scale).transpose(1, 2)]
         if enable_gqa and expands_shared_heads(path_device(q), q.dtype, q.size(-1), mask is not None, q.size(2)):
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)

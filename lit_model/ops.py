@@ -1,8 +1,9 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
 hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
-its kernel skips the masked quarter, dropout before a linear map without its division, and fp32 linear maps on
-oneDNN where PyTorch's BLAS is slow (x86 CPUs other than Intel's). Against PyTorch's: benchmarks/results/ops.md and
-ops_linear.md (``python benchmarks/ops.py``)."""
+its kernel skips the masked quarter (fp32) or computed by query blocks on the BLAS (bf16 training), dropout before a
+linear map without its division, and fp32 linear maps on oneDNN where PyTorch's BLAS is slow (x86 CPUs other than
+Intel's). Against PyTorch's: benchmarks/results/ops.md, ops_attention_blocks.md and ops_linear.md
+(``python benchmarks/ops.py``)."""
 
 from __future__ import annotations
 
@@ -354,3 +355,128 @@ def causal_attention_in_halves(
         q[:, :, half:], k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
     return [first.transpose(1, 2), second.transpose(1, 2)]
+
+
+# ---- causal attention in query blocks (CPU, bf16 training) -----------------------------------------------------
+# Query rows per block: each block's scores against the keys it can see are one (rows x keys) fp32 tile per head.
+ATTENTION_BLOCK = 128
+# Bytes of the fp32 score tiles computed at once (_head_groups): 4 MiB ran 32 heads over 1,024 and 2,048 tokens at
+# 1.4x the flash kernel, one tile of them all at 0.8-1.07x (benchmarks/ops.py --ops blocks; 1 and 16 MiB between)
+ATTENTION_TILE_BYTES = 1 << 22
+# The most probabilities a token's block may keep per layer, in units of the embedding width: a Llama block keeps
+# about 15 values of that width per token besides (its norms' inputs, q, k, v, the attention output, the MLP's
+# three), so this at most about doubles what the layer keeps.
+KEPT_PROBABILITIES_PER_WIDTH = 12
+# Fewer scores a layer than this (batch x heads x block_scores): the flash kernel's one call ran as fast as the blocks'
+# dozens (1 to 2 samples of 4 heads over 256 tokens: 0.75-1.06x, 9 heads 0.97-1.22x, on a shared 2-core machine)
+MIN_BLOCK_SCORES = 1 << 19
+
+
+def block_scores(length: int) -> int:
+    """The (query, key) scores per head that ``causal_attention_in_blocks`` computes and keeps over ``length``
+    tokens: each block of queries against every key up to its last query."""
+    return sum((min(start + ATTENTION_BLOCK, length) - start) * min(start + ATTENTION_BLOCK, length)
+               for start in range(0, length, ATTENTION_BLOCK))
+
+
+def attends_in_blocks(device_type: str, dtype: torch.dtype, batch: int, heads: int, length: int, width: int) -> bool:
+    """Whether causal self-attention that needs gradients takes ``causal_attention_in_blocks``: in bf16 on the
+    CPU, for at least MIN_BLOCK_SCORES scores, where keeping the probabilities stays within
+    KEPT_PROBABILITIES_PER_WIDTH values of the embedding width per token. PyTorch 2.13's CPU flash kernel computes whole 512-key blocks of scores whatever the causal mask
+    lets it skip; the blocks skip them and multiply on the BLAS (benchmarks/results/ops_attention_blocks.md, forward
+    and backward, 4 to 32 heads of 64 and 128, 256 to 2,048 tokens: 1.2-1.7x above MIN_BLOCK_SCORES). fp32 stays on
+    the flash kernel: there the blocks would keep 4 bytes a probability, and their gain (1.0-1.4x in that table) has
+    not been measured in whole runs."""
+    scores = heads * block_scores(length)
+    return (device_type == "cpu" and dtype == torch.bfloat16 and batch * scores >= MIN_BLOCK_SCORES
+            and scores <= KEPT_PROBABILITIES_PER_WIDTH * width * length)
+
+
+def causal_attention_in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal ``F.scaled_dot_product_attention`` of (B, heads, T, head_size) inputs with as many key heads as query
+    heads, by blocks of ATTENTION_BLOCK queries: each block's scores against the keys up to its last query in
+    fp32 (one batched matmul; the masked keys beyond the block are never computed), softmax in fp32, and the
+    probabilities, rounded to the inputs' dtype as the flash kernel rounds them, kept for backward (which then
+    needs no second score product). Returns (B, heads, T, head_size)."""
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):  # in autocast's dtype, as autocast runs F.scaled_dot_product_attention
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    with torch.autocast(device_type, enabled=False):  # then its own precisions (autocast would run baddbmm in bf16)
+        return _CausalAttentionInBlocks.apply(q, k, v, scale)
+
+
+class _CausalAttentionInBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):  # type: ignore[no-untyped-def]
+        B, H, T, D = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        bias = torch.full((T, T), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)  # query i sees keys <= i
+        # (B, T, heads, head_size) in memory, as the flash kernel lays its output out: the caller's transpose back to
+        # (B, T, heads x head_size) is then a view, and the output projection keeps what this keeps
+        out = q.new_empty(B, T, H, D).transpose(1, 2)
+        probabilities = []
+        for heads in _head_groups(B, H, T):
+            qg, kg, vg = (t[heads].reshape(-1, T, D) for t in (q, k, v))
+            q32, k32t = qg.float(), kg.float().transpose(1, 2)
+            for start in range(0, T, ATTENTION_BLOCK):
+                end = min(start + ATTENTION_BLOCK, T)
+                # baddbmm only here (activations.SAVED_OPS leaves it out: a selective checkpoint redoes these tiles)
+                scores = torch.baddbmm(bias[start:end, :end], q32[:, start:end], k32t[:, :, :end], alpha=scale)
+                p = torch.softmax(scores, dim=-1).to(q.dtype)
+                del scores
+                out[heads][:, :, start:end] = torch.bmm(p, vg[:, :end]).view(*out[heads].shape[:2], end - start, D)
+                probabilities.append(p)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, out, *probabilities)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        with torch.autocast(grad.device.type, enabled=False):
+            return _CausalAttentionInBlocks.gradients(ctx, grad)
+
+    @staticmethod
+    def gradients(ctx, grad):  # type: ignore[no-untyped-def]
+        q, k, v, out, *probabilities = ctx.saved_tensors
+        B, H, T, D = q.shape
+        # rowsum(P * dP) of each query = its output . its incoming gradient
+        delta = (grad.float() * out.float()).sum(-1, keepdim=True)
+        groups = _head_groups(B, H, T)
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v)) if len(groups) > 1 else (None, None, None)
+        tiles = iter(probabilities)
+        for heads in groups:
+            qg, kg, vg = (t[heads].reshape(-1, T, D) for t in (q, k, v))
+            g, delta_g = grad[heads].reshape(-1, T, D), delta[heads].reshape(-1, T, 1)
+            dq_g = torch.empty_like(qg)
+            dk_g = torch.zeros(kg.shape, dtype=torch.float32, device=kg.device)  # sums over the blocks, in fp32
+            dv_g = torch.zeros(vg.shape, dtype=torch.float32, device=vg.device)
+            for start in range(0, T, ATTENTION_BLOCK):
+                p = next(tiles)
+                end = start + p.size(1)
+                g_rows = g[:, start:end]
+                dv_g[:, :end] += torch.bmm(p.transpose(1, 2), g_rows)
+                # d scores = P * (dP - rowsum(P * dP)), scaled as the scores were
+                ds = torch.bmm(g_rows, vg[:, :end].transpose(1, 2)).float().sub_(delta_g[:, start:end])
+                ds = ds.mul_(p).mul_(ctx.scale).to(q.dtype)
+                dq_g[:, start:end] = torch.bmm(ds, kg[:, :end])
+                dk_g[:, :end] += torch.bmm(ds.transpose(1, 2), qg[:, start:end])
+            dk_g, dv_g = dk_g.to(k.dtype), dv_g.to(v.dtype)
+            if len(groups) == 1:
+                return dq_g.view(q.shape), dk_g.view(q.shape), dv_g.view(q.shape), None
+            for full, part in ((dq, dq_g), (dk, dk_g), (dv, dv_g)):
+                full[heads] = part.view(full[heads].shape)
+        return dq, dk, dv, None
+
+
+def _head_groups(batch: int, heads: int, length: int) -> list[tuple[slice, ...]]:
+    """(batch, head) index groups whose score tiles (ATTENTION_BLOCK x length, fp32) take about ATTENTION_TILE_BYTES:
+    a group of whole samples, else heads of one sample. A tile that outgrows the CPU's caches runs slower than the
+    flash kernel (32 heads over 2,048 tokens: 0.6x as one tile)."""
+    per_head = ATTENTION_BLOCK * length * 4
+    group = max(1, ATTENTION_TILE_BYTES // per_head)
+    if group >= heads:
+        samples = group // heads
+        return [(slice(b, b + samples),) for b in range(0, batch, samples)]
+    return [(slice(b, b + 1), slice(h, h + group)) for b in range(batch) for h in range(0, heads, group)]

@@ -210,6 +210,10 @@ def test_lora_suggestions_include_quantization_and_offload_on_gpu():
         (dict(mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", parallel_residual=True, bias=True,
               rotary_percentage=0.25, tie_embeddings=False), dict(precision="32-true"), dict(trainable="full")),
         (dict(sliding_window_size=64, vocab_size=4096), dict(), dict(trainable="lora")),
+        # bf16 over 4 x 400 tokens: attention in blocks on the CPU (ops.attends_in_blocks), kept and recomputed
+        (dict(block_size=512), dict(override_max_seq_length=400, micro_batch_size=4), dict(trainable="full")),
+        (dict(block_size=512), dict(override_max_seq_length=400, micro_batch_size=4, activation_checkpointing=True),
+         dict(trainable="lora")),
     ],
 )
 def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):

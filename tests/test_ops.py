@@ -21,8 +21,9 @@ from lit_model import GPT, Config
 from lit_model.model import RMSNorm, rope_cache
 from lit_model import ops
 from lit_model.errors import UsageError
-from lit_model.ops import (FP32_LINEAR_ENV, _RMSNorm, causal_attention_in_halves, expands_shared_heads, linear, rms_norm,
-                           rotate, take_paths_of, upcast_rms_norm)
+from lit_model.ops import (FP32_LINEAR_ENV, _RMSNorm, attends_in_blocks, block_scores, causal_attention_in_blocks,
+                           causal_attention_in_halves, expands_shared_heads, linear, rms_norm, rotate, take_paths_of,
+                           upcast_rms_norm)
 
 
 def hand_written(x, weight, eps):
@@ -418,3 +419,136 @@ def test_capped_onednn_caches_bound_a_process_running_ever_new_shapes():
         proc = subprocess.run([sys.executable, "-c", NEW_SHAPES, case], capture_output=True, text=True, env=env, check=True)
         grown[case] = float(proc.stdout)
     assert grown["uncapped"] > 80 and grown["capped"] < grown["uncapped"] / 10, grown  # ~0.7 MB a kernel
+
+
+# ---- causal attention in query blocks -----------------------------------------------------------------------
+def _attention_errors(attend, q, k, v, upstream):
+    """Mean and largest errors of attention's output and of its three input gradients against fp64."""
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*exact, is_causal=True)
+    reference_grads = torch.autograd.grad(reference, exact, upstream.double())
+    out = attend(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    errors = [(a.double() - b).abs() for a, b in zip((out, *grads), (reference, *reference_grads))]
+    return [e.mean().item() for e in errors], [e.max().item() for e in errors]
+
+
+@pytest.mark.parametrize("batch, heads, length, head_size", [(2, 3, 300, 16), (1, 4, 256, 64), (1, 2, 100, 8)])
+def test_attention_in_blocks_is_about_as_exact_as_the_flash_kernel(batch, heads, length, head_size):
+    """bf16 inputs, lengths that are a multiple of the block or not, shorter than one. The output and the key and
+    value gradients are within 1.4x the CPU flash kernel's mean error against fp64 (scores and softmax in fp32),
+    the query gradient within 1.75x (measured 1.4-1.6x: the score gradients are rounded to bf16 for its product, as
+    for the keys'; an fp32 product there cost 5-18 % of the attention's time); no value off by more than a few bf16
+    steps."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, head_size, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    upstream = torch.randn(batch, heads, length, head_size, dtype=torch.bfloat16)
+    scale = head_size**-0.5
+    (out, dq, dk, dv), largest = _attention_errors(lambda *qkv: causal_attention_in_blocks(*qkv, scale), q, k, v, upstream)
+    flash, _ = _attention_errors(lambda *qkv: F.scaled_dot_product_attention(*qkv, is_causal=True), q, k, v, upstream)
+    assert dq <= 1.75 * flash[1]
+    for error, kernel_error in zip((out, dk, dv), (flash[0], flash[2], flash[3])):
+        assert error <= 1.4 * kernel_error
+    assert max(largest) < 0.03
+    # In fp64 the same math as PyTorch's, up to the fp32 scores.
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, largest = _attention_errors(lambda *qkv: causal_attention_in_blocks(*qkv, scale), *exact, upstream.double())
+    assert max(largest) < 1e-5
+
+
+def test_attention_in_blocks_lays_its_output_out_as_the_flash_kernel():
+    """The output is (B, T, heads, head_size) in memory: the model's transpose back is a view, which the output
+    projection keeps, so nothing is kept twice."""
+    q, k, v = (torch.randn(2, 3, 200, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = causal_attention_in_blocks(q, k, v, 8**-0.5)
+    assert out.shape == (2, 3, 200, 8) and out.transpose(1, 2).is_contiguous()
+
+
+def test_block_scores_count_each_block_against_the_keys_up_to_its_last_query():
+    assert block_scores(128) == 128 * 128
+    assert block_scores(256) == 128 * 128 + 128 * 256
+    assert block_scores(300) == 128 * 128 + 128 * 256 + 44 * 300
+    assert block_scores(50) == 50 * 50
+
+
+def test_attention_in_blocks_only_in_bf16_on_the_cpu_within_its_bounds():
+    bf16 = torch.bfloat16
+    assert attends_in_blocks("cpu", bf16, batch=1, heads=4, length=1024, width=256)  # vs_peers.py's model
+    assert attends_in_blocks("cpu", bf16, batch=8, heads=4, length=256, width=256)
+    assert not attends_in_blocks("cpu", bf16, batch=1, heads=4, length=256, width=256)  # flash's one call as fast
+    assert attends_in_blocks("cpu", bf16, batch=1, heads=32, length=1024, width=2048)  # TinyLlama
+    assert not attends_in_blocks("cpu", bf16, batch=1, heads=32, length=2048, width=2048)  # 17 values of its width
+    assert not attends_in_blocks("cpu", torch.float32, batch=8, heads=4, length=256, width=256)
+    assert not attends_in_blocks("cuda", bf16, batch=8, heads=4, length=256, width=256)
+
+
+def test_attention_in_blocks_takes_groups_of_heads_whose_tiles_fit(monkeypatch):
+    """Whole samples while their tiles fit ATTENTION_TILE_BYTES, else heads of one sample; the same numbers."""
+    monkeypatch.setattr(ops, "ATTENTION_TILE_BYTES", 1 << 22)
+    assert ops._head_groups(2, 4, 1024) == [(slice(0, 2),)]  # 8 heads of 512 KiB tiles
+    assert ops._head_groups(1, 32, 2048) == [(slice(0, 1), slice(h, h + 4)) for h in range(0, 32, 4)]  # 1 MiB each
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 300, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    upstream = torch.randn(3, 4, 300, 8, dtype=torch.float64)
+    whole = causal_attention_in_blocks(q, k, v, 0.3)
+    whole_grads = torch.autograd.grad(whole, (q, k, v), upstream)
+    head_tiles = ops.ATTENTION_BLOCK * 300 * 4
+    for heads, groups in ((4, 3), (3, 6)):  # one sample's 4 heads a group; then 3 heads and 1 of each sample
+        monkeypatch.setattr(ops, "ATTENTION_TILE_BYTES", heads * head_tiles)
+        assert len(ops._head_groups(3, 4, 300)) == groups
+        grouped = causal_attention_in_blocks(q, k, v, 0.3)
+        torch.testing.assert_close(grouped, whole, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(grouped, (q, k, v), upstream), whole_grads):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _tiny_bf16_model(n_query_groups: int = 2) -> GPT:
+    # wide enough for its 4 heads to keep their probabilities over 300 tokens (ops.KEPT_PROBABILITIES_PER_WIDTH)
+    config = Config(name="t", block_size=300, vocab_size=64, padded_vocab_size=64, n_layer=2, n_embd=96, n_head=4,
+                    n_query_groups=n_query_groups, intermediate_size=128)
+    torch.manual_seed(0)
+    return GPT(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("planned_for, grad, blocks", [(None, True, True), (None, False, False), ("cuda", True, False)])
+def test_model_attends_in_blocks_in_training_steps_on_the_cpu(monkeypatch, planned_for, grad, blocks):
+    """A training forward in bf16 on the CPU takes the blocks; evaluation (no gradients) and generation keep the
+    flash kernel, and the planner tracing a GPU run takes the GPU's path."""
+    import lit_model.model as model_module
+
+    calls = []
+    monkeypatch.setattr(model_module, "causal_attention_in_blocks",
+                        lambda *args: calls.append(args) or causal_attention_in_blocks(*args))
+    model = _tiny_bf16_model()
+    idx = torch.randint(0, 64, (8, 200))  # 8 samples of 4 heads: over ops.MIN_BLOCK_SCORES
+    with take_paths_of(planned_for) if planned_for else contextlib.nullcontext(), torch.set_grad_enabled(grad):
+        model(idx, targets=idx)
+    assert len(calls) == (2 if blocks else 0)
+    calls.clear()
+    model(idx, targets=idx, positions=torch.arange(200).repeat(8, 1))  # packed samples: masks, the flash kernel
+    assert not calls
+
+
+@pytest.mark.parametrize("n_query_groups", [4, 2])
+def test_model_in_blocks_trains_as_with_the_flash_kernel(monkeypatch, n_query_groups):
+    """The same loss and gradients (to bf16's precision) with grouped key/value heads or not; and a selective
+    checkpoint, which redoes the score tiles in backward, gives exactly the gradients of the blocks without it."""
+    import lit_model.model as model_module
+
+    idx = torch.randint(0, 64, (3, 300), generator=torch.Generator().manual_seed(1))  # over ops.MIN_BLOCK_SCORES
+
+    def loss_and_grads(model: GPT):
+        loss = model(idx, targets=idx)
+        return [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, list(model.parameters()))]
+
+    model = _tiny_bf16_model(n_query_groups)
+    in_blocks = loss_and_grads(model)
+    model.activation_checkpointing_interval, model.activation_checkpointing_selective = 1, True
+    for a, b in zip(loss_and_grads(model), in_blocks):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    model.activation_checkpointing_interval = 0
+    monkeypatch.setattr(model_module, "attends_in_blocks", lambda *args: False)
+    flash = loss_and_grads(model)
+    torch.testing.assert_close(in_blocks[0], flash[0], rtol=1e-2, atol=1e-2)
+    for a, b in zip(in_blocks[1:], flash[1:]):
+        assert (a - b).norm() <= 0.05 * b.norm() + 1e-4

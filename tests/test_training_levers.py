@@ -9,6 +9,7 @@ import torch
 
 from lit_model import GPT, Config
 from lit_model.errors import UsageError
+from lit_model.ops import block_scores
 from lit_model.training.step import freeze_layers
 
 CONFIG = dict(name="levers", block_size=128, vocab_size=256, n_layer=4, n_embd=64, n_head=4, n_query_groups=2,
@@ -70,15 +71,25 @@ def test_activation_checkpointing_saves_less_and_gives_the_same_loss_and_gradien
             torch.testing.assert_close(gradients(checkpointed)[name], grad, rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss():
+def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss(monkeypatch):
+    import lit_model.model as model_module
+
     inputs, targets = batch()
     fp32_bytes, fp32_loss = saved_for_backward_bytes(make_model(), inputs, targets)
     bf16 = make_model(torch.bfloat16)
-    bf16_bytes, bf16_loss = saved_for_backward_bytes(bf16, inputs, targets)
-    assert bf16_bytes < 0.7 * fp32_bytes
+    in_blocks, bf16_loss = saved_for_backward_bytes(bf16, inputs, targets)
     assert sum(p.nbytes for p in bf16.parameters()) * 2 == sum(p.nbytes for p in make_model().parameters())
     assert bf16_loss.dtype == torch.float32  # the loss is always computed in fp32
     assert bf16_loss.item() == pytest.approx(fp32_loss.item(), abs=0.05)
+    # On the CPU, bf16 attention in blocks (ops.attends_in_blocks) keeps each head's probabilities and the key/value
+    # heads copied to every query head, not the flash kernel's fp32 logsumexp; with the flash kernel bf16 keeps
+    # under 0.7x what fp32 keeps.
+    monkeypatch.setattr(model_module, "attends_in_blocks", lambda *args: False)
+    bf16_bytes, flash_loss = saved_for_backward_bytes(bf16, inputs, targets)
+    assert bf16_bytes < 0.7 * fp32_bytes
+    assert flash_loss.item() == pytest.approx(bf16_loss.item(), abs=0.02)
+    (B, T), (L, H, groups, hs) = inputs.shape, (CONFIG["n_layer"], CONFIG["n_head"], CONFIG["n_query_groups"], 16)
+    assert in_blocks - bf16_bytes == L * B * (H * block_scores(T) * 2 + 2 * (H - groups) * T * hs * 2 - H * T * 4)
 
 
 def test_chunked_cross_entropy_equals_the_full_one_and_keeps_no_logits():

@@ -25,7 +25,8 @@ from lit_model.config import Config
 from lit_model.memory.calibration import quantized_step_bytes
 from lit_model.memory.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
-from lit_model.ops import attends_in_halves, cuda_attention_kernel, expands_shared_heads, norms_by_hand
+from lit_model.ops import (ATTENTION_BLOCK, attends_in_blocks, attends_in_halves, block_scores, cuda_attention_kernel,
+                           expands_shared_heads, norms_by_hand)
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -291,8 +292,8 @@ def _norm(spec: Run, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bo
     return kept, True
 
 
-def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, adapter: bool = False) -> BlockActs:
-    """Bytes block ``layer`` keeps for backward, given whether its input requires grad.
+def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, adapter: bool, batch: int) -> BlockActs:
+    """Bytes block ``layer`` keeps for backward, given whether its input requires grad, at micro batch ``batch``.
 
     ``d`` is the residual stream's dtype (the parameters'), ``dm`` the matmul outputs' (the autocast dtype
     under ``-mixed``, else ``d``). Under autocast every linear casts its (fp32) input itself, so each linear that
@@ -367,6 +368,8 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     attention_dtype, masked = spec.autocast_dtype or spec.param_dtype, sliding or spec.packing
     # k and v as attention takes them: copied to every query head where model.attend does (CUDA, else math)
     Hkv_attended = Hq if Hkv < Hq and expands_shared_heads(spec.device_type, attention_dtype, hs, masked, T) else Hkv
+    in_blocks = (attn_rg and not masked and T > 1 and config.attention_logit_softcapping is None
+                 and attends_in_blocks(spec.device_type, attention_dtype, batch, config.n_head, T, C))
     attention_math = attn_rg and spec.device_type == "cuda" and cuda_attention_kernel(
         attention_dtype, hs, masked, Hkv_attended < Hq) == "math"
     if config.attention_logit_softcapping is not None:
@@ -382,6 +385,10 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
         t2 += config.n_head * T * T * dm
         if sliding:
             per_layer += T * T * dm
+    elif in_blocks:
+        # attention in blocks (ops.py): q, k and v (copied to every query head), the output, the probabilities
+        per_token += 4 * Hq * dm
+        t2 += config.n_head * block_scores(T) * dm
     elif attn_rg:
         per_token += (Hq + 2 * Hkv_attended) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
         if sliding:
@@ -485,6 +492,10 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
     if attention_math and config.attention_logit_softcapping is None:
         transient += 2 * config.n_head * T * dm  # the probabilities' gradient and the softmax's, per token
+    if in_blocks:
+        # attention in blocks: in backward the largest block's score gradients (the bf16 product, its fp32 copy,
+        # the bf16 cast: 6 bytes a score) are in flight instead (not on top) of the MLP's (the trace: 0.998-1.04x)
+        transient = max(transient, 6 * config.n_head * min(T, ATTENTION_BLOCK))
     # selective checkpointing (activations.SAVED_OPS): the block's input and every matmul and attention output: q, k,
     # v, the attention output and its logsumexp, each projection, the LoRA branches' two matmuls (MoE: the whole
     # block's kept tensors, an upper bound)
@@ -543,7 +554,7 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         adapter = spec.trainable == "adapter" and layer >= spec.adapter_start_layer
         key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer), config.layer_uses_rope(layer))
         if key not in cache:
-            cache[key] = block_activations(spec, layer, x_rg, block_trainable, adapter)
+            cache[key] = block_activations(spec, layer, x_rg, block_trainable, adapter, B)
         acts = cache[key]
         this = acts.per_token * N + acts.per_sample_t2 * B + acts.per_layer
         checkpointed = spec.ac_interval > 0 and layer % spec.ac_interval == 0 and (x_rg or acts.out_requires_grad)
