@@ -384,7 +384,7 @@ def attends_in_blocks(device_type: str, dtype: torch.dtype, batch: int, heads: i
     CPU, for at least MIN_BLOCK_SCORES scores, where keeping the probabilities stays within
     KEPT_PROBABILITIES_PER_WIDTH values of the embedding width per token. PyTorch 2.13's CPU flash kernel computes whole 512-key blocks of scores whatever the causal mask
     lets it skip; the blocks skip them and multiply on the BLAS (benchmarks/results/ops_attention_blocks.md, forward
-    and backward, 4 to 32 heads of 64 and 128, 256 to 2,048 tokens: 1.2-1.7x above MIN_BLOCK_SCORES). fp32 stays on
+    and backward, 4 to 32 heads of 64 and 128, 256 to 2,048 tokens: 1.0-1.7x above MIN_BLOCK_SCORES). fp32 stays on
     the flash kernel: there the blocks would keep 4 bytes a probability, and their gain (1.0-1.4x in that table) has
     not been measured in whole runs."""
     scores = heads * block_scores(length)
