@@ -378,9 +378,7 @@ class CausalSelfAttention(nn.Module):
         softcapping = self.config.attention_logit_softcapping
         if softcapping is not None:
             # Soft-capping needs the scores themselves, so this path is explicit (Gemma 2).
-            if k.size(1) != q.size(1):
-                k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-                v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+            k, v = copy_shared_heads(k, v, q.size(1))
             scores = softcap((q @ k.transpose(-2, -1)) * self.scale, softcapping)
             if mask is None:
                 T = q.size(2)
@@ -400,13 +398,9 @@ class CausalSelfAttention(nn.Module):
             return [out]
         enable_gqa = k.size(1) != q.size(1)
         if mask is None and self.attends_in_blocks(q, k, v):
-            if enable_gqa:  # copies of the shared heads, whose gradients autograd sums back
-                k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-                v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-            return [causal_attention_in_blocks(q, k, v, self.scale).transpose(1, 2)]
+            return [causal_attention_in_blocks(q, *copy_shared_heads(k, v, q.size(1)), self.scale).transpose(1, 2)]
         if enable_gqa and expands_shared_heads(path_device(q), q.dtype, q.size(-1), mask is not None, q.size(2)):
-            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+            k, v = copy_shared_heads(k, v, q.size(1))
             enable_gqa = False
         if mask is None and attends_in_halves(path_device(q), q.size(2)):
             return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
@@ -414,6 +408,14 @@ class CausalSelfAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale, enable_gqa=enable_gqa
         )
         return [y.transpose(1, 2)]
+
+
+def copy_shared_heads(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, heads, T, head_size) keys and values from grouped-query attention's shared heads: each query head its own
+    copy (autograd sums the copies' gradients back into the shared head)."""
+    if k.size(1) == heads:
+        return k, v
+    return k.repeat_interleave(heads // k.size(1), dim=1), v.repeat_interleave(heads // v.size(1), dim=1)
 
 
 def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:

@@ -375,18 +375,18 @@ MIN_BLOCK_SCORES = 1 << 19
 def block_scores(length: int) -> int:
     """The (query, key) scores per head that ``causal_attention_in_blocks`` computes and keeps over ``length``
     tokens: each block of queries against every key up to its last query."""
-    return sum((min(start + ATTENTION_BLOCK, length) - start) * min(start + ATTENTION_BLOCK, length)
-               for start in range(0, length, ATTENTION_BLOCK))
+    ends = [min(start + ATTENTION_BLOCK, length) for start in range(0, length, ATTENTION_BLOCK)]
+    return sum((end - start) * end for start, end in zip(range(0, length, ATTENTION_BLOCK), ends))
 
 
 def attends_in_blocks(device_type: str, dtype: torch.dtype, batch: int, heads: int, length: int, width: int) -> bool:
     """Whether causal self-attention that needs gradients takes ``causal_attention_in_blocks``: in bf16 on the
     CPU, for at least MIN_BLOCK_SCORES scores, where keeping the probabilities stays within
-    KEPT_PROBABILITIES_PER_WIDTH values of the embedding width per token. PyTorch 2.13's CPU flash kernel computes whole 512-key blocks of scores whatever the causal mask
-    lets it skip; the blocks skip them and multiply on the BLAS (benchmarks/results/ops_attention_blocks.md, forward
-    and backward, 4 to 32 heads of 64 and 128, 256 to 2,048 tokens: 1.0-1.7x above MIN_BLOCK_SCORES). fp32 stays on
-    the flash kernel: there the blocks would keep 4 bytes a probability, and their gain (1.0-1.4x in that table) has
-    not been measured in whole runs."""
+    KEPT_PROBABILITIES_PER_WIDTH values of the embedding width per token. PyTorch 2.13's CPU flash kernel computes
+    whole 512-key blocks of scores whatever the causal mask lets it skip; the blocks skip them and multiply on the
+    BLAS (benchmarks/results/ops_attention_blocks.md, forward and backward, 4 to 32 heads of 64 and 128, 256 to 2,048
+    tokens: 1.0-1.7x above MIN_BLOCK_SCORES). fp32 stays on the flash kernel: there the blocks would keep 4 bytes a
+    probability, and their gain (1.0-1.4x in that table) has not been measured in whole runs."""
     scores = heads * block_scores(length)
     return (device_type == "cpu" and dtype == torch.bfloat16 and batch * scores >= MIN_BLOCK_SCORES
             and scores <= KEPT_PROBABILITIES_PER_WIDTH * width * length)
