@@ -146,6 +146,13 @@ class Overhead:
     # (full pythia-160m 32-true, 3,324 MiB; 3,032 and 3,040 in the other two).
     # DDP's gradients are left out of the transient bytes (allocated once in its buckets; plan.cpu_overhead_terms).
     cpu_allocator_retention: float = 0.40
+    # ... where the peak falls in a later stretch of the step than its most transient bytes (an 8-bit optimizer's step
+    # after backward freed the activations), the heap backward left is what glibc keeps, and it kept more: pythia-70m
+    # bf16-true mb8 x 256 with AdamW8bit held 189-195 MiB beyond its tensors and other terms on 298 MiB of backward's
+    # transient bytes (0.63-0.65), and 214-250 MiB on 320 (0.67-0.78) once attention by blocks kept its probabilities
+    # (benchmarks/plan_accuracy.py, 2026-11-28). Rounded up from those runs; the 32-true runs of the quantized optimizers
+    # keep less (their plans, +0.9 % to +1.4 % at 0.40, are +6.6 % to +7.9 % with this).
+    cpu_allocator_retention_after_backward: float = 0.80
     cpu_allocator_retention_mmap: float = 0.025
     # A quantized model dequantizes each frozen weight into a new tensor in forward and again in backward and frees
     # it at once; at default settings glibc keeps part of that churn. Fraction of one pass's dequantized bytes

@@ -157,7 +157,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     ``generation``: a generation process (generate/base.py), whose runtime is its own and which reads no training
     data. ``transient_high``: the most transient bytes (activations, logits, gradients) of any stretch of the phase
     (its forward, backward, optimizer step): glibc keeps heap from what was freed before the peak too, where the peak
-    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed).
+    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed), at its own rate.
     ``compiled_trainable_bytes``: the trainable parameters' bytes when the blocks run torch.compile's code
     (--compile), else None: the compiler's own memory and the heap its kernels leave, which in a LoRA or adapter
     fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
@@ -165,13 +165,15 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     its decode step (generate --compile), else None."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
+    after_backward = transient_high + gathered > transient
     transient = max(transient, transient_high + gathered)
     if _glibc_returns_freed_blocks():
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     elif generation:
         retained = OVERHEAD.cpu_generation_retention * transient
     else:
-        retained = OVERHEAD.cpu_allocator_retention * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
+        rate = OVERHEAD.cpu_allocator_retention_after_backward if after_backward else OVERHEAD.cpu_allocator_retention
+        retained = rate * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
     if generation:
         terms = {"runtime": OVERHEAD.cpu_generation_runtime, "allocator_retention": int(retained)}
         if compiled_decode_parameters is not None:
