@@ -55,7 +55,7 @@ import sys
 import sysconfig
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -78,7 +78,10 @@ INSTRUCT_RECORDS = 2000
 GENERATE = dict(prompt="def fibonacci(n):\n", max_new_tokens=224)  # + the prompt: within the base's block of 256
 TORCHTUNE = ("torchtune==0.6.1", "torchao==0.11.0")  # torchao 0.12+ dropped the NF4 module torchtune 0.6.1 imports
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-IMPLS = ("lit_model", "litgpt", "hf", "torchtune")
+IMPLS = ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc")
+# lit_model_glibc: lit-model with glibc's default heap (a MALLOC_* variable set to glibc's own default top pad turns
+# off the heap settings training scripts give a CPU run: lit_model.run.CPU_HEAP), to measure what those settings do.
+GLIBC_DEFAULT_HEAP = {"MALLOC_TOP_PAD_": "131072"}
 
 
 # ---- rows ----------------------------------------------------------------------------------------
@@ -278,6 +281,9 @@ class Command:
 
 
 def commands(impl: str, row: Row, run_dir: Path, steps: int, setup: Setup, pythons: dict[str, str]) -> Command:
+    if impl == "lit_model_glibc":
+        command = lit_model_command(row, run_dir, steps, setup, pythons)
+        return replace(command, env={**command.env, **GLIBC_DEFAULT_HEAP})
     return {"lit_model": lit_model_command, "litgpt": litgpt_command, "hf": hf_command,
             "torchtune": torchtune_command}[impl](row, run_dir, steps, setup, pythons)
 
@@ -504,7 +510,8 @@ def generation_rate(impl: str, output: str) -> float:
 
 # ---- the benchmark -------------------------------------------------------------------------------
 def impls_for(row: Row, impls: list[str]) -> list[str]:
-    supported = {"pretrain": ("lit_model", "litgpt", "hf", "torchtune"), "lora": ("lit_model", "litgpt", "hf"),
+    supported = {"pretrain": ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc"),
+                 "lora": ("lit_model", "litgpt", "hf", "lit_model_glibc"),
                  "generate": ("lit_model", "litgpt")}[row.kind]
     return [impl for impl in impls if impl in supported]
 
@@ -566,7 +573,7 @@ def summarize(row: Row, runs: dict[str, list[tuple[float, Result]]]) -> list[dic
 # to the FLOP per token), and each process's fixed cost (imports, data loading, litgpt's compilation, lit-model's
 # rehearsal and end-of-run sample, torchtune's packing of the corpus, evaluations and saves).
 EST_TOKENS_PER_SEC = {"32-true": 5000, "bf16-true": 7000}
-EST_FIXED_SECONDS = {"lit_model": 15, "litgpt": 40, "hf": 15, "torchtune": 20}
+EST_FIXED_SECONDS = {"lit_model": 15, "litgpt": 40, "hf": 15, "torchtune": 20, "lit_model_glibc": 15}
 
 
 def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int, sample_tokens: float = 247) -> float:
@@ -684,7 +691,7 @@ def peer_pythons(impls: list[str]) -> tuple[dict[str, str], dict[str, str]]:
                   "litgpt": lambda: litgpt_python(("litdata",)),
                   "torchtune": lambda: venv_python(HERE / ".venv-torchtune", list(TORCHTUNE))}
     for impl, installer in installers.items():
-        if impl in impls:
+        if impl in impls or (impl == "lit_model" and "lit_model_glibc" in impls):
             try:
                 pythons[impl] = installer()
             except subprocess.CalledProcessError as error:

@@ -93,6 +93,8 @@ def test_cpu_overhead_terms_add_up(monkeypatch):
     # what FSDP's all-gathers free is transient like the activations; an adapter fine-tune has a term of its own
     assert cpu_overhead_terms(cats, gathered=400 * MB)["allocator_retention"] == int(OVERHEAD.cpu_allocator_retention * 1000 * MB)
     assert cpu_overhead_terms(cats, adapters=True) == {**terms, "adapter_fine_tuning": OVERHEAD.cpu_adapter_fine_tuning}
+    # the run's heap settings (run.CPU_HEAP) leave their pad at the heap's top: counted whole
+    assert cpu_overhead_terms(cats, cpu_heap=True) == {**terms, "heap_top_pad": 16 * MiB}
     # glibc's defaults keep freed blocks; a low mmap threshold returns them
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.025 * 600 * MB)
@@ -1069,7 +1071,7 @@ def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_ru
     assert gathered_bytes(resolved(config, args(devices=2, strategy="ddp"), "full", "cpu")) == 0
     plan = plan_training(config, fsdp, device_type="cpu", engine="analytic", suggest=False, detect=False)
     for phase, cats in plan.phase_categories.items():  # the step and the evaluation gather; the save and sample do not
-        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2).values())
+        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2, cpu_heap=run.cpu_heap).values())
         runs_model = phase in ("train_step", "evaluation")
         assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention * gathered_bytes(run) if runs_model else 0, abs=2)
     for trainable in ("lora", "adapter"):

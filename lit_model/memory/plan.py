@@ -35,7 +35,7 @@ from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import (DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes,
                                          quantized_step_bytes)
 from lit_model.precision import PRECISION_DTYPES, resolve_precision
-from lit_model.run import Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
+from lit_model.run import CPU_HEAP_TOP_PAD, Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
 from lit_model.memory.trace import (
     GenerationTrace, TraceFailed, TraceResult, depth_segments, optimizer_state_ratio, trace_by_layers,
     trace_generation, trace_training,
@@ -144,7 +144,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
                        transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
-                       compiled_decode_parameters: Optional[int] = None) -> dict[str, int]:
+                       compiled_decode_parameters: Optional[int] = None, cpu_heap: bool = False) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -162,7 +162,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     (--compile), else None: the compiler's own memory and the heap its kernels leave, which in a LoRA or adapter
     fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
     adapters save fewer of). ``compiled_decode_parameters``: a generation process's parameter count when it compiles
-    its decode step (generate --compile), else None."""
+    its decode step (generate --compile), else None. ``cpu_heap``: the training process sets glibc's heap
+    (``Run.cpu_heap``): what a trim leaves at the heap's top (``run.CPU_HEAP_TOP_PAD``) is counted whole."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     after_backward = transient_high + gathered > transient
@@ -185,6 +186,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         "data": OVERHEAD.cpu_data,
         "allocator_retention": int(retained),
     }
+    if cpu_heap:
+        terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
     if adapters:
         terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
     if new_shapes:
@@ -280,7 +283,7 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     if generation:
         return {"generation": True,
                 "compiled_decode_parameters": analytic.param_counts(spec.config).total if spec.compile else None}
-    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0)}
+    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap}
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,

@@ -7,6 +7,7 @@ on GPUs and, with gloo, on the CPU, which Fabric's FSDP1 strategy refuses.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import re
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lit_model.activations import ActivationOffloading
 from lit_model.errors import STOPS, UserError
 from lit_model.model import GPT
-from lit_model.run import ALLOC_CONF_VARIABLES, Run
+from lit_model.run import ALLOC_CONF_VARIABLES, CPU_HEAP, Run
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 
@@ -75,9 +76,21 @@ def set_cuda_allocator(run: Run) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = run.cuda_alloc_conf
 
 
+def set_cpu_heap(run: Run) -> None:
+    """Give glibc's heap the run's settings (``Run.cpu_heap``, ``run.CPU_HEAP``): in this process, which each rank's
+    process also runs, before the model is built."""
+    if not run.cpu_heap:
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    for name, code, value in CPU_HEAP:
+        if libc.mallopt(code, value) != 1:
+            raise RuntimeError(f"glibc refused mallopt({name}, {value})")
+
+
 def setup_fabric(run: Run) -> Fabric:
     """Build (not launch) the Fabric for this run."""
     set_cuda_allocator(run)
+    set_cpu_heap(run)
     backend = "nccl" if run.device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=run.timeout)
     if run.device_type == "cpu" and run.devices > 1 and "OMP_NUM_THREADS" not in os.environ:
