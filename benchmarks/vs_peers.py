@@ -79,9 +79,11 @@ GENERATE = dict(prompt="def fibonacci(n):\n", max_new_tokens=224)  # + the promp
 TORCHTUNE = ("torchtune==0.6.1", "torchao==0.11.0")  # torchao 0.12+ dropped the NF4 module torchtune 0.6.1 imports
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 IMPLS = ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc")
-# lit_model_glibc: lit-model with glibc's default heap (a MALLOC_* variable set to glibc's own default top pad turns
-# off the heap settings training scripts give a CPU run: lit_model.run.CPU_HEAP), to measure what those settings do.
-GLIBC_DEFAULT_HEAP = {"MALLOC_TOP_PAD_": "131072"}
+# lit_model_glibc: lit-model with glibc's default heap, to measure what the heap settings the training scripts give a
+# CPU run do (lit_model.run.CPU_HEAP). Any MALLOC_* variable turns those off; MALLOC_PERTURB_=0 is glibc's default
+# (no perturbation) and, unlike setting a threshold or the top pad to its default value, leaves glibc's adaptive
+# thresholds on: MALLOC_TOP_PAD_=131072 halved lit-model's tokens/s at micro batch 1.
+GLIBC_DEFAULT_HEAP = {"MALLOC_PERTURB_": "0"}
 
 
 # ---- rows ----------------------------------------------------------------------------------------
