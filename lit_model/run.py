@@ -183,9 +183,9 @@ def cuda_alloc_conf(device_type: str) -> Optional[str]:
 # glibc's heap in a CPU training process (mallopt names, codes, values): both thresholds fixed at the ceilings glibc's
 # adaptive ones reach on their own (mmap 32 MiB, trim twice that), and 16 MiB left at the heap's top when it is
 # trimmed. At the defaults a step's freed blocks go back to the OS and return as page faults the kernel zeroes, every
-# step: lit-model-5m, micro batch 1 x 256, bf16-true, ~1,400 faults a step (none with these), and micro batch 8
-# x 256, 32-true, ~6,500 (~650): benchmarks/results/cpu_heap.md. Where the user set glibc's malloc variables,
-# theirs stand.
+# step: the 5.26M model of benchmarks/vs_peers.py in bf16-true, micro batch 1 x 256, ~1,500 faults a step (3 with
+# these), micro batch 8 x 256 ~13,800 (~770): benchmarks/results/cpu_heap.md. Where the user set glibc's malloc
+# variables, theirs stand.
 CPU_HEAP_TOP_PAD = 16 << 20
 CPU_HEAP = (("M_MMAP_THRESHOLD", -3, 32 << 20), ("M_TRIM_THRESHOLD", -1, 64 << 20), ("M_TOP_PAD", -2, CPU_HEAP_TOP_PAD))
 
@@ -193,7 +193,8 @@ CPU_HEAP = (("M_MMAP_THRESHOLD", -3, 32 << 20), ("M_TRIM_THRESHOLD", -1, 64 << 2
 def tunes_cpu_heap(device_type: str) -> bool:
     """Whether a training process on ``device_type`` sets ``CPU_HEAP``: on the CPU, with glibc, unless a ``MALLOC_*``
     variable or a ``glibc.malloc`` tunable is set."""
-    user_set = any(name.startswith("MALLOC_") for name in os.environ) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    user_set = (any(name.startswith("MALLOC_") for name in os.environ)
+                or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
     return device_type == "cpu" and sys.platform == "linux" and platform.libc_ver()[0] == "glibc" and not user_set
 
 

@@ -145,6 +145,9 @@ class Overhead:
     # runs per configuration: medians within -3.1 % to +9.1 %; in one run of the 60 the plan was 5.3 % under the peak
     # (full pythia-160m 32-true, 3,324 MiB; 3,032 and 3,040 in the other two).
     # DDP's gradients are left out of the transient bytes (allocated once in its buckets; plan.cpu_overhead_terms).
+    # The training scripts now set glibc's heap (run.CPU_HEAP); the grid re-measured with those settings (2026-11-28)
+    # kept every plan at or above its median peak (worst -0.1 %) with these terms and the 16 MiB pad, 23/27 within
+    # 10 %: the four above are fine-tunes that keep less heap with the settings. Kept, not re-fitted.
     cpu_allocator_retention: float = 0.40
     # ... where the peak falls in a later stretch of the step than its most transient bytes (an 8-bit optimizer's step
     # after backward freed the activations), the heap backward left is what glibc keeps, and it kept more: pythia-70m

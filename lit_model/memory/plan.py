@@ -35,7 +35,8 @@ from lit_model.memory.analytic import CATEGORIES
 from lit_model.memory.calibration import (DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes,
                                          quantized_step_bytes)
 from lit_model.precision import PRECISION_DTYPES, resolve_precision
-from lit_model.run import CPU_HEAP_TOP_PAD, Run, canonical_name, changed_flags, check_optimizer_run, render_flags, resolve_run
+from lit_model.run import (CPU_HEAP_TOP_PAD, Run, canonical_name, changed_flags, check_optimizer_run, render_flags,
+                           resolve_run)
 from lit_model.memory.trace import (
     GenerationTrace, TraceFailed, TraceResult, depth_segments, optimizer_state_ratio, trace_by_layers,
     trace_generation, trace_training,
