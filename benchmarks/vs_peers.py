@@ -531,7 +531,7 @@ def benchmark(rows: list[Row], impls: list[str], steps: int, warmup: int, repeat
                 run_dir = WORK / "runs" / row.name / f"{impl}-{repeat}"
                 run_dir.mkdir(parents=True, exist_ok=True)
                 command = commands(impl, row, run_dir, steps, setup, pythons)
-                variables = [f"{k}={v}" for k, v in GLIBC_DEFAULT_HEAP.items()] if impl == "lit_model_glibc" else []
+                variables = [f"{k}={v}" for k, v in GLIBC_DEFAULT_HEAP.items() if command.env.get(k) == v]
                 commands_used.setdefault(row.name, {})[impl] = shlex.join([*variables, *command.argv])
                 result = run_process(command, run_dir / "output.log")
                 try:

@@ -18,7 +18,7 @@ from lit_model.activations import ActivationOffloading
 from lit_model.cli import parse
 from lit_model.errors import UsageError
 from lit_model.memory import plan_run
-from lit_model.run import changed_flags, render_flags, resolve_run
+from lit_model.run import CPU_HEAP_TOP_PAD, changed_flags, render_flags, resolve_run
 from lit_model.training.args import TrainArgs, check_args
 from test_memory_plan import args as plan_args, resolved, tiny
 from test_training_levers import batch, gradients, make_model
@@ -214,7 +214,6 @@ def test_a_cpu_run_keeps_its_freed_heap_instead_of_faulting_it_back_every_step(t
     tuned, default = churn({}), churn({"MALLOC_PERTURB_": "0"})  # the user's MALLOC_* variable: here glibc's default
     assert tuned[0] == "True" and default[0] == "False"
     assert tuned[1] < 200 and default[1] > 20 * 4 * 2048 // 2, (tuned, default)  # 2,048 pages of 4 KiB in 8 MiB
-    from lit_model.run import CPU_HEAP_TOP_PAD
     run = resolve_run(TrainArgs(max_steps=1, out_dir=tmp_path), tiny(), device_type="cpu")
     plan = plan_run(run, engine="analytic", suggest=False, detect=False)
     assert plan.overhead_terms.get("heap_top_pad") == (CPU_HEAP_TOP_PAD if run.cpu_heap else None)
