@@ -79,7 +79,7 @@ class Run:
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE  # with loss_chunk_auto: a placeholder until it is chosen
     loss_chunk_auto: bool = False
     cuda_alloc_conf: Optional[str] = None  # the CUDA caching allocator's settings the run gets (cuda_alloc_conf())
-    cpu_heap: bool = False  # glibc's heap gets CPU_HEAP's settings (tunes_cpu_heap())
+    cpu_heap: str = "glibc"  # glibc's heap in the process: "lit_model", "returns_freed" or "glibc" (resolve_cpu_heap())
     optimizer: str = "AdamW"  # an OPTIMIZERS name as spelled there, or an optimizer class's import path
     optimizer_rank: int = DEFAULT_OPTIMIZER_RANK  # GaLore / APOLLO projection rank
     optimizer_in_backward: bool = False
@@ -190,12 +190,18 @@ CPU_HEAP_TOP_PAD = 16 << 20
 CPU_HEAP = (("M_MMAP_THRESHOLD", -3, 32 << 20), ("M_TRIM_THRESHOLD", -1, 64 << 20), ("M_TOP_PAD", -2, CPU_HEAP_TOP_PAD))
 
 
-def tunes_cpu_heap(device_type: str) -> bool:
-    """Whether a training process on ``device_type`` sets ``CPU_HEAP``: on the CPU, with glibc, unless a ``MALLOC_*``
-    variable or a ``glibc.malloc`` tunable is set."""
+def resolve_cpu_heap(device_type: str, sets_heap: bool = True) -> str:
+    """How glibc's heap behaves in a process on ``device_type`` (the planner's retained heap follows it): "lit_model"
+    where a training process (``sets_heap``) on the CPU sets ``CPU_HEAP``, on glibc, and the user set no ``MALLOC_*``
+    variable and no ``glibc.malloc`` tunable; "returns_freed" where the user's ``MALLOC_MMAP_THRESHOLD_`` is at most
+    1 MiB (freed blocks go back to the OS at once); else "glibc" (its adaptive thresholds, or the user's settings)."""
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    if threshold.isdigit() and int(threshold) <= 1 << 20:
+        return "returns_freed"
     user_set = (any(name.startswith("MALLOC_") for name in os.environ)
                 or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
-    return device_type == "cpu" and sys.platform == "linux" and platform.libc_ver()[0] == "glibc" and not user_set
+    glibc = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+    return "lit_model" if sets_heap and device_type == "cpu" and glibc and not user_set else "glibc"
 
 
 def resolve_devices(devices: Union[int, str], device_type: str, present: bool = True) -> int:
@@ -362,7 +368,7 @@ def resolve_run(
         compile=bool(args.compile),
         checkpoint_dir=checkpoint_dir,
         cuda_alloc_conf=cuda_alloc_conf(device_type),
-        cpu_heap=tunes_cpu_heap(device_type),
+        cpu_heap=resolve_cpu_heap(device_type),
         packing=bool(getattr(args, "packing", False)),
     )
     check_optimizer_run(run)

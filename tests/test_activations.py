@@ -212,13 +212,13 @@ def test_a_cpu_run_keeps_its_freed_heap_instead_of_faulting_it_back_every_step(t
         return out[0], int(out[1])
 
     tuned, default = churn({}), churn({"MALLOC_PERTURB_": "0"})  # the user's MALLOC_* variable: here glibc's default
-    assert tuned[0] == "True" and default[0] == "False"
+    assert tuned[0] == "lit_model" and default[0] == "glibc"
     assert tuned[1] < 200 and default[1] > 20 * 4 * 2048 // 2, (tuned, default)  # 2,048 pages of 4 KiB in 8 MiB
     run = resolve_run(TrainArgs(max_steps=1, out_dir=tmp_path), tiny(), device_type="cpu")
     plan = plan_run(run, engine="analytic", suggest=False, detect=False)
-    assert plan.overhead_terms.get("heap_top_pad") == (CPU_HEAP_TOP_PAD if run.cpu_heap else None)
+    assert plan.overhead_terms.get("heap_top_pad") == (CPU_HEAP_TOP_PAD if run.cpu_heap == "lit_model" else None)
     cuda = resolve_run(TrainArgs(max_steps=1, out_dir=tmp_path), tiny(), device_type="cuda", present=False)
-    assert not cuda.cpu_heap
+    assert cuda.cpu_heap == "glibc"
 
 
 def test_loss_chunk_auto_picks_the_largest_chunk_that_fits(tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
 import warnings
 from typing import Any
@@ -73,11 +75,10 @@ def test_categories_add_up_to_the_peak(engine):
     assert plan.by_category["parameters"] > 0 and plan.by_category["overhead"] > 0
 
 
-def test_cpu_overhead_terms_add_up(monkeypatch):
+def test_cpu_overhead_terms_add_up():
     from lit_model.memory.calibration import MB, MiB, OVERHEAD
     from lit_model.memory.plan import cpu_overhead_terms
 
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
     assert terms == {"runtime": 373 * MiB, "data": 48 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
@@ -94,12 +95,38 @@ def test_cpu_overhead_terms_add_up(monkeypatch):
     assert cpu_overhead_terms(cats, gathered=400 * MB)["allocator_retention"] == int(OVERHEAD.cpu_allocator_retention * 1000 * MB)
     assert cpu_overhead_terms(cats, adapters=True) == {**terms, "adapter_fine_tuning": OVERHEAD.cpu_adapter_fine_tuning}
     # the run's heap settings (run.CPU_HEAP) leave their pad at the heap's top: counted whole
-    assert cpu_overhead_terms(cats, cpu_heap=True) == {**terms, "heap_top_pad": 16 * MiB}
-    # glibc's defaults keep freed blocks; a low mmap threshold returns them
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert cpu_overhead_terms(cats)["allocator_retention"] == int(0.025 * 600 * MB)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 20))  # a high threshold keeps the default retention
-    assert cpu_overhead_terms(cats)["allocator_retention"] == int(OVERHEAD.cpu_allocator_retention * 600 * MB)
+    assert cpu_overhead_terms(cats, cpu_heap="lit_model") == {**terms, "heap_top_pad": 16 * MiB}
+    # glibc's defaults keep freed blocks; a low mmap threshold of the user's returns them
+    assert cpu_overhead_terms(cats, cpu_heap="returns_freed")["allocator_retention"] == int(0.025 * 600 * MB)
+
+
+@pytest.mark.parametrize("environment, training, generation", [
+    ({}, "lit_model", "glibc"),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, "returns_freed", "returns_freed"),
+    ({"MALLOC_MMAP_THRESHOLD_": str(64 << 20)}, "glibc", "glibc"),  # a high threshold keeps glibc's retention
+    ({"MALLOC_ARENA_MAX": "2"}, "glibc", "glibc"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "glibc", "glibc"),
+])
+def test_the_cpu_heap_regime_is_resolved_once_from_the_environment(monkeypatch, tmp_path, environment, training, generation):
+    """A run carries how glibc's heap behaves in its process (Run.cpu_heap, resolved once from the environment); the
+    planner reads that field, never the environment. A generation process sets nothing (sets_heap=False)."""
+    from lit_model.memory.plan import plan_run
+    from lit_model.run import resolve_cpu_heap
+
+    for name in [n for n in os.environ if n.startswith("MALLOC_") or n == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        training = "glibc" if training == "lit_model" else training
+    run = resolved(tiny(), args(), "full", "cpu")
+    assert run.cpu_heap == training and resolve_cpu_heap("cpu", sets_heap=False) == generation
+    assert resolved(tiny(), args(), "full", "cuda").cpu_heap == generation
+    terms = plan_run(run, engine="analytic", suggest=False, detect=False).overhead_terms
+    assert ("heap_top_pad" in terms) == (training == "lit_model")
+    for name in environment:
+        monkeypatch.delenv(name)
+    assert plan_run(run, engine="analytic", suggest=False, detect=False).overhead_terms == terms
 
 
 def test_cpu_sample_phase_holds_only_the_fp32_copy():

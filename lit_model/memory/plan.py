@@ -18,7 +18,6 @@ import itertools
 import json
 import math
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
@@ -36,7 +35,7 @@ from lit_model.memory.calibration import (DEVICE_COUNTS, OVERHEAD, QUALITY_PENAL
                                          quantized_step_bytes)
 from lit_model.precision import PRECISION_DTYPES, resolve_precision
 from lit_model.run import (CPU_HEAP_TOP_PAD, Run, canonical_name, changed_flags, check_optimizer_run, render_flags,
-                           resolve_run)
+                           resolve_cpu_heap, resolve_run)
 from lit_model.memory.trace import (
     GenerationTrace, TraceFailed, TraceResult, depth_segments, optimizer_state_ratio, trace_by_layers,
     trace_generation, trace_training,
@@ -135,17 +134,11 @@ class Plan:
 CPU_SAMPLE_NEW_TOKENS = 100  # the sample at the end of a run (session.sample_text): at most this many new tokens
 
 
-def _glibc_returns_freed_blocks() -> bool:
-    """MALLOC_MMAP_THRESHOLD_ <= 1 MiB: freed blocks go back to the OS at once (else glibc's defaults)."""
-    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    return threshold is not None and threshold.isdigit() and int(threshold) <= 1 << 20
-
-
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
                        transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
-                       compiled_decode_parameters: Optional[int] = None, cpu_heap: bool = False) -> dict[str, int]:
+                       compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc") -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -163,13 +156,15 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     (--compile), else None: the compiler's own memory and the heap its kernels leave, which in a LoRA or adapter
     fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
     adapters save fewer of). ``compiled_decode_parameters``: a generation process's parameter count when it compiles
-    its decode step (generate --compile), else None. ``cpu_heap``: the training process sets glibc's heap
-    (``Run.cpu_heap``): what a trim leaves at the heap's top (``run.CPU_HEAP_TOP_PAD``) is counted whole."""
+    its decode step (generate --compile), else None. ``cpu_heap``: how glibc's heap behaves in the process
+    (``Run.cpu_heap``): where the run sets it ("lit_model"), what a trim leaves at the heap's top
+    (``run.CPU_HEAP_TOP_PAD``) is counted whole; where the user's mmap threshold returns freed blocks at once
+    ("returns_freed"), little is retained."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     after_backward = transient_high + gathered > transient
     transient = max(transient, transient_high + gathered)
-    if _glibc_returns_freed_blocks():
+    if cpu_heap == "returns_freed":
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     elif generation:
         retained = OVERHEAD.cpu_generation_retention * transient
@@ -187,7 +182,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         "data": OVERHEAD.cpu_data,
         "allocator_retention": int(retained),
     }
-    if cpu_heap:
+    if cpu_heap == "lit_model":
         terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
     if adapters:
         terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
@@ -282,7 +277,7 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     """``cpu_overhead_terms``' keywords for a phase of a training run (``transient_highs``: the trace's most transient
     bytes of any stretch of each phase), or of a generation process."""
     if generation:
-        return {"generation": True,
+        return {"generation": True, "cpu_heap": spec.cpu_heap,
                 "compiled_decode_parameters": analytic.param_counts(spec.config).total if spec.compile else None}
     return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap}
 
@@ -924,7 +919,8 @@ def plan_generation(
     B = batch_size
     kv = sum(part["kv_cache"] for part in traced.resident.values())
     spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1, strategy="single",
-               micro_batch_size=B, global_batch_size=B, seq_len=total, compile=compile)
+               micro_batch_size=B, global_batch_size=B, seq_len=total, compile=compile,
+               cpu_heap=resolve_cpu_heap(device_type, sets_heap=False))
     memory = _resolve_memory(device_memory, device_type, detect)
     plan = _assemble(spec, phases, memory, "trace", [], generation=True)
     plan.run = {"model": config.name, "parameters": analytic.param_counts(config).total,

@@ -79,7 +79,7 @@ def set_cuda_allocator(run: Run) -> None:
 def set_cpu_heap(run: Run) -> None:
     """Give glibc's heap the run's settings (``Run.cpu_heap``, ``run.CPU_HEAP``): in this process, which each rank's
     process also runs, before the model is built."""
-    if not run.cpu_heap:
+    if run.cpu_heap != "lit_model":
         return
     libc = ctypes.CDLL("libc.so.6")
     for name, code, value in CPU_HEAP:
