@@ -146,11 +146,21 @@ class _OneDNNLinear(torch.autograd.Function):
             grad_x = linear(grad, weight.t())  # grad @ W; oneDNN reads the transposed weight in place
         rows = grad.reshape(-1, grad.size(-1))
         if ctx.needs_input_grad[1]:
-            # BLAS: oneDNN would copy both transposed operands (a hidden activation-sized buffer the planner cannot see)
-            grad_weight = rows.t().mm(x.reshape(-1, x.size(-1)))
+            grad_weight = _weight_gradient(rows, x.reshape(-1, x.size(-1)))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad.t() @ x`` (out x in) as ``linear`` (on oneDNN; differentiable): the narrower of the two (rows x out,
+    rows x in) copied transposed and the wider read transposed in place, so that the product's columns run over the
+    wider side. On an AMD EPYC this took 0.55-0.75x the time of MKL's ``grad.t().mm(x)`` for 256 to 8,192 rows of 256
+    <-> 688 (copying the wider, or letting oneDNN copy, gained little on one of the two shapes). The copy, rows x
+    min(out, in), is this code's tensor, which the planner's trace counts; oneDNN allocates nothing that large."""
+    if x.size(1) >= grad.size(1):
+        return linear(grad.t().contiguous(), x.t())
+    return linear(x.t().contiguous(), grad.t()).t().contiguous()
 
 
 def decoding_column_major(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> bool:
