@@ -271,13 +271,14 @@ def saved_bytes(fn):
 
 @onednn
 @pytest.mark.parametrize("frozen", [False, True])
-def test_onednn_linear_equals_f_linear_in_values_gradients_and_what_it_keeps(kernel, frozen):
+@pytest.mark.parametrize("out_features", [40, 56])  # the weight's gradient copies the narrower operand: grad or x
+def test_onednn_linear_equals_f_linear_in_values_gradients_and_what_it_keeps(kernel, frozen, out_features):
     kernel("onednn")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 48, generator=generator, requires_grad=True)
-    weight = torch.randn(40, 48, generator=generator).requires_grad_(not frozen)
-    bias = torch.randn(40, generator=generator).requires_grad_(not frozen)
-    upstream = torch.randn(3, 5, 40, generator=generator)
+    weight = torch.randn(out_features, 48, generator=generator).requires_grad_(not frozen)
+    bias = torch.randn(out_features, generator=generator).requires_grad_(not frozen)
+    upstream = torch.randn(3, 5, out_features, generator=generator)
     ours, ours_kept = saved_bytes(lambda: linear(x, weight, bias))
     reference, reference_kept = saved_bytes(lambda: F.linear(x, weight, bias))
     assert ours.grad_fn.name().endswith("_OneDNNLinearBackward")
@@ -290,15 +291,16 @@ def test_onednn_linear_equals_f_linear_in_values_gradients_and_what_it_keeps(ker
 
 
 @onednn
-def test_onednn_linear_is_differentiable_twice(kernel):
+@pytest.mark.parametrize("out_features", [8, 24])
+def test_onednn_linear_is_differentiable_twice(kernel, out_features):
     kernel("onednn")  # Sophia's Hessian differentiates the gradients again
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(6, 16, generator=generator, requires_grad=True)
-    weight = torch.randn(8, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(out_features, 16, generator=generator, requires_grad=True)
     results = []
     for f in (linear, F.linear):
-        (grad_x,) = torch.autograd.grad(f(x, weight).tanh().sum(), (x,), create_graph=True)
-        results.append(torch.autograd.grad(grad_x.square().sum(), (x, weight)))
+        grad_x, grad_weight = torch.autograd.grad(f(x, weight).tanh().sum(), (x, weight), create_graph=True)
+        results.append(torch.autograd.grad(grad_x.square().sum() + grad_weight.square().sum(), (x, weight)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
