@@ -11,8 +11,9 @@
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
 ``--quantize bnb.nf4``, adapter.py) started as a user starts it, in the default environment (every ``MALLOC_*``
 variable removed: the heap settings the training scripts give a CPU run, lit_model.run.CPU_HEAP), 2 optimizer
-steps with one evaluation, the final save of final/ and the sample at the end. ``measured`` is the run's ``summary.json`` ``peak_memory_bytes``: the peak
-resident memory (VmHWM) of the largest rank over the whole process, the median of ``--repeats`` runs (3).
+steps with one evaluation, the final save of final/ and the sample at the end. ``measured`` is the run's
+``summary.json`` ``peak_memory_bytes``: the peak resident memory (VmHWM) of the largest rank over the whole process,
+the median of ``--repeats`` runs (3).
 ``predicted`` is the peak of ``--plan json`` for the same command line (per rank). The data and tokenizer caches
 are built once before the grid (in ``LIT_MODEL_CACHE`` under the output directory), so no measured run trains a
 tokenizer or tokenizes the corpus; pretraining uses the default 8192-token BPE (``--tokenizer_dir``) with every

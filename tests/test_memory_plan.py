@@ -107,7 +107,7 @@ def test_cpu_overhead_terms_add_up():
     ({"MALLOC_ARENA_MAX": "2"}, "glibc", "glibc"),
     ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "glibc", "glibc"),
 ])
-def test_the_cpu_heap_regime_is_resolved_once_from_the_environment(monkeypatch, tmp_path, environment, training, generation):
+def test_the_cpu_heap_regime_is_resolved_once_from_the_environment(monkeypatch, environment, training, generation):
     """A run carries how glibc's heap behaves in its process (Run.cpu_heap, resolved once from the environment); the
     planner reads that field, never the environment. A generation process sets nothing (sets_heap=False)."""
     from lit_model.memory.plan import plan_run
