@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, read_metrics, run_script
 from lit_model.ops import onednn_fp32_linear
+from lit_model.training.loop import seed_step
 from safetensors import safe_open
 
 
@@ -70,6 +72,18 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tiny_setup, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
     assert losses(interrupted) == losses(full)
+
+
+def test_a_step_draws_on_the_cpu_what_torch_manual_seed_made_it_draw():
+    """The per-step seed (dropout's masks, so that a resumed step redoes them) seeds the CPU's generator only, as
+    torch.manual_seed seeded it for every backend: the same masks as before, for runs resumed across the change."""
+    seed_step(torch.device("cpu"), 1234)
+    masks = torch.nn.functional.dropout(torch.ones(256), 0.5), torch.randint(0, 1000, (8,))
+    torch.manual_seed(1234)
+    assert torch.equal(masks[0], torch.nn.functional.dropout(torch.ones(256), 0.5))
+    assert torch.equal(masks[1], torch.randint(0, 1000, (8,)))
+    seed_step(torch.device("cpu"), 1235)
+    assert not torch.equal(masks[0], torch.nn.functional.dropout(torch.ones(256), 0.5))
 
 
 @pytest.mark.multiprocess
