@@ -74,56 +74,69 @@ def _loss_and_gradients(
     wanted: tuple[bool, ...],
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     weight_c = weight.to(compute_dtype)
+    # Which rows count, once for all chunks. Ignored rows are zeroed through the (chunk x embedding) operands of the
+    # gradients' products, which is cheaper than masking (chunk x vocab) blocks; no row is ignored in pretraining.
+    valid = targets != -100
+    safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
+    row_mask = valid.unsqueeze(1).to(compute_dtype)
     grad_x = torch.empty_like(x) if wanted[0] else None
-    grad_weight = torch.zeros_like(weight) if wanted[1] else None
+    # The first chunk's product writes the weight's gradient whole (no zero fill to add to), unless it accumulates
+    # in another dtype than the product's (autocast) or there is no chunk at all.
+    writes_weight = x.size(0) > 0 and weight.dtype == compute_dtype
+    grad_weight = None if not wanted[1] else torch.empty_like(weight) if writes_weight else torch.zeros_like(weight)
     grad_bias = torch.zeros_like(bias) if wanted[2] and bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, x.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
-        total += _chunk(x[rows].to(compute_dtype), targets[rows], weight_c, bias, softcap,
-                        None if grad_x is None else grad_x[rows], grad_weight, grad_bias)
+        total += _chunk(x[rows].to(compute_dtype), valid[rows], safe_targets[rows], row_mask[rows], weight_c, bias,
+                        softcap, None if grad_x is None else grad_x[rows], grad_weight, grad_bias,
+                        writes_weight and start == 0)
     return total, grad_x, grad_weight, grad_bias
 
 
 def _chunk(
     x: torch.Tensor,
-    targets: torch.Tensor,
+    valid: torch.Tensor,
+    safe_targets: torch.Tensor,
+    row_mask: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     softcap: Optional[float],
     grad_x: Optional[torch.Tensor],
     grad_weight: Optional[torch.Tensor],
     grad_bias: Optional[torch.Tensor],
+    first: bool,
 ) -> torch.Tensor:
-    """One chunk's summed loss; writes its rows of ``grad_x`` and adds to ``grad_weight``/``grad_bias``. A
-    function of its own so that its (chunk x vocab) blocks are freed before the next chunk's are made."""
+    """One chunk's summed loss; writes its rows of ``grad_x`` and adds to ``grad_weight`` (``first``: writes it)
+    and ``grad_bias``. A function of its own so that its (chunk x vocab) blocks are freed before the next chunk's
+    are made."""
     logits = linear(x, weight).float()
     if bias is not None:
         logits += bias
     if softcap is not None:
         tanh = logits.div_(softcap).tanh_()
         logits = tanh * softcap
-    valid = targets != -100
-    safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
     log_probs = torch.log_softmax(logits, dim=1)
-    del logits  # at most two (chunk x vocab) fp32 blocks at once
     loss = -torch.where(valid, log_probs.gather(1, safe_targets).squeeze(1), 0.0).sum()
+    del log_probs  # at most two (chunk x vocab) fp32 blocks at once (three with softcapping's tanh)
     if grad_x is None and grad_weight is None and grad_bias is None:
         return loss
-    # d loss / d logits = softmax - one_hot(target), computed in place. Ignored rows are zeroed through the
-    # (chunk x embedding) operands below, which is cheaper than masking the (chunk x vocab) block.
-    grad = log_probs.exp_()
+    # d loss / d logits = softmax - one_hot(target), in place. softmax rather than exp(log_probs): PyTorch's softmax
+    # kernel takes a faster exponential than its elementwise exp (0.8x the time on a 128 x 4,096 block).
+    grad = torch.softmax(logits, dim=1)
+    del logits
     grad.scatter_add_(1, safe_targets, torch.full(safe_targets.shape, -1.0, dtype=grad.dtype, device=grad.device))
     if softcap is not None:  # d softcap(z) / dz = 1 - tanh^2
         grad.mul_(tanh.square_().neg_().add_(1.0))
     if grad_bias is not None:
         grad_bias += (valid.to(grad.dtype) @ grad).to(grad_bias.dtype)
     grad = grad.to(x.dtype)
-    row_mask = valid.unsqueeze(1).to(x.dtype)
     if grad_x is not None:
         grad_x.copy_(linear(grad, weight.t()).mul_(row_mask))
     if grad_weight is not None:
-        if grad_weight.dtype == x.dtype:
+        if first:
+            torch.mm(grad.t(), x * row_mask, out=grad_weight)
+        elif grad_weight.dtype == x.dtype:
             grad_weight.addmm_(grad.t(), x * row_mask)
         else:  # autocast: half-precision product, accumulated in the weight's precision
             grad_weight += torch.mm(grad.t(), x * row_mask)
