@@ -28,7 +28,7 @@ setup(
         "sentencepiece>=0.2",
         "tqdm",
         "psutil",
-        "huggingface_hub>=1.0",  # lit_model.download
+        "huggingface_hub>=1.0",  # lit_model.io.download
         "jinja2>=3.1.6",  # older versions have sandbox escapes; checkpoints' chat templates, rendered as transformers does
     ],
     extras_require={

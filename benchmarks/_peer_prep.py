@@ -22,28 +22,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 def tokenizer(corpus: str, vocab: str, out_dir: str) -> None:
-    from lit_model.tokenizer import train_bpe
+    from lit_model.io.tokenizer import train_bpe
 
     train_bpe(sorted(Path(corpus).glob("*.txt")), int(vocab), out_dir)
 
 
 def lit_data(corpus: str, tokenizer_dir: str, block: str) -> None:
     from lit_model.data.text import load_pretrain_data
-    from lit_model.tokenizer import Tokenizer
+    from lit_model.io.tokenizer import Tokenizer
 
     load_pretrain_data(Path(corpus), Tokenizer(tokenizer_dir), int(block))
 
 
 def hf_config(model_yaml: str, out_dir: str) -> None:
-    from lit_model.config import Config
-    from lit_model.convert import config_to_hf
+    from lit_model.core.config import Config
+    from lit_model.io.convert import config_to_hf
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "config.json").write_text(json.dumps(config_to_hf(Config.from_file(model_yaml)), indent=1))
 
 
 def lit_to_hf(checkpoint: str, out_dir: str) -> None:
-    from lit_model.convert import lit_to_hf as convert
+    from lit_model.io.convert import lit_to_hf as convert
 
     convert(checkpoint, out_dir, overwrite=True)
     for name in TOKENIZER_FILES:  # a transformers model directory carries its tokenizer
@@ -55,8 +55,8 @@ def instruct(corpus: str, tokenizer_dir: str, count: str, out: str) -> None:
     (16 + 64 + 96 tokens, the same for every record), so every implementation's batches hold about the same tokens
     whatever its padding; the mean length of a record as lit-model's alpaca template tokenizes it is written
     beside it (``.stats.json``): the tokens each sample counts for in the fine-tuning rows."""
-    from lit_model.prompts import PromptStyle
-    from lit_model.tokenizer import Tokenizer
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_dir)
     ids = [i for path in sorted(Path(corpus).glob("*.txt")) for i in tok.encode(path.read_text()).tolist()]

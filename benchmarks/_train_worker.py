@@ -18,8 +18,8 @@ OPTIMIZER = dict(learning_rate=1e-3, weight_decay=0.1)
 def build(impl: str):
     if impl == "lit_model":
         from lit_model import GPT, Config
-        from lit_model.precision import param_dtype
-        from lit_model.training.optimizers import build_optimizer
+        from lit_model.core.precision import param_dtype
+        from lit_model.train.optimizers import build_optimizer
 
         model = GPT(Config(name="bench", **ARCH))
 

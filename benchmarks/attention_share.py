@@ -35,9 +35,9 @@ from torch.profiler import profile
 from _tables import best_seconds, cpu_description, csv_text, markdown_table
 from vs_peers import ARCH
 from lit_model import GPT, Config
-from lit_model.files import atomic_write
-from lit_model.precision import param_dtype
-from lit_model.training.optimizers import build_optimizer
+from lit_model.core.files import atomic_write
+from lit_model.core.precision import param_dtype
+from lit_model.train.optimizers import build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = [(256, 1), (256, 8), (1024, 1), (1024, 8)]  # (block, micro batch)

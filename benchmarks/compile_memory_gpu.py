@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from lit_model.config import Config
-from lit_model.model import GPT
+from lit_model.core.config import Config
+from lit_model.model.gpt import GPT
 
 VARIANTS = ("eager", "compiled", "compiled_one_chunk", "compiled_blocks")
 GiB = 2**30

@@ -38,8 +38,8 @@ import torch
 
 from _tables import cpu_description, csv_text, markdown_table
 from vs_peers import ARCH, CORPUS, ROOT, TOKENIZER, WORK, prep, quiet_run, write_corpus, write_yaml
-from lit_model.files import atomic_write
-from lit_model.ops import FP32_LINEAR_ENV, ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
+from lit_model.core.files import atomic_write
+from lit_model.kernels.ops import FP32_LINEAR_ENV, ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = {**ARCH, "name": "kernels-768", "hf_type": "llama", "block_size": 1024, "n_layer": 2, "n_embd": 768,

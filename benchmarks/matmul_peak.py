@@ -41,7 +41,7 @@ from pathlib import Path
 
 from _tables import best_seconds, cpu_description, csv_text, markdown_table
 
-from lit_model.files import atomic_write
+from lit_model.core.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ DEFAULT_ARCH = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_query_gr
 def best_mm_seconds(m: int, k: int, n: int, precision: str = "32-true", repeats: int = 5, device: str = "cpu") -> float:
     """The best time of an m x k by k x n product of the precision's dtype, after a warm-up call: torch.mm, or in
     fp32 oneDNN's inner product where this torch has it (the kernel lit-model's fp32 linear maps take on non-Intel
-    CPUs, where MKL's torch.mm runs at about half of it: lit_model/ops.py), whichever is faster. On a GPU each
+    CPUs, where MKL's torch.mm runs at about half of it: lit_model/kernels/ops.py), whichever is faster. On a GPU each
     timed call waits for the product (torch's default fp32 there: no TF32, as lit-model's 32-true runs)."""
     import torch  # here: vs_peers.py imports this module, and its own process stays without torch while it measures
 

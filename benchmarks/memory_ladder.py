@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from _tables import cpu_description
-from lit_model.files import atomic_open, atomic_write
+from lit_model.core.files import atomic_open, atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

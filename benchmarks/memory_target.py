@@ -32,7 +32,7 @@ import yaml
 from memory_ladder import COLUMNS, RESULTS, Rung, Table, add_ratios, run_rung, short_run_flags
 
 from lit_model import GPT, Config
-from lit_model.files import atomic_open, atomic_write
+from lit_model.core.files import atomic_open, atomic_write
 
 MODEL, SEQ, MICRO = "lit-model-40m", 1024, 4
 AC = ["--precision", "bf16-true", "--activation_checkpointing"]

@@ -5,7 +5,7 @@
 Each run is plan_accuracy.py's measured worker (a fresh process; its docstring says exactly what is measured)
 on MODEL below, with the router as trained (``random``: near-balanced) and with every token sent to experts
 0..k-1 (``first_k``: the router's logits biased by +100), the routing the planner's trace assumes because it
-needs the most memory (lit_model.model.expert_tokens). Predicted: ``plan_training(..., device_type="cpu")``'s
+needs the most memory (lit_model.model.gpt.expert_tokens). Predicted: ``plan_training(..., device_type="cpu")``'s
 train-step peak without its overhead category, from the trace and from the analytic model. Writes
 benchmarks/results/moe_plan.md.
 """
@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_accuracy import RESULTS, job_config, run_worker, settings_for, worker  # noqa: E402
-from lit_model.files import atomic_write
+from lit_model.core.files import atomic_write
 
 MODEL = dict(name="moe-bench", block_size=256, vocab_size=8192, padded_vocab_size=8192, n_layer=4, n_embd=256, n_head=4,
              n_query_groups=2, intermediate_size=512, mlp_class_name="LLaMAMoE", n_expert=8, n_expert_per_token=2)
@@ -44,7 +44,7 @@ NOTES = """## What the rows say
   products on the CPU) makes and keeps a kernel for each new shape, about 0.7 MB each, in two caches (oneDNN's
   primitive cache and ideep's: `ONEDNN_PRIMITIVE_CACHE_CAPACITY`, `LRU_CACHE_CAPACITY`, 1,024 each by default).
   The table's bf16 row was measured with those defaults: 276.3 MB after 2 steps, 329.2 after 5, and (by hand)
-  419.2 after 20, still growing. lit-model now caps both caches at 256 (lit_model/ops.py; the scripts and the
+  419.2 after 20, still growing. lit-model now caps both caches at 256 (lit_model/kernels/ops.py; the scripts and the
   worker set it): 260.1 MB after 2 steps, 299.1 after 5, 301.2 after 20, 301.7 after 40, so the growth stops
   once the caches are full. The plan counts them full (its `kernel_cache` term: 256 x 1 MiB, the measured 0.7 MB
   a kernel rounded up), so the whole plan stays above the process however many steps run. The by-hand figures are
@@ -70,7 +70,7 @@ class FirstK(nn.Module):
 
 
 def route_to_first_k() -> None:
-    from lit_model.model import LLaMAMoE
+    from lit_model.model.gpt import LLaMAMoE
 
     init = LLaMAMoE.__init__
 
@@ -82,7 +82,7 @@ def route_to_first_k() -> None:
 
 
 def predict(job: dict) -> dict[str, float]:
-    from lit_model.memory import plan_training
+    from lit_model.plan import plan_training
 
     settings = settings_for(job["precision"], job["micro_batch"], job["seq_len"], job["ac"], lora_mlp=job["lora_mlp"])
     out = {}

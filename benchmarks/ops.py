@@ -1,4 +1,4 @@
-"""lit_model/ops.py against the PyTorch calls it replaces, forward + backward, on this machine's CPU:
+"""lit_model/kernels/ops.py against the PyTorch calls it replaces, forward + backward, on this machine's CPU:
 
     python benchmarks/ops.py            # ~30 seconds; writes benchmarks/results/ops.{csv,md}
     python benchmarks/ops.py --ops linear decoding --threads 0 --report ops_linear   # fp32 linear kernels, default threads
@@ -46,11 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _tables import cpu_description, csv_text, markdown_table  # noqa: E402
-from lit_model.model import rope_cache  # noqa: E402
-from lit_model.config import Config  # noqa: E402
-from lit_model import ops  # noqa: E402
-from lit_model.ops import causal_attention_in_halves, linear, rms_norm, rotate, upcast_rms_norm  # noqa: E402
-from lit_model.files import atomic_write
+from lit_model.model.gpt import rope_cache  # noqa: E402
+from lit_model.core.config import Config  # noqa: E402
+from lit_model.kernels import ops  # noqa: E402
+from lit_model.kernels.ops import causal_attention_in_halves, linear, rms_norm, rotate, upcast_rms_norm  # noqa: E402
+from lit_model.core.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_ONEDNN_LINEAR_MIN_MACS = ops.ONEDNN_LINEAR_MIN_MACS  # linear_rows lowers it to time the raw kernels
@@ -236,7 +236,7 @@ def main() -> None:
                         *(["--report", args.report] if args.report != "ops" else [])])
     atomic_write(RESULTS / f"{args.report}.csv", csv_text(rows))
     atomic_write(RESULTS / f"{args.report}.md",
-        f"# lit_model/ops.py vs PyTorch {torch.__version__} (CPU: {cpu_description()}; {threads} thread{'s' * (threads > 1)})\n\n"
+        f"# lit_model/kernels/ops.py vs PyTorch {torch.__version__} (CPU: {cpu_description()}; {threads} thread{'s' * (threads > 1)})\n\n"
         f"Regenerate: `{command}`\n\n"
         "Median of 5 alternating rounds of 10 calls; `speedup` = PyTorch's time / lit-model's "
         "(for the bf16 RMSNorm, the upcast formula Hugging Face and litgpt use; for the rotary embedding, the formula "

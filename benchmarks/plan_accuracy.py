@@ -18,7 +18,7 @@ the median of ``--repeats`` runs (3).
 are built once before the grid (in ``LIT_MODEL_CACHE`` under the output directory), so no measured run trains a
 tokenizer or tokenizes the corpus; pretraining uses the default 8192-token BPE (``--tokenizer_dir``) with every
 architecture, and fine-tuning starts from a randomly initialised bf16 checkpoint of the architecture
-(``lit_model.checkpoint.save_checkpoint_dir``), so nothing is downloaded.
+(``lit_model.io.checkpoint.save_checkpoint_dir``), so nothing is downloaded.
 
 ``--generation``: the same for ``generate/base.py`` (a random bf16 checkpoint of each architecture, loaded in the
 run's precision; sampling at temperature 0.8 with top-k 50, the script's defaults). It writes no summary.json:
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_model.files import atomic_open, atomic_write
+from lit_model.core.files import atomic_open, atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -191,7 +191,7 @@ def published_outcome_rows() -> list[dict]:
     """Each published run planned on the published card: does the plan say it fits where it ran, and not where it
     ran out of memory?"""
     from lit_model import Config
-    from lit_model.memory import plan_generation, plan_training
+    from lit_model.plan import plan_generation, plan_training
 
     rows = []
     for label, model, micro, gpus, published in PUBLISHED_OUTCOMES:
@@ -244,10 +244,10 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     import torch
 
     from lit_model import GPT
-    from lit_model.activations import ActivationOffloading
-    from lit_model.model import default_dtype
-    from lit_model.lora import LoRAConfig, apply_lora
-    from lit_model.training.optimizers import build_optimizer
+    from lit_model.model.activations import ActivationOffloading
+    from lit_model.model.gpt import default_dtype
+    from lit_model.methods.lora import LoRAConfig, apply_lora
+    from lit_model.train.optimizers import build_optimizer
 
     dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[job["precision"]]
     config = job_config(job) if n_layer is None else job_config(job, n_layer=n_layer)
@@ -255,7 +255,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
         model = GPT(config)
     model.max_seq_length = job["seq_len"]
     if job.get("quantize"):
-        from lit_model.quantize import quantize_model
+        from lit_model.methods.quantize import quantize_model
 
         quantize_model(model, job["quantize"], dtype)
     if job["trainable"] == "lora":
@@ -272,7 +272,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     x = torch.randint(0, config.vocab_size, (job["micro_batch"], job["seq_len"]))
     y = torch.randint(0, config.vocab_size, (job["micro_batch"], job["seq_len"]))
     times = []
-    for _ in range(steps):  # as lit_model/training/step.py: forward with targets, backward, clip, step, zero_grad
+    for _ in range(steps):  # as lit_model/train/step.py: forward with targets, backward, clip, step, zero_grad
         start = time.perf_counter()
         loss = model(x, targets=y)
         loss.backward()
@@ -289,9 +289,9 @@ def worker(job: dict) -> dict:
 
     import torch
 
-    import lit_model.lora  # noqa: F401  (every import before the first baseline)
-    import lit_model.training.optimizers  # noqa: F401
-    from lit_model.ops import configure_cpu_kernels
+    import lit_model.methods.lora  # noqa: F401  (every import before the first baseline)
+    import lit_model.train.optimizers  # noqa: F401
+    from lit_model.kernels.ops import configure_cpu_kernels
 
     configure_cpu_kernels()  # as the scripts do: oneDNN's kernel caches capped
     torch.manual_seed(0)
@@ -323,7 +323,7 @@ def settings_for(precision: str, micro: int, seq_len: int, ac: bool, loss_chunk_
                  **lora_flags: object) -> Any:
     """The flags of this run, as the training scripts parse them (by default the default loss chunk; LoRA flags as
     finetune/lora.py's attributes)."""
-    from lit_model.training.args import TrainArgs
+    from lit_model.train.args import TrainArgs
 
     settings = TrainArgs(precision=precision, micro_batch_size=micro, global_batch_size=micro, override_max_seq_length=seq_len,
                          activation_checkpointing=ac, optimizer="AdamW", grad_clip=1.0)
@@ -342,8 +342,8 @@ def lora_flags(targets: tuple[str, ...]) -> dict[str, object]:
 
 def published_rows() -> list[dict]:
     from lit_model import Config
-    from lit_model.memory import plan_training
-    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.plan import plan_training
+    from lit_model.plan.calibration import OVERHEAD
 
     def predict(model: str, settings: Any, trainable: str, quantize: Optional[str], metric: str) -> tuple[Any, int, int, int]:
         plan = plan_training(Config.from_name(model), settings, trainable=trainable, quantize=quantize, device_type="cuda",
@@ -440,7 +440,7 @@ def save_random_checkpoint(model: str, out_dir: str, tokenizer_dir: str) -> None
     import torch
 
     from lit_model import GPT, Config
-    from lit_model.checkpoint import save_checkpoint_dir
+    from lit_model.io.checkpoint import save_checkpoint_dir
 
     config = Config.from_name(model)
     gpt = GPT.initialized(config, torch.bfloat16)

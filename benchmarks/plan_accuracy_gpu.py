@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plan_accuracy import PROMPT_LINE, RESULTS, ROOT, SCRIPTS, TINYLLAMA  # noqa: E402
 
-from lit_model.files import atomic_open, atomic_write  # noqa: E402
+from lit_model.core.files import atomic_open, atomic_write  # noqa: E402
 
 GB = 10**9
 PROBE_VARIABLE = "LIT_MODEL_GPU_PROBE"
@@ -273,7 +273,7 @@ def random_checkpoint(model: str, work: Path, tokenizer: Path) -> Path:
     import torch
 
     from lit_model import GPT, Config
-    from lit_model.checkpoint import MANIFEST_NAME, lit_state_dict, save_checkpoint_dir
+    from lit_model.io.checkpoint import MANIFEST_NAME, lit_state_dict, save_checkpoint_dir
 
     out = work / "checkpoints" / model
     if (out / "model.safetensors").exists():
@@ -360,7 +360,7 @@ COLUMNS = ["label", "method", "model", "precision", "micro_batch", "seq_len", "a
 
 
 def row(case: GpuCase, measured: dict, planned: dict, context: dict) -> dict:
-    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.plan.calibration import OVERHEAD
 
     tensors = planned["tensor_peak_bytes"]
     overhead = planned["by_category"].get("overhead", 0)

@@ -26,7 +26,7 @@ from typing import Optional
 
 from _tables import csv_text, markdown_table
 from _venvs import LITGPT_VERSION, litgpt_python
-from lit_model.files import atomic_write
+from lit_model.core.files import atomic_write
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {  # name: (worker, speed metrics, variants as extra worker flags (both implementations run each), what)

@@ -614,7 +614,7 @@ def versions(pythons: dict[str, str]) -> dict[str, str]:
 def write_report(table: list[dict], commands_used: dict[str, dict[str, str]], failures: dict[str, str],
                  args: argparse.Namespace, load: tuple[tuple[float, ...], tuple[float, ...]],
                  found_versions: dict[str, str], torchtune_note: str, own_peak: int) -> None:
-    from lit_model.files import atomic_write  # imported after the runs: it imports torch
+    from lit_model.core.files import atomic_write  # imported after the runs: it imports torch
 
     # a smoke check's numbers (one short run) stay out of benchmarks/results/, beside the runs' logs
     results = HERE / "results" if not args.quick else WORK

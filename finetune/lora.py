@@ -18,13 +18,14 @@ from pathlib import Path
 from lightning.fabric import Fabric
 
 from lit_model.cli import parse
-from lit_model.errors import run_cli
-from lit_model.lora import LoRAConfig, apply_lora, save_merged_checkpoint
-from lit_model.training import finetune, session
-from lit_model.training.args import check_args
+from lit_model.core.errors import run_cli
+from lit_model.methods.lora import LoRAConfig, apply_lora, save_merged_checkpoint
+from lit_model.recipes import finetune
+from lit_model.train import session
+from lit_model.train.args import check_args
 from lit_model.run import Run
-from lit_model.training.fabric import launch, setup_fabric
-from lit_model.training.resumable import check_out_dir
+from lit_model.train.fabric import launch, setup_fabric
+from lit_model.train.resumable import check_out_dir
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from lit_model.cli import parse
-from lit_model.errors import UsageError, run_cli
-from lit_model.generation import (
+from lit_model.core.errors import UsageError, run_cli
+from lit_model.infer.generation import (
     GenerationArgs, TextStream, check_lengths, generate, out_of_memory_hint, prepare_generation, set_kv_cache,
     stats_line, stdout_writer,
 )
@@ -59,7 +59,7 @@ def main(args: BaseArgs) -> None:
         length = len(prompt_ids)
     total = check_lengths(length, args.max_new_tokens, setup.config)
     if args.plan is not None:
-        from lit_model.memory import print_generation_plan  # the planner imports the training code: only for --plan
+        from lit_model.plan import print_generation_plan  # the planner imports the training code: only for --plan
 
         return print_generation_plan(setup, length, args.max_new_tokens, args.num_samples)
 

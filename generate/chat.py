@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lit_model.cli import parse
-from lit_model.errors import UsageError, UserError, run_cli
-from lit_model.generation import ChatSession, GenerationArgs, out_of_memory_hint, prepare_generation, stdout_writer
-from lit_model.tokenizer import check_utf8
+from lit_model.core.errors import UsageError, UserError, run_cli
+from lit_model.infer.generation import ChatSession, GenerationArgs, out_of_memory_hint, prepare_generation, stdout_writer
+from lit_model.io.tokenizer import check_utf8
 
 
 @dataclass
@@ -51,7 +51,7 @@ def main(args: ChatArgs) -> None:
             "the messages)."
         )
     if args.plan is not None:
-        from lit_model.memory import print_generation_plan  # the planner imports the training code: only for --plan
+        from lit_model.plan import print_generation_plan  # the planner imports the training code: only for --plan
 
         return print_generation_plan(setup, context - args.max_new_tokens, args.max_new_tokens, 1)
 

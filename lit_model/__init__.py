@@ -3,8 +3,8 @@
 from typing import Any
 
 __all__ = ["Config", "GPT", "UsageError", "UserError"]
-_EXPORTS = {"Config": "lit_model.config", "GPT": "lit_model.model", "UsageError": "lit_model.errors",
-            "UserError": "lit_model.errors"}
+_EXPORTS = {"Config": "lit_model.core.config", "GPT": "lit_model.model.gpt", "UsageError": "lit_model.core.errors",
+            "UserError": "lit_model.core.errors"}
 
 
 def __getattr__(name: str) -> Any:

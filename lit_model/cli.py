@@ -16,9 +16,9 @@ from typing import Any, Callable, Literal, Optional, Union
 import yaml
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser
 
-from lit_model.errors import UsageError, run_cli
-from lit_model.ops import configure_cpu_kernels
-from lit_model.tokenizer import check_utf8
+from lit_model.core.errors import UsageError, run_cli
+from lit_model.kernels.ops import configure_cpu_kernels
+from lit_model.io.tokenizer import check_utf8
 
 
 def main(entry: Callable[..., Any] | dict[str, Callable[..., Any]], argv: Optional[list[str]] = None) -> Any:

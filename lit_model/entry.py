@@ -18,8 +18,12 @@ from typing import Callable, Optional
 
 import yaml
 
-from lit_model.config import CONFIG_DIR, Config
-from lit_model.errors import UsageError, UserError, run_cli
+from lit_model.convert import main as convert_main
+from lit_model.core.config import CONFIG_DIR, Config
+from lit_model.core.errors import UsageError, UserError, run_cli
+from lit_model.download import main as download_main
+from lit_model.methods.lora import cli as lora_cli
+from lit_model.plan.analytic import param_counts
 
 # The scripts live beside the package in a source checkout (installed with `pip install -e .`).
 SCRIPT_ROOT = Path(__file__).resolve().parents[1]
@@ -121,20 +125,14 @@ def _run_script(relative: str, args: list[str]) -> None:
 
 
 def _download(argv: list[str]) -> None:
-    from lit_model.download import main as download_main
-
     download_main(argv)
 
 
 def _convert(argv: list[str]) -> None:
-    from lit_model.convert import main as convert_main
-
     convert_main(argv)
 
 
 def _merge(argv: list[str]) -> None:
-    from lit_model.lora import _cli as lora_cli
-
     lora_cli(["merge", *argv])
 
 
@@ -157,8 +155,6 @@ def families() -> dict[str, list[str]]:
 
 def config_table() -> str:
     """Every known model by family, smallest first, with its parameter count and Hugging Face repo id."""
-    from lit_model.memory.analytic import param_counts
-
     lines = []
     for family, names in families().items():
         configs = [Config.from_name(name) for name in names]

@@ -22,14 +22,14 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
-from lit_model.adapter import AdapterConfig
-from lit_model.config import Config, sequence_length
+from lit_model.methods.adapter import AdapterConfig
+from lit_model.core.config import Config, sequence_length
 from lit_model.data.text import check_batch_sizes
-from lit_model.errors import UsageError
-from lit_model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from lit_model.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
-from lit_model.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
-from lit_model.quantize import QUANTIZE_MODES
+from lit_model.core.errors import UsageError
+from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
+from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.methods.quantize import QUANTIZE_MODES
 
 Trainable = Literal["full", "lora", "adapter"]
 TRAINABLE = ("full", "lora", "adapter")
@@ -52,7 +52,7 @@ def canonical_name(name: str) -> Optional[str]:
 @dataclass(frozen=True)
 class Run:
     config: Config
-    precision: str  # one of lit_model.precision.PRECISIONS, resolved for the device
+    precision: str  # one of lit_model.core.precision.PRECISIONS, resolved for the device
     device_type: str  # "cuda" or "cpu"
     devices: int  # processes per node
     num_nodes: int

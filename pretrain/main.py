@@ -22,15 +22,15 @@ from lightning.fabric import Fabric
 from lit_model import GPT, Config
 from lit_model.cli import parse
 from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_loss
-from lit_model.errors import UsageError, run_cli
-from lit_model.memory.units import format_bytes
-from lit_model.tokenizer import Tokenizer
-from lit_model.training import session
-from lit_model.training.args import TrainArgs, check_args
+from lit_model.core.errors import UsageError, run_cli
+from lit_model.core.units import format_bytes
+from lit_model.io.tokenizer import Tokenizer
+from lit_model.train import session
+from lit_model.train.args import TrainArgs, check_args
 from lit_model.run import Run, resolve_run
-from lit_model.training.fabric import launch, setup_fabric
-from lit_model.training.loop import Progress, fit, save_final, write_summary
-from lit_model.training.resumable import check_out_dir
+from lit_model.train.fabric import launch, setup_fabric
+from lit_model.train.loop import Progress, fit, save_final, write_summary
+from lit_model.train.resumable import check_out_dir
 
 
 @dataclass

@@ -50,7 +50,7 @@ def _keep_sigint_handler():
 @pytest.fixture(scope="session")
 def tiny_setup(tmp_path_factory) -> dict[str, Path]:
     """A 5-file corpus, a 512-token BPE tokenizer trained on it, and a ~140k-parameter model config."""
-    from lit_model.tokenizer import train_bpe
+    from lit_model.io.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("tiny")
     data = root / "data"
@@ -67,7 +67,7 @@ def tiny_setup(tmp_path_factory) -> dict[str, Path]:
 def tiny_checkpoint(tiny_setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised checkpoint of the tiny setup's model, with its tokenizer (read-only for tests)."""
     from lit_model import GPT, Config
-    from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+    from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
 
     torch.manual_seed(0)
     model = GPT(Config.from_file(tiny_setup["config"]))

@@ -1,4 +1,4 @@
-"""Where activations live (lit_model/activations.py): selective activation checkpointing, activation offloading and
+"""Where activations live (lit_model/model/activations.py): selective activation checkpointing, activation offloading and
 the tiled MLP each lower the memory of a step -- measured on real tensors with MemTracker and planned by the trace --
 and leave the loss and the gradients as they were."""
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lit_model.activations import ActivationOffloading
+from lit_model.model.activations import ActivationOffloading
 from lit_model.cli import parse
-from lit_model.errors import UsageError
-from lit_model.memory import plan_run
+from lit_model.core.errors import UsageError
+from lit_model.plan import plan_run
 from lit_model.run import CPU_HEAP_TOP_PAD, changed_flags, render_flags, resolve_run
-from lit_model.training.args import TrainArgs, check_args
+from lit_model.train.args import TrainArgs, check_args
 from test_memory_plan import args as plan_args, resolved, tiny
 from test_training_levers import batch, gradients, make_model
 
@@ -153,7 +153,7 @@ def test_the_flags_read_and_render_as_the_user_writes_them(tmp_path):
 # ---- the CUDA allocator's settings and the loss chunk (long-context companions) -----------------------------------
 def test_expandable_segments_are_set_for_a_cuda_run_unless_the_user_set_the_allocator(monkeypatch, tmp_path):
     from lit_model.run import DEFAULT_CUDA_ALLOC_CONF
-    from lit_model.training.fabric import set_cuda_allocator
+    from lit_model.train.fabric import set_cuda_allocator
 
     for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(variable, raising=False)
@@ -181,8 +181,8 @@ def test_expandable_segments_are_set_for_a_cuda_run_unless_the_user_set_the_allo
 _HEAP_CHURN = """
 import resource, sys, torch
 from lit_model.run import resolve_run
-from lit_model.training.args import TrainArgs
-from lit_model.training.fabric import set_cpu_heap
+from lit_model.train.args import TrainArgs
+from lit_model.train.fabric import set_cpu_heap
 from test_memory_plan import tiny
 run = resolve_run(TrainArgs(max_steps=1, out_dir=sys.argv[1]), tiny(), device_type="cpu")
 set_cpu_heap(run)
@@ -222,7 +222,7 @@ def test_a_cpu_run_keeps_its_freed_heap_instead_of_faulting_it_back_every_step(t
 
 
 def test_loss_chunk_auto_picks_the_largest_chunk_that_fits(tmp_path):
-    from lit_model.memory import max_loss_chunk_size
+    from lit_model.plan import max_loss_chunk_size
 
     settings = plan_args(loss_chunk_size="auto", override_max_seq_length=1024, micro_batch_size=4)
     run = resolved(tiny(n_layer=4, block_size=1024), settings)

@@ -188,7 +188,7 @@ def test_bad_input(tmp_path, monkeypatch, script, argv, code, fragment):
 
 @pytest.mark.parametrize("script", [PRETRAIN, BASE])
 def test_bad_fp32_linear_kernel_name(tmp_path, monkeypatch, script):
-    from lit_model import ops
+    from lit_model.kernels import ops
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(ops.FP32_LINEAR_ENV, "mkl")
     ops.onednn_fp32_linear.cache_clear()
@@ -278,8 +278,8 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
 
     from lit_model import Config
     from lit_model.run import resolve_run
-    from lit_model.training.args import TrainArgs
-    from lit_model.training.oom_report import out_of_memory_report
+    from lit_model.train.args import TrainArgs
+    from lit_model.train.oom_report import out_of_memory_report
 
     config = Config(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4)
     args = TrainArgs(out_dir=tmp_path, micro_batch_size=1, global_batch_size=4, device_memory="2MB")
@@ -296,7 +296,7 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
         (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
     assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-10'}: continue with the new flags and --resume auto." in report()
     # After an explicit --resume of step-2, the lineage (what --resume auto takes) ends there, not at step-10
-    from lit_model.training.resumable import write_lineage
+    from lit_model.train.resumable import write_lineage
 
     write_lineage(tmp_path, [tmp_path / "checkpoints" / "step-2"])
     assert f"The newest checkpoint is {tmp_path / 'checkpoints' / 'step-2'}:" in report()
@@ -307,7 +307,7 @@ def test_a_compiler_failure_is_a_message_not_a_traceback(capsys):
     bf16 kernels) ends the run with a message naming the fix and exit code 1; any other error still raises."""
     import torch
 
-    from lit_model.errors import run_cli
+    from lit_model.core.errors import run_cli
 
     def broken_backend(graph, inputs):
         raise RuntimeError("C++ compile error")

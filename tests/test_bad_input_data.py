@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lit_model import Config
-from lit_model.convert import config_to_hf
+from lit_model.io.convert import config_to_hf
 from conftest import run_script, run_script_inprocess
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError
@@ -205,7 +205,7 @@ def test_read_only_cache_still_serves_a_complete_cache(tiny_setup: dict[str, Pat
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache built before (e.g. shared, read-only) is read without a lock; only a build needs to write."""
     from lit_model.data.text import load_pretrain_data
-    from lit_model.tokenizer import Tokenizer
+    from lit_model.io.tokenizer import Tokenizer
 
     monkeypatch.setenv("LIT_MODEL_CACHE", str(tmp_path / "cache"))
     tokenizer = Tokenizer(tiny_setup["tokenizer"])
@@ -270,7 +270,7 @@ def test_chat_binary_input_through_a_real_pipe(tiny_checkpoint: Path, monkeypatc
 
 
 def test_generated_text_reaches_a_terminal_that_is_not_utf8(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lit_model.generation import stdout_writer
+    from lit_model.infer.generation import stdout_writer
 
     raw = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))  # e.g. PYTHONIOENCODING=ascii

@@ -16,14 +16,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lit_model.chat_template import read_chat_template  # noqa: E402
-from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir  # noqa: E402
-from lit_model.config import Config  # noqa: E402
+from lit_model.io.chat_template import read_chat_template  # noqa: E402
+from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir  # noqa: E402
+from lit_model.core.config import Config  # noqa: E402
 from lit_model.data.instruct import segments  # noqa: E402
-from lit_model.errors import UserError  # noqa: E402
-from lit_model.prompts import PROMPT_STYLE_FILE, Alpaca, ChatTemplate, PromptStyle  # noqa: E402
-from lit_model.model import GPT  # noqa: E402
-from lit_model.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from lit_model.core.errors import UserError  # noqa: E402
+from lit_model.io.prompts import PROMPT_STYLE_FILE, Alpaca, ChatTemplate, PromptStyle  # noqa: E402
+from lit_model.model.gpt import GPT  # noqa: E402
+from lit_model.io.tokenizer import Tokenizer, train_bpe  # noqa: E402
 from tests.conftest import run_script_inprocess  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from lit_model import GPT, Config
-from lit_model.checkpoint import (
+from lit_model.io.checkpoint import (
     MANIFEST_NAME, WEIGHTS_NAME, SafetensorsReader, atomic_directory, check_checkpoint_dir, lit_state_dict,
     save_checkpoint_dir,
 )
-from lit_model.errors import UserError
+from lit_model.core.errors import UserError
 
 BIG = Config(name="load-test", block_size=256, vocab_size=8192, n_layer=6, n_embd=768, n_head=12, intermediate_size=2048)
 
 LOAD_AND_MEASURE = """
 import sys, torch
 from lit_model import GPT
-import lit_model.checkpoint, numpy, safetensors.torch  # imported before measuring
+import lit_model.io.checkpoint, numpy, safetensors.torch  # imported before measuring
 from lit_model import Config
 def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096
 with torch.device("meta"):  # the first model built on meta initialises ~80 MB of torch state, once
@@ -28,7 +28,7 @@ with torch.device("meta"):  # the first model built on meta initialises ~80 MB o
 before = rss()
 model = GPT.from_checkpoint(sys.argv[1], dtype=torch.float32 if sys.argv[2] == 'fp32' else torch.bfloat16)
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
-from lit_model.memory.units import peak_rss_bytes
+from lit_model.core.units import peak_rss_bytes
 peak = peak_rss_bytes()
 print(before, peak, weights)
 """
@@ -125,7 +125,7 @@ def test_a_full_disk_while_saving_weights_keeps_the_old_checkpoint_and_says_so(t
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("lit_model.checkpoint.save_file", full)
+    monkeypatch.setattr("lit_model.io.checkpoint.save_file", full)
     with pytest.raises(UserError, match="is full") as raised:
         save_checkpoint_dir(state, config, tmp_path / "final", overwrite=True)
     assert raised.value.__cause__ is None

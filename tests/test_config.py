@@ -13,9 +13,9 @@ import pytest
 import torch
 import yaml
 
-from lit_model.config import CONFIG_DIR, Config, ConfigError, known_names
-from lit_model.errors import UsageError
-from lit_model.model import GPT, rope_cache
+from lit_model.core.config import CONFIG_DIR, Config, ConfigError, known_names
+from lit_model.core.errors import UsageError
+from lit_model.model.gpt import GPT, rope_cache
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from lit_model.config import Config  # noqa: E402
-from lit_model.convert import config_from_hf, config_to_hf, hf_to_lit, lit_to_hf  # noqa: E402
-from lit_model.errors import UserError  # noqa: E402
-from lit_model.model import GPT  # noqa: E402
+from lit_model.core.config import Config  # noqa: E402
+from lit_model.io.convert import config_from_hf, config_to_hf, hf_to_lit, lit_to_hf  # noqa: E402
+from lit_model.core.errors import UserError  # noqa: E402
+from lit_model.model.gpt import GPT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 128, 16
@@ -215,7 +215,7 @@ def test_config_roundtrip_and_rejections() -> None:
     with pytest.raises(UserError, match="yarn"):
         config_from_hf({**SMALL, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     # every published config can be written as its HF model type and read back unchanged
-    from lit_model.config import known_names
+    from lit_model.core.config import known_names
 
     for name in known_names():
         published = Config.from_name(name)
@@ -227,7 +227,7 @@ def test_config_roundtrip_and_rejections() -> None:
 
 def test_lit_model_from_scratch_to_hf(tmp_path: Path) -> None:
     """A checkpoint that never came from HF (empty Config.extra) still exports."""
-    from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
+    from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
 
     config = Config(hf_type="gemma", n_layer=2, n_embd=32, n_head=4, n_query_groups=1, head_size=16,
                     vocab_size=VOCAB, intermediate_size=48, block_size=64, tie_embeddings=True, norm_unit_offset=True,

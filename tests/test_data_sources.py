@@ -14,8 +14,8 @@ import torch
 from lit_model.data import sources
 from lit_model.data.instruct import read_records
 from lit_model.data.text import load_pretrain_data, tokenize_files
-from lit_model.errors import UserError
-from lit_model.tokenizer import Tokenizer
+from lit_model.core.errors import UserError
+from lit_model.io.tokenizer import Tokenizer
 from conftest import run_script_inprocess
 
 datasets = pytest.importorskip("datasets")

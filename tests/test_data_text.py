@@ -23,8 +23,8 @@ from lit_model.data.text import (
     tokenize_files,
     unigram_loss,
 )
-from lit_model.errors import UsageError, UserError
-from lit_model.tokenizer import Tokenizer, train_bpe
+from lit_model.core.errors import UsageError, UserError
+from lit_model.io.tokenizer import Tokenizer, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SMALL_FILES = [STDLIB / name for name in ("bisect.py", "colorsys.py", "keyword.py", "fnmatch.py")]

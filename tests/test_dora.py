@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_model.lora import LoRAConfig, apply_lora, merge_state_dict
-from lit_model.memory.plan import plan_run
+from lit_model.methods.lora import LoRAConfig, apply_lora, merge_state_dict
+from lit_model.plan.planner import plan_run
 from lit_model.run import resolve_run
 import test_finetune
 from test_finetune import finetune, losses
@@ -99,7 +99,7 @@ def test_dora_matches_peft_on_a_linear_layer():
 
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
 def test_qdora_starts_as_the_quantized_base_and_trains(mode):
-    from lit_model.quantize import quantize_model
+    from lit_model.methods.quantize import quantize_model
 
     model = tiny_model(bias=False)
     quantize_model(model, mode, torch.float32)

@@ -19,9 +19,9 @@ hub_constants = pytest.importorskip("huggingface_hub.constants")
 hub_http = pytest.importorskip("huggingface_hub.utils._http")
 
 from conftest import HUB_COMMIT as COMMIT, HUB_REPO as REPO, sha1_file as _sha1  # noqa: E402
-from lit_model.download import download, resolve_checkpoint  # noqa: E402
-from lit_model.errors import UsageError, UserError  # noqa: E402
-from lit_model.model import GPT  # noqa: E402
+from lit_model.io.download import download, resolve_checkpoint  # noqa: E402
+from lit_model.core.errors import UsageError, UserError  # noqa: E402
+from lit_model.model.gpt import GPT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

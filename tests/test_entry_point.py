@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model.config import Config, known_names
+from lit_model.core.config import Config, known_names
 from lit_model.entry import HELP, SCRIPTS, config_table, families, main
-from lit_model.model import GPT
+from lit_model.model.gpt import GPT
 from tests.conftest import ROOT, run_captured, run_script_inprocess
 
 
@@ -88,8 +88,8 @@ def test_config_lists_families_with_parameter_counts() -> None:
 def test_module_commands_are_the_modules(tmp_path) -> None:
     from lit_model.convert import main as convert_main
     from lit_model.download import main as download_main
-    from lit_model.errors import run_cli
-    from lit_model.lora import _cli as lora_cli
+    from lit_model.core.errors import run_cli
+    from lit_model.methods.lora import cli as lora_cli
 
     same(run_entry("download", "Llama-3.2-1B"), run_module(download_main, "Llama-3.2-1B"))
     assert "meta-llama/Llama-3.2-1B" in run_entry("download", "Llama-3.2-1B").stderr

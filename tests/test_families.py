@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model.config import Config
-from lit_model.generation import forward_last, set_kv_cache
-from lit_model.memory.analytic import param_counts, training_phases
+from lit_model.core.config import Config
+from lit_model.infer.generation import forward_last, set_kv_cache
+from lit_model.plan.analytic import param_counts, training_phases
 from lit_model.run import resolve_run
-from lit_model.memory.trace import trace_training
-from lit_model.model import GPT
+from lit_model.plan.trace import trace_training
+from lit_model.model.gpt import GPT
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_config import PUBLISHED_PARAMETERS  # noqa: E402
@@ -84,7 +84,7 @@ def test_analytic_parameter_count(name: str) -> None:
 
 
 def test_lora_adapts_every_expert_and_merges_exactly() -> None:
-    from lit_model.lora import LoRAConfig, apply_lora, merge_state_dict
+    from lit_model.methods.lora import LoRAConfig, apply_lora, merge_state_dict
 
     model = tiny_model(**FEATURES["qwen3_moe"])
     base = {name: t.clone() for name, t in model.state_dict().items()}

@@ -18,14 +18,14 @@ import torch
 
 from conftest import ROOT, read_metrics, run_script, run_script_inprocess
 from lit_model import GPT, Config
-from lit_model.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, lit_state_dict, save_checkpoint_dir
-from lit_model.errors import UsageError, UserError
-from lit_model.training import session
-from lit_model.training.args import TrainArgs
+from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, lit_state_dict, save_checkpoint_dir
+from lit_model.core.errors import UsageError, UserError
+from lit_model.train import session
+from lit_model.train.args import TrainArgs
 from lit_model.run import resolve_run
-from lit_model.training.fabric import StateIO, setup_fabric
-from lit_model.training.loop import MetricsWriter, Progress
-from lit_model.training.resumable import CHECKPOINTS, LINEAGE_NAME, STATE_NAME, lineage, save_resumable, start_lineage
+from lit_model.train.fabric import StateIO, setup_fabric
+from lit_model.train.loop import MetricsWriter, Progress
+from lit_model.train.resumable import CHECKPOINTS, LINEAGE_NAME, STATE_NAME, lineage, save_resumable, start_lineage
 
 CONFIG = Config(name="faults", block_size=16, vocab_size=32, n_layer=1, n_embd=8, n_head=2)
 
@@ -177,7 +177,7 @@ def test_a_damaged_checkpoint_without_manifest_is_a_message_not_a_traceback(run,
 KILL_IN_METRICS_REWRITE = """
 import csv, os, signal, sys
 from pathlib import Path
-from lit_model.training.loop import MetricsWriter
+from lit_model.train.loop import MetricsWriter
 def killed(self, rows):
     for row in rows:
         self.writerow(row)
@@ -204,7 +204,7 @@ def test_a_metrics_rewrite_killed_midway_keeps_the_history(tmp_path):
 
 KILL_IN_SAVE = """
 import os, runpy, signal, sys, tempfile
-from lit_model.training.fabric import StateIO
+from lit_model.train.fabric import StateIO
 tempfile.tempdir = sys.argv[1]  # a $TMPDIR that cannot take a file: nothing may be staged there
 def save(self, checkpoint, path, storage_options=None):
     if "step-00000004" in str(path):
@@ -284,10 +284,10 @@ def test_generate_refuses_a_damaged_final_checkpoint(tiny_setup, tmp_path, monke
 def test_lora_merge_replaces_a_non_empty_out_dir_only_with_overwrite(tmp_path, capsys):
     from safetensors.torch import save_file
 
-    from lit_model.errors import run_cli
-    from lit_model.lora import LORA_WEIGHTS, LoRAConfig, apply_lora
-    from lit_model.lora import _cli as lora_cli
-    from lit_model.training.finetune import gather_trainable
+    from lit_model.core.errors import run_cli
+    from lit_model.methods.lora import LORA_WEIGHTS, LoRAConfig, apply_lora
+    from lit_model.methods.lora import cli as lora_cli
+    from lit_model.recipes.finetune import gather_trainable
 
     model = GPT(CONFIG)
     model.init_weights()

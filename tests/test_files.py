@@ -1,4 +1,4 @@
-"""lit_model.files: an atomic write leaves the old content or the new one, and no temporary file behind."""
+"""lit_model.core.files: an atomic write leaves the old content or the new one, and no temporary file behind."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from lit_model.errors import UserError
-from lit_model.files import atomic_open, atomic_write
+from lit_model.core.errors import UserError
+from lit_model.core.files import atomic_open, atomic_write
 
 
 def test_atomic_write_replaces_text_and_bytes(tmp_path):

@@ -24,7 +24,7 @@ MODEL = dict(name="ft-tiny", block_size=256, vocab_size=512, n_layer=2, n_embd=6
 
 def make_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **config) -> Path:
     from lit_model import GPT, Config
-    from lit_model.checkpoint import save_checkpoint_dir
+    from lit_model.io.checkpoint import save_checkpoint_dir
 
     torch.manual_seed(seed)
     model = GPT(Config(**{**MODEL, **config}))
@@ -35,7 +35,7 @@ def make_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **confi
 @pytest.fixture(scope="session")
 def ft(tmp_path_factory) -> dict[str, Path]:
     """A tiny "pretrained" checkpoint (byte-level BPE of 512 tokens) and 144 arithmetic instructions."""
-    from lit_model.tokenizer import train_bpe
+    from lit_model.io.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("ft")
     train_bpe([STDLIB / f"{n}.py" for n in ("textwrap", "shlex", "fnmatch", "string")], 512, root / "tokenizer")
@@ -81,7 +81,7 @@ def lora_run(ft) -> Path:
 
 def test_lora_trains_only_the_adapter_and_saves_merged_weights_beside_it(ft, lora_run):
     from lit_model import GPT
-    from lit_model.lora import LoRAConfig
+    from lit_model.methods.lora import LoRAConfig
 
     final = lora_run / "final"
     for name in ("model.safetensors", "model_config.yaml", "tokenizer.json", "lora.safetensors", "lora.yaml", "prompt_style.yaml"):
@@ -143,7 +143,7 @@ def test_adapter_and_full_resume_give_exactly_the_uninterrupted_losses(ft, tmp_p
 
 def test_adapter_trains_only_its_prefixes_and_generate_loads_it(ft, tmp_path):
     from lit_model import GPT
-    from lit_model.adapter import AdapterAttention
+    from lit_model.methods.adapter import AdapterAttention
 
     out = tmp_path / "adapter"
     proc = finetune(ft, "adapter", out, "--adapter_start_layer", "1", "--adapter_prompt_length", "4")
@@ -254,7 +254,7 @@ def load_script(method: str):
 
 def run_in_process(method: str, argv: list[str], capsys) -> tuple[int, str]:
     from lit_model.cli import parse
-    from lit_model.errors import run_cli
+    from lit_model.core.errors import run_cli
 
     module = load_script(method)
     args_cls = getattr(module, {"lora": "LoRAArgs", "full": "FullArgs", "adapter": "AdapterArgs"}[method])
@@ -372,7 +372,7 @@ def test_the_sample_at_the_end_runs_after_the_trained_model_and_optimizer_are_go
     scripts must have dropped the model they trained and its optimizer state by then."""
     from lit_model import GPT
     from lit_model.cli import parse
-    from lit_model.training import session
+    from lit_model.train import session
 
     # what earlier tests left (the planner's fake models among them) may be collected during the run: count only
     # the objects made since

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model import GPT, Config, ops
-from lit_model.checkpoint import lit_state_dict, save_checkpoint_dir
-from lit_model.errors import UsageError, UserError
-from lit_model.generation import (
+from lit_model import GPT, Config
+from lit_model.kernels import ops
+from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
+from lit_model.core.errors import UsageError, UserError
+from lit_model.infer.generation import (
     ChatSession, TextStream, check_lengths, forward_last, generate, kv_cache_nbytes, load_model, make_generator,
     sample, set_kv_cache, use_aten_gemv,
 )
-from lit_model.prompts import STYLES, PromptStyle
-from lit_model.tokenizer import Tokenizer, train_bpe
+from lit_model.io.prompts import STYLES, PromptStyle
+from lit_model.io.tokenizer import Tokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -368,12 +369,12 @@ def test_plan_from_a_model_name_says_7b_does_not_fit_10gb_and_suggests_quantize(
 def test_the_end_of_run_sample_is_skipped_when_it_would_not_fit(checkpoint_dir: Path, monkeypatch) -> None:
     from types import SimpleNamespace
 
-    import lit_model.memory
-    from lit_model.training.session import sample_text
+    import lit_model.plan
+    from lit_model.train.session import sample_text
 
     rank0, tokenizer = SimpleNamespace(global_rank=0), Tokenizer(checkpoint_dir)
     assert sample_text(rank0, checkpoint_dir, tokenizer, "def f(x):", max_new_tokens=8)  # it fits: a continuation
-    monkeypatch.setattr(lit_model.memory, "detect_device_memory", lambda device_type: 1000)
+    monkeypatch.setattr(lit_model.plan, "detect_device_memory", lambda device_type: 1000)
     note = sample_text(rank0, checkpoint_dir, tokenizer, "def f(x):", max_new_tokens=8)
     assert note.startswith(f"[no sample: generating from {checkpoint_dir} in fp32 takes about") and "is free" in note
 
@@ -393,7 +394,7 @@ def test_plan_a_custom_architecture_from_model_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
 def test_quantized_models_generate_on_cpu_with_fewer_bytes(checkpoint_dir: Path, mode: str) -> None:
     pytest.importorskip("bitsandbytes")
-    from lit_model.quantize import is_quantized, quantized_nbytes
+    from lit_model.methods.quantize import is_quantized, quantized_nbytes
 
     full = load_model(checkpoint_dir, dtype=torch.float32)
     model = load_model(checkpoint_dir, dtype=torch.float32, quantize=mode)
@@ -411,7 +412,7 @@ def test_quantized_models_generate_on_cpu_with_fewer_bytes(checkpoint_dir: Path,
 
 def test_quantize_model_replaces_linear_layers_of_a_built_model() -> None:
     pytest.importorskip("bitsandbytes")
-    from lit_model.quantize import check_quantize, is_quantized, quantize_model
+    from lit_model.methods.quantize import check_quantize, is_quantized, quantize_model
 
     model = tiny_model(n_embd=64).to(torch.bfloat16)  # widths that bitsandbytes' packed CPU kernels take
     quantize_model(model, "bnb.nf4-dq")
@@ -428,9 +429,9 @@ def test_quantize_model_replaces_linear_layers_of_a_built_model() -> None:
 def test_converted_hf_llama_matches_transformers_greedy(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     try:
-        from lit_model.convert import hf_to_lit
+        from lit_model.io.convert import hf_to_lit
     except ImportError:
-        pytest.skip("lit_model.convert.hf_to_lit is not available yet")
+        pytest.skip("lit_model.io.convert.hf_to_lit is not available yet")
     hf_config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from lit_model import GPT, Config
-from lit_model.errors import UsageError
-from lit_model.memory import plan_training
-from lit_model.memory.analytic import model_bytes, optimizer_state_bytes as planned_state_bytes
+from lit_model.core.errors import UsageError
+from lit_model.plan import plan_training
+from lit_model.plan.analytic import model_bytes, optimizer_state_bytes as planned_state_bytes
 from lit_model.run import resolve_run
-from lit_model.training.args import TrainArgs, check_args
-from lit_model.training.optimizers import build_optimizer, lr_at, optimizer_state_bytes, set_lr
+from lit_model.train.args import TrainArgs, check_args
+from lit_model.train.optimizers import build_optimizer, lr_at, optimizer_state_bytes, set_lr
 from test_pretrain import losses, pretrain
 
 TINY = dict(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=128)
@@ -179,7 +179,7 @@ def test_in_backward_refuses_a_hessian_class_path():
 def fabric_step(name: str, in_backward: bool):
     from lightning.fabric import Fabric
 
-    from lit_model.training.step import TrainStep
+    from lit_model.train.step import TrainStep
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     model = tiny_model()
@@ -191,7 +191,7 @@ def fabric_step(name: str, in_backward: bool):
                                                 ("AdamMini", False), ("AdaLomo", False)])
 @pytest.mark.parametrize("fresh", [True, False])
 def test_rehearsal_changes_nothing(tmp_path, name, in_backward, fresh):
-    from lit_model.training.loop import rehearse
+    from lit_model.train.loop import rehearse
 
     fabric, model, optimizer, step = fabric_step(name, in_backward)
     # stepped in backward (in_backward, AdaLomo), a step that ran out of memory cannot be redone in smaller micro batches
@@ -211,8 +211,8 @@ def test_rehearsal_changes_nothing(tmp_path, name, in_backward, fresh):
 
 
 def test_in_backward_out_of_memory_ends_the_run_without_a_split(monkeypatch):
-    from lit_model.errors import UserError
-    from lit_model.training.recovery import SIMULATED_CAP_ENV
+    from lit_model.core.errors import UserError
+    from lit_model.train.recovery import SIMULATED_CAP_ENV
 
     _, model, _, step = fabric_step("AdamW", in_backward=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}

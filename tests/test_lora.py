@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 
 from conftest import ROOT
 from lit_model import GPT, Config
-from lit_model.checkpoint import save_checkpoint_dir
-from lit_model.errors import UsageError, UserError
-from lit_model.lora import LORA_WEIGHTS, LoRAConfig, apply_lora, merge
-from lit_model.training.finetune import gather_trainable
+from lit_model.io.checkpoint import save_checkpoint_dir
+from lit_model.core.errors import UsageError, UserError
+from lit_model.methods.lora import LORA_WEIGHTS, LoRAConfig, apply_lora, merge
+from lit_model.recipes.finetune import gather_trainable
 
 CONFIG = Config(name="unit", block_size=32, vocab_size=128, n_layer=2, n_embd=64, n_head=4, n_query_groups=2,
                 intermediate_size=128, bias=True)
@@ -84,7 +84,7 @@ def test_merge_gives_the_logits_of_the_unmerged_model(tmp_path):
 
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"])
 def test_qlora_trains_only_the_adapter_over_a_quantized_base(mode):
-    from lit_model.quantize import is_quantized, quantize_model, quantized_nbytes
+    from lit_model.methods.quantize import is_quantized, quantize_model, quantized_nbytes
 
     model = tiny_model(bias=False)
     full_bytes = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
@@ -116,7 +116,7 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
     """base(x) + scaling * B(A(dropout(x))): on the CPU the dropout's 1/(1-p) rides on the scale and the sum is one
     addmm. Against the formula in float64 with F.dropout's mask (the same random draws), its values and gradients
     are as close as the formula's own in ``dtype``."""
-    from lit_model.lora import _lora_class
+    from lit_model.methods.lora import _lora_class
 
     F = torch.nn.functional
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
 
 
 def test_dropout_before_linear_keeps_f_dropouts_mask_on_the_cpu_and_is_f_dropout_elsewhere():
-    from lit_model.ops import dropout_before_linear, take_paths_of
+    from lit_model.kernels.ops import dropout_before_linear, take_paths_of
 
     x = torch.randn(64, 256) + 3  # no zeros of its own
     torch.manual_seed(0)
@@ -196,7 +196,7 @@ def test_bad_lora_settings_are_usage_errors():
 
 
 def test_adapter_starts_as_the_base_model_and_travels_with_its_checkpoint(tmp_path):
-    from lit_model.adapter import AdapterAttention, AdapterConfig, apply_adapter
+    from lit_model.methods.adapter import AdapterAttention, AdapterConfig, apply_adapter
 
     model = tiny_model()
     idx = torch.randint(0, 128, (2, 16))
@@ -227,14 +227,14 @@ def test_adapter_starts_as_the_base_model_and_travels_with_its_checkpoint(tmp_pa
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from conftest import STDLIB
-    from lit_model.tokenizer import train_bpe
+    from lit_model.io.tokenizer import train_bpe
 
     return train_bpe([STDLIB / "textwrap.py", STDLIB / "shlex.py"], 400, tmp_path_factory.mktemp("tok") / "tokenizer")
 
 
 def test_prompt_tokens_are_masked_and_contribute_no_loss(tokenizer):
     from lit_model.data.instruct import build_dataset, collate
-    from lit_model.prompts import PromptStyle
+    from lit_model.io.prompts import PromptStyle
 
     style = PromptStyle.from_name("alpaca")
     records = [("r0", {"instruction": "Say hi.", "output": "hi there"}),
@@ -269,7 +269,7 @@ def test_prompt_tokens_are_masked_and_contribute_no_loss(tokenizer):
 
 def test_truncation_is_reported_and_an_empty_result_is_an_error(tokenizer, tmp_path):
     from lit_model.data.instruct import build_dataset, load_instruct_data
-    from lit_model.prompts import PromptStyle
+    from lit_model.io.prompts import PromptStyle
 
     style = PromptStyle.from_name("alpaca")
     records = [(f"r{i}", {"instruction": "x " * 40, "output": "y"}) for i in range(4)]
@@ -292,7 +292,7 @@ def test_truncation_is_reported_and_an_empty_result_is_an_error(tokenizer, tmp_p
 )
 def test_bad_records_name_the_place_and_the_fix(tokenizer, tmp_path, content, needle):
     from lit_model.data.instruct import load_instruct_data
-    from lit_model.prompts import PromptStyle
+    from lit_model.io.prompts import PromptStyle
 
     path = tmp_path / ("data.json" if content.startswith("[") else "data.jsonl")
     path.write_text(content)

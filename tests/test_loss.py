@@ -1,4 +1,4 @@
-"""The fused head + cross-entropy (lit_model/loss.py) against F.cross_entropy on full logits: loss and every
+"""The fused head + cross-entropy (lit_model/model/loss.py) against F.cross_entropy on full logits: loss and every
 gradient, with ignored targets, a bias, soft-capping, an uneven last chunk, autocast and no grad; and the
 model's fallback for a double backward (Sophia) and for a LoRA head."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
-from lit_model.loss import linear_cross_entropy
-from lit_model.lora import LoRAConfig, apply_lora
+from lit_model.model.loss import linear_cross_entropy
+from lit_model.methods.lora import LoRAConfig, apply_lora
 
 
 def reference_loss(x, weight, bias, targets, softcap=None):

@@ -15,18 +15,18 @@ import torch
 import torch.nn as nn
 
 from lit_model import Config
-from lit_model.errors import UsageError
-from lit_model.memory import (
+from lit_model.core.errors import UsageError
+from lit_model.plan import (
     Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
 )
-from lit_model.memory.analytic import CATEGORIES, param_counts, training_phases
-from lit_model.memory.plan import CLOSED_FORM_MARGIN
-from lit_model.model import GPT, default_dtype
-from lit_model.ops import cuda_attention_kernel
+from lit_model.plan.analytic import CATEGORIES, param_counts, training_phases
+from lit_model.plan.planner import CLOSED_FORM_MARGIN
+from lit_model.model.gpt import GPT, default_dtype
+from lit_model.kernels.ops import cuda_attention_kernel
 from lit_model.run import Run, resolve_run
-from lit_model.training.args import TrainArgs
-from lit_model.training.optimizers import build_optimizer
-from lit_model.memory.trace import optimizer_state_bytes, trace_training
+from lit_model.train.args import TrainArgs
+from lit_model.train.optimizers import build_optimizer
+from lit_model.plan.trace import optimizer_state_bytes, trace_training
 
 GB = 10**9
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,8 +76,8 @@ def test_categories_add_up_to_the_peak(engine):
 
 
 def test_cpu_overhead_terms_add_up():
-    from lit_model.memory.calibration import MB, MiB, OVERHEAD
-    from lit_model.memory.plan import cpu_overhead_terms
+    from lit_model.plan.calibration import MB, MiB, OVERHEAD
+    from lit_model.plan.planner import cpu_overhead_terms
 
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
@@ -110,7 +110,7 @@ def test_cpu_overhead_terms_add_up():
 def test_the_cpu_heap_regime_is_resolved_once_from_the_environment(monkeypatch, environment, training, generation):
     """A run carries how glibc's heap behaves in its process (Run.cpu_heap, resolved once from the environment); the
     planner reads that field, never the environment. A generation process sets nothing (sets_heap=False)."""
-    from lit_model.memory.plan import plan_run
+    from lit_model.plan.planner import plan_run
     from lit_model.run import resolve_cpu_heap
 
     for name in [n for n in os.environ if n.startswith("MALLOC_") or n == "GLIBC_TUNABLES"]:
@@ -197,8 +197,8 @@ def test_suggestions_of_a_traced_plan_show_the_trace_of_the_changed_run():
 def test_the_closed_form_only_screens_suggestions_the_trace_decides(monkeypatch):
     """The closed form wrong by up to its tested margin, either way, changes no suggestion offered: it lets through
     what it puts within that margin of the budget, and the trace decides."""
-    import lit_model.memory.plan as plan_module
-    from lit_model.memory.plan import CLOSED_FORM_MARGIN
+    import lit_model.plan.planner as plan_module
+    from lit_model.plan.planner import CLOSED_FORM_MARGIN
 
     settings = args(micro_batch_size=1, global_batch_size=8, override_max_seq_length=1024)
     expected = plan_training(LLAMA2, settings, trainable="lora", device_memory="12GB", max_suggestions=3).suggestions
@@ -227,7 +227,7 @@ def test_lora_suggestions_include_quantization_and_offload_on_gpu():
     "config_kw, settings_kw, plan_kw",
     [
         ({}, dict(precision="32-true"), dict(trainable="full")),
-        # 400 tokens: attention in halves on the CPU (lit_model/ops.py), with the fp32 RMSNorm of ops.py too
+        # 400 tokens: attention in halves on the CPU (lit_model/kernels/ops.py), with the fp32 RMSNorm of ops.py too
         (dict(block_size=512), dict(precision="32-true", override_max_seq_length=400, micro_batch_size=2), dict(trainable="full")),
         ({}, dict(activation_checkpointing=True), dict(trainable="lora")),
         ({}, dict(global_batch_size=8, micro_batch_size=2, loss_chunk_size=64), dict(trainable="full")),
@@ -278,7 +278,7 @@ def test_trace_agrees_with_analytic(config_kw, settings_kw, plan_kw):
     ],
 )
 def test_a_deep_model_traced_at_a_few_blocks_extrapolates_exactly(config_kw, settings_kw, trainable):
-    from lit_model.memory.trace import trace_by_layers
+    from lit_model.plan.trace import trace_by_layers
 
     run = resolved(tiny(**config_kw), args(**settings_kw), trainable, device_type="cpu")
     whole, extrapolated = trace_training(run), trace_by_layers(run)
@@ -298,7 +298,7 @@ def test_layers_extrapolate_each_stretch_of_the_step_where_the_peak_moves_with_d
         stretches = result.regions["train_step"]
         return max(stretches, key=lambda key: sum(stretches[key].values())).split(":")[1]
 
-    from lit_model.memory.trace import trace_by_layers
+    from lit_model.plan.trace import trace_by_layers
 
     shallow, deep = trace_training(run(2)), trace_training(run(12))
     assert (peak_stretch(shallow), peak_stretch(deep)) == ("backward", "forward")
@@ -499,7 +499,7 @@ def test_generation_plan_grows_with_new_tokens_not_block_size():
 def test_quantized_generation_plans_the_load_of_the_last_block():
     """load_weights stages one block in the load dtype and quantizes it before reading the next (an H200 measured
     Llama-2-7B nf4 0.39 GB reserved above its allocated peak, one block's bf16 weights being 0.40 GB)."""
-    from lit_model.memory.plan import staged_block_bytes
+    from lit_model.plan.planner import staged_block_bytes
 
     plain = plan_generation(LLAMA2, 12, 50, dtype="bf16-true", detect=False)
     nf4 = plan_generation(LLAMA2, 12, 50, dtype="bf16-true", quantize="bnb.nf4", detect=False)
@@ -529,14 +529,14 @@ def test_plans_trace_with_a_memtracker_that_keeps_no_fake_mode(monkeypatch):
         return result
 
     monkeypatch.setattr(MemTracker, "__enter__", enter_keeping_no_fake_mode)
-    monkeypatch.setattr("lit_model.memory.plan._GENERATION_TRACES", {})
+    monkeypatch.setattr("lit_model.plan.planner._GENERATION_TRACES", {})
     older = (trace_training(spec).phases, plan_generation(config, 20, 10, dtype="32-true", device_type="cpu", detect=False))
     assert older[0] == today[0]
     assert older[1].phase_categories == today[1].phase_categories and older[1].engine == "trace"
 
 
 def test_generation_over_several_gpus_plans_the_fullest_of_the_pipeline():
-    from lit_model.generation import device_map, pipeline_stages
+    from lit_model.infer.generation import device_map, pipeline_stages
 
     one = plan_generation(LLAMA2, 512, 128, detect=False)
     two = plan_generation(LLAMA2, 512, 128, detect=False, devices=2)
@@ -586,9 +586,9 @@ def test_generation_trace_is_what_real_tensors_hold(config: Config, precision: s
     cache) equal or a few hundred bytes above."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    from lit_model.generation import forward_last, sample, set_kv_cache
-    from lit_model.memory.trace import TRACED_TOP_P, _Tracker, trace_generation
-    from lit_model.precision import param_dtype
+    from lit_model.infer.generation import forward_last, sample, set_kv_cache
+    from lit_model.plan.trace import TRACED_TOP_P, _Tracker, trace_generation
+    from lit_model.core.precision import param_dtype
 
     dtype, prompt_length, new = param_dtype(precision), 40, 24
     traced = trace_generation(config, prompt_length, new, 2, dtype, dtype, None, "cpu")
@@ -620,7 +620,7 @@ def test_generation_trace_is_what_real_tensors_hold(config: Config, precision: s
 def test_generation_plan_on_the_cpu_is_the_generation_process() -> None:
     """A CPU generation plan counts generate/base.py's runtime and the heap its prefill leaves, not a training
     process's (no training data); the training plan's sample at the end takes the traced tensors alone."""
-    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.plan.calibration import OVERHEAD
 
     plan = plan_generation(tiny(), 40, 24, dtype="32-true", device_type="cpu", detect=False)
     assert plan.engine == "trace"
@@ -637,7 +637,7 @@ def test_generation_plan_on_the_cpu_is_the_generation_process() -> None:
 
 CPU_STEP_PEAK = """
 import sys, torch
-from lit_model.training.optimizers import build_optimizer
+from lit_model.train.optimizers import build_optimizer
 dtype = getattr(torch, sys.argv[2])
 param = torch.nn.Parameter(torch.randn(2048, 4096, dtype=dtype))
 optimizer = build_optimizer(torch.nn.ParameterList([param]), sys.argv[1], learning_rate=1e-3, device_type="cpu",
@@ -660,7 +660,7 @@ def test_cpu_quantized_optimizer_step_temporaries_are_measured(name: str, dtype:
     step of the library, in a fresh process: its resident peak above the memory before the step."""
     import subprocess
 
-    from lit_model.memory.calibration import quantized_step_bytes
+    from lit_model.plan.calibration import quantized_step_bytes
 
     pytest.importorskip("torchao" if name != "AdamW8bit" else "bitsandbytes")
     done = subprocess.run([sys.executable, "-c", CPU_STEP_PEAK, name, dtype], capture_output=True, text=True,
@@ -672,7 +672,7 @@ def test_cpu_quantized_optimizer_step_temporaries_are_measured(name: str, dtype:
 
 
 def test_cpu_plan_counts_the_quantized_optimizers_library() -> None:
-    from lit_model.memory.calibration import CPU_OPTIMIZER_LIBRARY
+    from lit_model.plan.calibration import CPU_OPTIMIZER_LIBRARY
 
     plans = {name: plan_training(tiny(), args(optimizer=name), device_type="cpu", suggest=False, detect=False)
              for name in ("AdamW", "AdamW8bit", "AdamWFp8")}
@@ -687,8 +687,8 @@ def test_cuda_reserve_counts_the_loss_logits_and_a_compiled_steps_temporaries_wh
     """On a GPU the allocator maps anew what does not fit the gaps freed activations leave: the loss's
     vocabulary-wide blocks (torchtune's 7B LoRA run on an H200 reserved 0.61 GB where 12 % of its moving tensors
     gave 0.31) and torchao's compiled AdamW4bit step on the largest parameter (pythia-160m: 1.27 GB against 0.47)."""
-    from lit_model.memory.calibration import MB, OVERHEAD
-    from lit_model.memory.plan import cuda_overhead_bytes, cuda_step_fresh_bytes
+    from lit_model.plan.calibration import MB, OVERHEAD
+    from lit_model.plan.planner import cuda_overhead_bytes, cuda_step_fresh_bytes
 
     fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces
     cats = {"parameters": 10**9, "activations": 200 * MB, "logits_loss": 100 * MB}
@@ -718,7 +718,7 @@ def test_cpu_retention_counts_what_the_step_freed_before_an_optimizer_peak() -> 
     (pythia-70m bf16 8 x 256 with AdamW8bit peaked 1,739 MiB, planned 1,598 by the activations at the step alone):
     the retention follows the most transient bytes of any stretch of the step, at the rate measured for heap kept
     from an earlier stretch (calibration: cpu_allocator_retention_after_backward)."""
-    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.plan.calibration import OVERHEAD
 
     config = tiny(n_layer=4, vocab_size=32000, n_embd=256, tie_embeddings=False)  # the embedding's step is the peak
     settings = dict(precision="bf16-true", micro_batch_size=2, override_max_seq_length=64)
@@ -795,8 +795,8 @@ def test_plan_refuses_the_batches_training_refuses(micro, global_batch, devices,
 
 
 def test_check_plan_fits_fails_only_when_nothing_fits():
-    from lit_model.errors import UserError
-    from lit_model.memory import check_plan_fits
+    from lit_model.core.errors import UserError
+    from lit_model.plan import check_plan_fits
 
     hopeless = plan_training(LLAMA2, args(), device_memory="1MB", engine="analytic")
     assert not hopeless.fits and not hopeless.suggestions
@@ -819,7 +819,7 @@ def test_with_the_scripts_args_dataclasses():
     """The scripts' own argument dataclasses work as settings; suggestions apply to them."""
     import importlib.util
 
-    from lit_model.training.args import TrainArgs
+    from lit_model.train.args import TrainArgs
 
     pretrain = TrainArgs(micro_batch_size=8, global_batch_size=32, precision="32-true", override_max_seq_length=512)
     plan = plan_training(Config.from_name("lit-model-40m"), pretrain, device_memory="2GB", engine="analytic")
@@ -850,8 +850,8 @@ def test_the_quantized_stand_in_holds_and_saves_what_bitsandbytes_does(mode, dty
     """The trace cannot run bitsandbytes (no fake-tensor kernels), so it builds QuantLinearSim: checked here against
     the real layer on the CPU. Held: the packed weight and the quantization state tensors (bitsandbytes' serialised
     metadata entry is not held in training). Saved for backward: nothing but the resident packed weight."""
-    from lit_model.memory.modules import QuantLinearSim
-    from lit_model.quantize import quantize_linear
+    from lit_model.plan.modules import QuantLinearSim
+    from lit_model.methods.quantize import quantize_linear
 
     torch.manual_seed(0)
     linear = nn.Linear(256, 1000, bias=False).to(dtype)
@@ -1000,7 +1000,7 @@ def test_an_optimizer_step_the_trace_cannot_run_is_bounded_by_a_real_one():
 
 
 def test_an_evaluation_the_trace_cannot_run_is_named_in_the_plan(monkeypatch):
-    from lit_model.memory import trace
+    from lit_model.plan import trace
 
     def unsupported(*args, **kwargs):
         raise NotImplementedError("no fake-tensor kernel for this op")
@@ -1071,8 +1071,8 @@ def test_fsdp_planned_inside_a_process_group_is_traced_in_a_fresh_process(tmp_pa
 
 
 def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
-    from lit_model.memory.calibration import OVERHEAD
-    from lit_model.memory.plan import dequantized_bytes
+    from lit_model.plan.calibration import OVERHEAD
+    from lit_model.plan.planner import dequantized_bytes
 
     config = tiny()
     run = resolved(config, args(precision="bf16-true"), "lora", "cpu", quantize="bnb.nf4")
@@ -1088,8 +1088,8 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
 
 
 def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_run_its_own_term():
-    from lit_model.memory.calibration import OVERHEAD
-    from lit_model.memory.plan import cpu_overhead_terms, gathered_bytes
+    from lit_model.plan.calibration import OVERHEAD
+    from lit_model.plan.planner import cpu_overhead_terms, gathered_bytes
 
     config = tiny()
     fsdp = args(devices=2, strategy="fsdp")
@@ -1165,7 +1165,7 @@ def test_the_trace_holds_two_embedding_sized_tensors_when_a_tied_embedding_backp
 def test_cpu_plan_of_a_compiled_generation_counts_the_compiler() -> None:
     """generate --compile on the CPU: the compiler and its code beside the eager step's tensors (whole runs, 5M to
     160M parameters: 120-156 MiB above eager), a term that follows the parameter count."""
-    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.plan.calibration import OVERHEAD
 
     config = tiny()
     eager, compiled = (plan_generation(config, 10, 20, dtype="32-true", device_type="cpu", detect=False, compile=flag)
@@ -1187,8 +1187,8 @@ def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
     """--compile on the CPU: the compiler, its code and the heap its kernels leave (pretrain/main.py, lit-model-5m
     4 x 128 in 32-true: 128 MiB above the eager run's peak), a term of its own in every phase; the tensors are the
     eager run's (on an H200 the compiled blocks allocated what eager does)."""
-    from lit_model.memory.analytic import model_bytes
-    from lit_model.memory.calibration import OVERHEAD
+    from lit_model.plan.analytic import model_bytes
+    from lit_model.plan.calibration import OVERHEAD
 
     eager, compiled = (plan_training(tiny(), args(compile=flag, precision="32-true"), device_type="cpu", suggest=False,
                                      detect=False) for flag in (False, True))

@@ -21,8 +21,8 @@ from moe_plan import MODEL, predict  # noqa: E402
 from plan_accuracy import run_worker, settings_for  # noqa: E402
 
 from lit_model import GPT, Config  # noqa: E402
-from lit_model.memory import plan_training  # noqa: E402
-from lit_model.model import LLaMAMoE  # noqa: E402
+from lit_model.plan import plan_training  # noqa: E402
+from lit_model.model.gpt import LLaMAMoE  # noqa: E402
 
 MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2)
 
@@ -103,7 +103,7 @@ def test_the_plan_of_a_moe_step_matches_the_measured_run(routing):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 def test_the_plan_counts_the_full_cpu_kernel_caches_of_half_precision_experts(precision, monkeypatch):
-    from lit_model import ops
+    from lit_model.kernels import ops
 
     for variable in ops.ONEDNN_CACHE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)

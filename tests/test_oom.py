@@ -1,6 +1,6 @@
 """Out-of-memory handling in the fit loop: in-step recovery (the same update as the unsplit step), the report
 when nothing is left to split, the rehearsal (changes nothing) and --micro_batch_size auto (keeps the global
-batch). Out-of-memory is caused on the CPU with the simulated memory cap (lit_model/training/recovery.py)."""
+batch). Out-of-memory is caused on the CPU with the simulated memory cap (lit_model/train/recovery.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from conftest import read_metrics
 from lit_model import GPT, Config
-from lit_model.errors import UserError
-from lit_model.training.recovery import SIMULATED_CAP_ENV
+from lit_model.core.errors import UserError
+from lit_model.train.recovery import SIMULATED_CAP_ENV
 from test_pretrain import pretrain
 
 TINY = dict(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=128)
@@ -31,8 +31,8 @@ def fabric():
 
 
 def make_step(fabric, micro_batch_size: int, recover: bool = True, optimizer_name: str = "AdamW"):
-    from lit_model.training.step import TrainStep
-    from lit_model.training.optimizers import build_optimizer
+    from lit_model.train.step import TrainStep
+    from lit_model.train.optimizers import build_optimizer
 
     torch.manual_seed(0)
     model = GPT(Config(**TINY))
@@ -92,8 +92,8 @@ def test_report_when_even_one_sample_does_not_fit(fabric, monkeypatch):
 
 
 def test_out_of_memory_report_names_categories_and_fixes(tmp_path):
-    from lit_model.training.args import TrainArgs
-    from lit_model.training.oom_report import out_of_memory_report
+    from lit_model.train.args import TrainArgs
+    from lit_model.train.oom_report import out_of_memory_report
 
     from lit_model.run import resolve_run
 
@@ -108,7 +108,7 @@ def test_out_of_memory_report_names_categories_and_fixes(tmp_path):
 
 @pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "Sophia", "Adafactor"])
 def test_rehearsal_changes_nothing(fabric, tmp_path, name):
-    from lit_model.training.loop import rehearse
+    from lit_model.train.loop import rehearse
 
     model, optimizer, step, _ = make_step(fabric, 4, optimizer_name=name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -125,8 +125,8 @@ def test_rehearsal_changes_nothing(fabric, tmp_path, name):
 def test_the_rehearsal_refuses_a_disk_without_room_for_final(fabric, tmp_path, monkeypatch):
     """A Llama-2-7B LoRA run on a GPU machine trained, then failed its final save on a full disk: the rehearsal checks
     the room for the weights first, before any training."""
-    from lit_model.errors import UserError
-    from lit_model.training import loop
+    from lit_model.core.errors import UserError
+    from lit_model.train import loop
 
     model, optimizer, step, _ = make_step(fabric, 4)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -201,11 +201,11 @@ def test_rehearsal_keeps_the_losses(tiny_setup, tmp_path):
 
 
 def test_auto_micro_batch_size_keeps_the_global_batch(tiny_setup, tmp_path):
-    from lit_model.memory import max_micro_batch_size
+    from lit_model.plan import max_micro_batch_size
     from lit_model.run import resolve_run
-    from lit_model.training.args import TrainArgs
+    from lit_model.train.args import TrainArgs
 
-    from lit_model.memory import plan_training
+    from lit_model.plan import plan_training
 
     config = Config.from_file(tiny_setup["config"])
     peaks = [plan_training(config, TrainArgs(micro_batch_size=m, global_batch_size=8), device_type="cpu", engine="analytic",
@@ -243,9 +243,9 @@ def test_two_processes_recover_together(tiny_setup, tmp_path, monkeypatch):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_auto_micro_batch_size_with_fsdp_on_two_processes(tiny_setup, tmp_path, monkeypatch):
-    from lit_model.memory import max_micro_batch_size
+    from lit_model.plan import max_micro_batch_size
     from lit_model.run import resolve_run
-    from lit_model.training.args import TrainArgs
+    from lit_model.train.args import TrainArgs
 
     config = Config.from_file(tiny_setup["config"])
     settings = TrainArgs(micro_batch_size="auto", global_batch_size=8, devices=2, strategy="fsdp")

@@ -1,4 +1,4 @@
-"""lit_model/ops.py against PyTorch's own operations: the RMSNorm with its hand-written backward (values,
+"""lit_model/kernels/ops.py against PyTorch's own operations: the RMSNorm with its hand-written backward (values,
 both gradients, a second backward; in 16 bits against the published upcast formula), the rotary embedding against its formula (values, gradient, a second backward,
 memory layout), and causal attention in halves (values and gradients, with and without
 grouped queries, an odd length), and that the model takes the halves where it should; on CUDA's paths, grouped
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
-from lit_model.model import RMSNorm, rope_cache
-from lit_model import ops
-from lit_model.errors import UsageError
-from lit_model.ops import (FP32_LINEAR_ENV, _RMSNorm, attends_in_blocks, block_scores, causal_attention_in_blocks,
+from lit_model.model.gpt import RMSNorm, rope_cache
+from lit_model.kernels import ops
+from lit_model.core.errors import UsageError
+from lit_model.kernels.ops import (FP32_LINEAR_ENV, _RMSNorm, attends_in_blocks, block_scores, causal_attention_in_blocks,
                            causal_attention_in_halves, expands_shared_heads, linear, rms_norm, rotate, take_paths_of,
                            upcast_rms_norm)
 
@@ -157,7 +157,7 @@ def test_attention_in_halves_equals_causal_attention(n_head, n_kv, length):
 
 @pytest.mark.parametrize("length, halves, planned_for", [(400, True, None), (300, False, None), (400, False, "cuda")])
 def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves, planned_for):
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
 
     calls = []
     monkeypatch.setattr(model_module, "causal_attention_in_halves",
@@ -180,7 +180,7 @@ def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves,
 def test_attention_in_halves_keeps_only_the_mask_more(monkeypatch):
     """The projection keeps views of what attention keeps, not a concatenated copy: a training forward saves the
     same tensors either way, plus the second half's mask (which SDPA keeps converted to fp32)."""
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
 
     def saved_bytes(model: GPT, idx: torch.Tensor) -> int:
         storages = {}
@@ -215,7 +215,7 @@ def test_grouped_heads_are_copied_where_cuda_would_take_the_math_kernel():
 @pytest.mark.parametrize("packed", [False, True])
 def test_copied_heads_give_the_same_numbers(monkeypatch, packed):
     """The model on CUDA's paths (here on the CPU) copies k and v for SDPA; values and gradients are the CPU's."""
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
 
     calls = []
     monkeypatch.setattr(model_module, "expands_shared_heads",
@@ -392,7 +392,7 @@ def test_configure_cpu_kernels_caps_onednns_caches_and_keeps_the_users_values(mo
 NEW_SHAPES = """
 import os, sys
 import torch
-from lit_model import ops
+from lit_model.kernels import ops
 if sys.argv[1] == "capped":
     ops.configure_cpu_kernels()
 else:
@@ -516,7 +516,7 @@ def _tiny_bf16_model(n_query_groups: int = 2) -> GPT:
 def test_model_attends_in_blocks_in_training_steps_on_the_cpu(monkeypatch, planned_for, grad, blocks):
     """A training forward in bf16 on the CPU takes the blocks; evaluation (no gradients) and generation keep the
     flash kernel, and the planner tracing a GPU run takes the GPU's path."""
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
 
     calls = []
     monkeypatch.setattr(model_module, "causal_attention_in_blocks",
@@ -535,7 +535,7 @@ def test_model_attends_in_blocks_in_training_steps_on_the_cpu(monkeypatch, plann
 def test_model_in_blocks_trains_as_with_the_flash_kernel(monkeypatch, n_query_groups):
     """The same loss and gradients (to bf16's precision) with grouped key/value heads or not; and a selective
     checkpoint, which redoes the score tiles in backward, gives exactly the gradients of the blocks without it."""
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
 
     idx = torch.randint(0, 64, (3, 300), generator=torch.Generator().manual_seed(1))  # over ops.MIN_BLOCK_SCORES
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_model.errors import UsageError
-from lit_model.training.optimizers import (
+from lit_model.core.errors import UsageError
+from lit_model.train.optimizers import (
     OPTIMIZERS,
     build_optimizer,
     hessian_step,
@@ -182,9 +182,9 @@ def test_lr_schedule() -> None:
 def test_a_run_holds_the_optimizer_as_spelled_in_the_list():
     """--optimizer is matched case-insensitively once, when the run is resolved; every comparison downstream (the
     planner, the checks) reads that spelling, and a class path stays as given."""
-    from lit_model.config import Config
+    from lit_model.core.config import Config
     from lit_model.run import resolve_run
-    from lit_model.training.args import TrainArgs
+    from lit_model.train.args import TrainArgs
 
     config = Config.from_name("lit-model-5m")
     for flag, resolved in (("adamw8bit", "AdamW8bit"), ("ADALOMO", "AdaLomo"), ("torch.optim.RMSprop", "torch.optim.RMSprop")):

@@ -12,11 +12,11 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model import GPT, Config
-from lit_model.adapter import AdapterConfig, apply_adapter
+from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.data.instruct import IGNORE_INDEX, InstructDataset, PackedDataset, collate, pack_best_fit, padding_fraction
-from lit_model.memory.plan import plan_run
+from lit_model.plan.planner import plan_run
 from lit_model.run import resolve_run
-from lit_model.training.recovery import SIMULATED_CAP_ENV
+from lit_model.train.recovery import SIMULATED_CAP_ENV
 import test_finetune
 from test_finetune import finetune
 from test_memory_plan import args as plan_args, tiny as plan_config

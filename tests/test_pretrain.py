@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import ROOT, read_metrics, run_script
-from lit_model.ops import onednn_fp32_linear
-from lit_model.training.loop import seed_step
+from lit_model.kernels.ops import onednn_fp32_linear
+from lit_model.train.loop import seed_step
 from safetensors import safe_open
 
 
@@ -254,11 +254,11 @@ def test_compile_compiles_each_block_in_place():
     from lightning.fabric import Fabric
 
     from lit_model import Config
-    from lit_model.model import GPT
+    from lit_model.model.gpt import GPT
     from lit_model.run import resolve_run
-    from lit_model.training.args import TrainArgs
-    from lit_model.training.step import unwrap
-    from lit_model.training.session import setup_model_and_optimizer
+    from lit_model.train.args import TrainArgs
+    from lit_model.train.step import unwrap
+    from lit_model.train.session import setup_model_and_optimizer
 
     config = Config(name="tiny", block_size=64, vocab_size=256, n_layer=2, n_embd=32, n_head=2, intermediate_size=64)
     settings = TrainArgs(precision="32-true", micro_batch_size=2, global_batch_size=2, compile=True, devices=1)
@@ -324,7 +324,7 @@ def test_loggers_receive_the_metrics_rows_and_a_resume_replaces_the_later_ones(t
 
 
 def test_wandb_is_offline_unless_told_online_or_logged_in(tmp_path, monkeypatch):
-    from lit_model.training.loggers import wandb_offline
+    from lit_model.train.loggers import wandb_offline
 
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -352,7 +352,7 @@ def test_a_new_model_is_built_once_in_its_dtype_without_a_default_initialised_co
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
     from lit_model import GPT, Config
 
     dtype = getattr(torch, dtype_name)

@@ -195,7 +195,7 @@ def test_a_signal_to_rank_0_before_training_ends_the_rank_it_started(slow_setup,
 
 
 def test_the_first_signal_in_the_loop_asks_to_stop_and_a_second_aborts_at_once(capsys):
-    from lit_model.errors import STOPS, run_cli
+    from lit_model.core.errors import STOPS, run_cli
 
     before = signal.getsignal(signal.SIGINT)  # pytest's, or SIG_IGN in a job started in the background
 
@@ -218,7 +218,7 @@ def test_a_signal_while_the_model_is_built_on_the_meta_device_waits_for_the_devi
     stack"): STOPS.held() records the signal and raises it once the block is over."""
     import torch
 
-    from lit_model.errors import STOPS, run_cli
+    from lit_model.core.errors import STOPS, run_cli
 
     reached = []
 
@@ -243,10 +243,10 @@ def test_a_signal_while_the_model_is_built_on_the_meta_device_waits_for_the_devi
 def test_summary_is_strict_json_with_null_for_a_loss_never_measured(tiny_setup, tmp_path, monkeypatch):
     from lightning.fabric import Fabric
 
-    from lit_model.training.args import TrainArgs
-    from lit_model.config import Config
+    from lit_model.train.args import TrainArgs
+    from lit_model.core.config import Config
     from lit_model.run import resolve_run
-    from lit_model.training.loop import Progress, write_summary
+    from lit_model.train.loop import Progress, write_summary
 
     fabric = Fabric(accelerator="cpu", devices=1)
     args = TrainArgs(out_dir=tmp_path)
@@ -286,7 +286,7 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tiny_setup, t
     ["pretrain/main.py", "--resume=auto", "--max_steps", "9"],
 ])
 def test_the_resume_command_is_the_same_command_with_resume_auto(argv):
-    from lit_model.training.loop import resume_command
+    from lit_model.train.loop import resume_command
 
     assert resume_command(argv) == "python pretrain/main.py --max_steps 9 --resume auto"
 
@@ -330,7 +330,7 @@ def test_a_stopped_rank_ends_the_other_after_timeout_with_a_message(tiny_setup, 
 def test_sigterm_ends_a_rank_blocked_in_a_collective(tiny_setup, tmp_path, signals):
     """The handler cannot run while the main thread waits inside gloo: the watchdog ends the process STUCK_AFTER_S
     after a signal, or about a second after a second one."""
-    from lit_model.errors import STUCK_AFTER_S
+    from lit_model.core.errors import STUCK_AFTER_S
 
     proc, rank_1 = start_two_ranks(tiny_setup, tmp_path / "blocked", "600")
     try:

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_model.errors import UsageError, UserError
-from lit_model.tokenizer import Tokenizer, train_bpe
+from lit_model.core.errors import UsageError, UserError
+from lit_model.io.tokenizer import Tokenizer, train_bpe
 
 # Text that trips up tokenizers that normalize: tabs, newlines, runs of spaces, leading space, non-ASCII
 TEXTS = [

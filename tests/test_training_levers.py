@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lit_model import GPT, Config
-from lit_model.errors import UsageError
-from lit_model.ops import block_scores
-from lit_model.training.step import freeze_layers
+from lit_model.core.errors import UsageError
+from lit_model.kernels.ops import block_scores
+from lit_model.train.step import freeze_layers
 
 CONFIG = dict(name="levers", block_size=128, vocab_size=256, n_layer=4, n_embd=64, n_head=4, n_query_groups=2,
               intermediate_size=128)
@@ -72,7 +72,7 @@ def test_activation_checkpointing_saves_less_and_gives_the_same_loss_and_gradien
 
 
 def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss(monkeypatch):
-    import lit_model.model as model_module
+    import lit_model.model.gpt as model_module
 
     inputs, targets = batch()
     fp32_bytes, fp32_loss = saved_for_backward_bytes(make_model(), inputs, targets)
@@ -157,7 +157,7 @@ def test_freeze_layers_by_count_and_pattern():
 
 
 def test_max_seq_length_is_capped_by_the_block_size():
-    from lit_model.errors import UserError
+    from lit_model.core.errors import UserError
 
     model = make_model()
     model.max_seq_length = 32

@@ -1,7 +1,7 @@
 """The cache of data derived from the inputs (token arrays, the default instruction records, the default
 tokenizer) under ``cache_root()``.
 
-A cache file is written atomically (lit_model/files.py) and then a record beside it, ``<file>.json``, with
+A cache file is written atomically (lit_model/core/files.py) and then a record beside it, ``<file>.json``, with
 its size and SHA-256 (and what its builder adds, e.g. the token count); a cached directory (the tokenizer)
 gets one listing its files. Every load checks the cache against its record, so a truncated, shuffled or half-replaced cache is rebuilt (with a one-line warning) instead of
 mapped with a wrong length or trained on silently. Hashing the standard library's 18 MB train array took
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_model.errors import UserError
-from lit_model.files import atomic_open, atomic_write
+from lit_model.core.errors import UserError
+from lit_model.core.files import atomic_open, atomic_write
 
 CACHE_VARIABLE = "LIT_MODEL_CACHE"
 _HASH_CHUNK = 1 << 22

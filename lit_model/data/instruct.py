@@ -28,8 +28,8 @@ from torch.utils.data import Dataset
 from lit_model.data.cache import cache_root, cached
 from lit_model.data.sources import TABLE_SUFFIXES, instruct_records, is_table, map_record
 from lit_model.data.text import GlobalBatchSampler, json_records, split_by_file, stdlib_sources
-from lit_model.errors import UsageError, UserError
-from lit_model.prompts import Alpaca, PromptStyle
+from lit_model.core.errors import UsageError, UserError
+from lit_model.io.prompts import Alpaca, PromptStyle
 
 IGNORE_INDEX = -100
 MAX_SOURCE_CHARS = 1200  # default data: functions up to this long (most fit 512 tokens with their prompt)

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
 from lit_model.data.cache import cache_root, cached
-from lit_model.errors import UsageError, UserError
+from lit_model.core.errors import UsageError, UserError
 
 TABLE_SUFFIXES = (".parquet", ".csv")
 Kind = Literal["instruct", "text"]

@@ -28,8 +28,8 @@ from lit_model.data.cache import (
     cache_root, cached, checked_directory, file_lock, warn_rebuild, write_directory_record,
 )
 from lit_model.data.sources import TABLE_SUFFIXES, is_table, text_file
-from lit_model.errors import UsageError, UserError
-from lit_model.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe
+from lit_model.core.errors import UsageError, UserError
+from lit_model.io.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 JSON_SUFFIXES = (".json", ".jsonl")

@@ -1,0 +1,139 @@
+"""A checkpoint's own chat template (``chat_template.jinja`` or ``chat_template`` in tokenizer_config.json),
+rendered the way ``transformers``' ``apply_chat_template`` renders it: Jinja2 in a sandbox that lets the template
+read only what it is given, with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``,
+``strftime_now``, ``namespace``, loop controls and the ``{% generation %}`` tag, and the tokenizer's special
+tokens (``bos_token``, ``eos_token``, ...) as variables next to ``messages`` and ``add_generation_prompt``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from lit_model.core.errors import UserError
+from lit_model.io.tokenizer import _read_json as read_json
+
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves it
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def read_chat_template(checkpoint_dir: Union[str, Path]) -> Optional[str]:
+    """The checkpoint's chat template source, or None. ``chat_template.jinja`` wins over tokenizer_config.json's
+    (as in transformers); of several named templates, the one named "default"."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / TEMPLATE_FILE).is_file():
+        return (checkpoint_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = _tokenizer_config(checkpoint_dir).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def special_tokens(checkpoint_dir: Union[str, Path]) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ... as text, from tokenizer_config.json, else special_tokens_map.json."""
+    checkpoint_dir = Path(checkpoint_dir)
+    tokens: dict[str, str] = {}
+    for source in (_tokenizer_config(checkpoint_dir), read_json(checkpoint_dir / "special_tokens_map.json")):
+        for key in SPECIAL_TOKENS:
+            value = source.get(key)
+            if isinstance(value, dict):  # transformers' AddedToken form: {"content": "<s>", "lstrip": false, ...}
+                value = value.get("content")
+            if isinstance(value, str) and key not in tokens:
+                tokens[key] = value
+    return tokens
+
+
+def render(source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+           variables: Mapping[str, Any]) -> str:
+    """The conversation as the template writes it (``variables``: the special tokens)."""
+    import jinja2
+
+    try:
+        return _compile(source).render(
+            messages=[dict(m) for m in messages], tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **variables,
+        )
+    except jinja2.TemplateError as error:
+        raise UserError(
+            f"The checkpoint's chat template refused this conversation: {error}. Change the conversation (e.g. "
+            "alternate user and assistant messages, system first), or pass --prompt_style with a built-in style."
+        ) from None
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes HTML characters, which chat templates do not want
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        """``namespace(...)`` without underscore attributes, which could reach interpreter internals."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat templates cannot set the attribute {name!r}")
+
+    class TemplateDict:
+        """``dict(...)`` and ``dict.fromkeys(...)``, without the class itself (its attributes lead out)."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` marks the assistant's text for masks; rendered as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=TemplateDict(), namespace=Namespace,
+    )
+    try:
+        return environment.from_string(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise UserError(
+            f"The checkpoint's chat template is not valid Jinja ({error.message}, line {error.lineno}). Fix "
+            f"{TEMPLATE_FILE} or tokenizer_config.json's chat_template, or pass --prompt_style with a built-in style."
+        ) from None
+
+
+def _tokenizer_config(checkpoint_dir: Path) -> dict[str, Any]:
+    return read_json(checkpoint_dir / "tokenizer_config.json")

@@ -1,0 +1,645 @@
+"""A GPT decoder that covers Llama, Mistral, Mixtral, GPT-NeoX/Pythia, Phi, Gemma (1, 2 and 3), Qwen2/Qwen3
+(dense and MoE), OLMo 2 and SmolLM3.
+
+Every architectural difference is a field of ``Config``; this file reads top to bottom: the model, a block,
+attention, the MLPs, normalisation, rotary embeddings and the KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lit_model.model.activations import ActivationOffloading, checkpointed, tiled
+from lit_model.core.config import Config
+from lit_model.core.errors import STOPS, UserError
+from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
+from lit_model.kernels.ops import (attends_in_blocks, attends_in_halves, causal_attention_in_blocks, causal_attention_in_halves,
+                           expands_shared_heads, linear, path_device, rms_norm, rotate, upcast_rms_norm)
+
+try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Within this block new floating-point tensors (a model's parameters) are made in ``dtype``."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = make_norm(config, config.n_embd)
+        self.lm_head = Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
+        self.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE
+        # Set by optimizers that differentiate the gradients again (Sophia's Hessian): the fused loss cannot.
+        self.loss_differentiable_twice = False
+        # Recompute every k-th block's activations in backward (0: off, 1: every block); see training/fabric.py.
+        self.activation_checkpointing_interval = 0
+        # With the above: recompute only the element-wise ops, keep the matmul and attention outputs (activations.py).
+        self.activation_checkpointing_selective = False
+        # Where the blocks' saved tensors wait for backward (host memory or files), if not in device memory.
+        self.activation_offloading: Optional[ActivationOffloading] = None
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._max_seq_length = config.block_size
+        self.reset_rope_cache()
+
+    @property
+    def max_seq_length(self) -> int:
+        return self._max_seq_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        """Context the model runs with: at most the config's block size; smaller saves RoPE/mask memory."""
+        if value > self.config.block_size:
+            raise UserError(
+                f"A sequence length of {value} is longer than {self.config.name or 'this model'} supports "
+                f"(block_size={self.config.block_size}). Use a length of at most {self.config.block_size}."
+            )
+        self._max_seq_length = value
+        self.reset_rope_cache()
+
+    def reset_rope_cache(self, device: Optional[torch.device] = None) -> None:
+        """(Re)build the cos/sin tables, e.g. after the model was created on the meta device. With a local RoPE
+        base (Gemma 3) the global and the local tables sit side by side along the last dimension, so every
+        caller indexes positions as usual and each attention layer takes its half."""
+        device = device if device is not None else self.embed.weight.device
+        cos, sin = rope_cache(self.config, self._max_seq_length, device)
+        if self.config.rope_local_base is not None:
+            local = replace(self.config, rope_base=self.config.rope_local_base, rope_scaling=None)
+            cos_local, sin_local = rope_cache(local, self._max_seq_length, device)
+            cos, sin = torch.cat((cos, cos_local), dim=-1), torch.cat((sin, sin_local), dim=-1)
+        self.cos, self.sin = cos, sin
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        targets: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with ``targets`` (-100 = ignore) the mean loss instead.
+
+        ``input_pos`` (1-D, the positions of ``idx``'s tokens) switches to KV-cache decoding; see
+        ``set_kv_cache``. ``positions`` (batch, time), for training on packed sequences: each token's RoPE
+        position; a document starts where its position is 0 and attends only within itself.
+        """
+        T = idx.size(1)
+        if input_pos is None:
+            if T > self.max_seq_length:
+                raise UserError(
+                    f"Input of {T} tokens is longer than the model's max_seq_length={self.max_seq_length}. "
+                    "Crop the input or raise max_seq_length (at most the config's block_size)."
+                )
+            if positions is None:
+                cos, sin = self.cos[:T], self.sin[:T]
+            else:  # per token: (B, 1, T, n_elem)
+                cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        elif positions is not None:
+            raise ValueError("positions (packed training) and input_pos (KV-cache decoding) exclude each other")
+        else:
+            cos, sin = self.cos.index_select(0, input_pos), self.sin.index_select(0, input_pos)
+
+        x = self.embed(idx)
+        masks = None
+        if positions is not None:  # per-token tables and masks: made once in attention's dtype, not in every layer
+            dtype = attention_dtype(x)
+            cos, sin, masks = as_dtype(cos, dtype), as_dtype(sin, dtype), self.document_masks(positions, dtype)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        interval, grad = self.activation_checkpointing_interval, torch.is_grad_enabled()
+        # Offloading sees what the blocks save outside checkpoints: with checkpointing, only the checkpointed blocks'
+        # inputs. cos/sin (and packing's masks) are shared by every block and alive until the end of the forward anyway.
+        offload = self.activation_offloading if grad and self.activation_offloading is not None else None
+        resident = (cos, sin, *(masks or {}).values())
+        with offload(resident=resident) if offload is not None else contextlib.nullcontext():
+            for i, block in enumerate(self.blocks):
+                if interval and i % interval == 0 and grad:
+                    x = checkpointed(block, x, cos, sin, input_pos, None, masks,
+                                     selective=self.activation_checkpointing_selective)
+                else:
+                    x = block(x, cos, sin, input_pos, None, masks)
+        x = self.norm_f(x)
+        if targets is None:
+            return self.head(x)
+        return self.chunked_loss(x, targets)
+
+    def document_masks(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[Optional[int], torch.Tensor]:
+        """The additive attention masks of packed sequences, per sliding window (None: no window), built once per
+        forward and shared by every layer, in the dtype attention computes in so that no layer converts its own."""
+        T = positions.size(1)
+        windows = {self.config.sliding_window_size if self.config.layer_uses_sliding_window(i) else None
+                   for i in range(self.config.n_layer)}
+        full = document_mask(positions, None, dtype)
+        return {w: full if w is None or w >= T else document_mask(positions, w, dtype) for w in windows}
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x)
+        if self.config.final_logit_softcapping is not None:
+            logits = softcap(logits, self.config.final_logit_softcapping)
+        return logits
+
+    def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in fp32, ``loss_chunk_size`` tokens at a time, so the (tokens x vocab) logits are
+        never all alive at once."""
+        x = x.reshape(-1, x.size(-1))
+        targets = targets.reshape(-1)
+        return self._loss_sum(x, targets) / (targets != -100).sum().clamp(min=1)
+
+    def _loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        chunk = self.loss_chunk_size if self.loss_chunk_size > 0 else x.size(0)
+        if plain_linear(self.lm_head) and not self.loss_differentiable_twice:
+            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets, chunk,
+                                        self.config.final_logit_softcapping)
+        # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
+        total = x.new_zeros((), dtype=torch.float32)
+        for start in range(0, x.size(0), chunk):
+            x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
+            if chunk < x.size(0) and torch.is_grad_enabled():
+                total = total + checkpoint(self._chunk_loss_sum, x_chunk, t_chunk, use_reentrant=False)
+            else:
+                total = total + self._chunk_loss_sum(x_chunk, t_chunk)
+        return total
+
+    def _chunk_loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x).float(), targets, ignore_index=-100, reduction="sum")
+
+    # ---- generation --------------------------------------------------------------------------
+    def set_kv_cache(
+        self, batch_size: int, max_length: int, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
+    ) -> None:
+        """Preallocate the cache for exactly ``max_length`` positions (prompt + new tokens)."""
+        if max_length > self.max_seq_length:
+            raise UserError(
+                f"Prompt plus new tokens ({max_length}) exceed the model's context of {self.max_seq_length} "
+                f"tokens. Ask for at most {self.max_seq_length} tokens in total."
+            )
+        device = device or self.embed.weight.device
+        dtype = dtype or self.embed.weight.dtype
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config, max_length, device, dtype)
+
+    def clear_kv_cache(self) -> None:
+        for block in self.blocks:
+            block.attn.kv_cache = None
+
+    # ---- weights ----------------------------------------------------------------------------
+    @classmethod
+    def on_meta(cls, config: Config) -> "GPT":
+        """The model on the meta device: shapes and no memory. A stop signal meanwhile is raised once torch's device
+        mode is popped (STOPS.held): raised inside the mode-stack swap it would leave that stack broken."""
+        with STOPS.held(), torch.device("meta"):
+            return cls(config)
+
+    @classmethod
+    def initialized(cls, config: Config, dtype: torch.dtype = torch.float32) -> "GPT":
+        """A new model with ``init_weights``'s weights, stored in ``dtype`` on the CPU. Built on the meta device,
+        then filled: the process holds the model once, in ``dtype`` (not a default-initialised fp32 copy with an
+        untied head first, as ``GPT(config)`` makes: 2.8 GB for Qwen2.5-0.5B, whose bf16 weights are 0.9 GB)."""
+        with default_dtype(dtype):
+            model = cls.on_meta(config)
+        model.to_empty(device="cpu")
+        if config.tie_embeddings:  # to_empty may give the two modules separate tensors
+            model.lm_head.weight = model.embed.weight
+        model.reset_rope_cache()
+        model.init_weights()
+        return model
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 style init: N(0, 0.02), residual output projections scaled down by depth. The values are drawn in
+        fp32 (for a 16-bit model a block of rows at a time) and rounded to the weights' dtype."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                _normal_in_fp32(module.weight, std=residual_std if name.endswith(".proj") else 0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: Optional[torch.dtype] = None,
+        **config_overrides,
+    ) -> "GPT":
+        """Build on the meta device and assign the stored tensors, so only one copy of the weights is
+        ever in memory."""
+        from lit_model.methods.adapter import load_saved_adapter
+        from lit_model.io.checkpoint import check_checkpoint_dir, load_model_weights
+
+        checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
+        config = Config.from_checkpoint(checkpoint_dir, **config_overrides)
+        model = cls.on_meta(config)
+        load_model_weights(model, checkpoint_dir, device=device, dtype=dtype)
+        load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
+        model.reset_rope_cache(torch.device(device))
+        return model.eval()
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.norm_1 = make_norm(config, config.n_embd) if config.pre_norm else nn.Identity()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.post_attention_norm = make_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
+        if config.shared_attention_norm:
+            self.norm_2 = None
+        else:
+            self.norm_2 = make_norm(config, config.n_embd) if config.pre_norm else nn.Identity()
+        self.mlp = MLP_CLASSES[config.mlp_class_name](config)
+        self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
+        # > 1: the MLP runs (and is recomputed) in this many slices of the sequence (activations.tiled)
+        self.mlp_tiles = 1
+
+    def run_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled(self.mlp, x, self.mlp_tiles) if self.mlp_tiles > 1 and x.size(1) > 1 else self.mlp(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                input_pos_maxp1: Optional[int] = None,
+                document_masks: Optional[dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
+        x_normed = self.norm_1(x)
+        attention_output = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, input_pos_maxp1,
+                                                              document_masks))
+        if self.config.parallel_residual:
+            mlp_input = x_normed if self.norm_2 is None else self.norm_2(x)
+            return x + attention_output + self.post_mlp_norm(self.run_mlp(mlp_input))
+        x = x + attention_output
+        return x + self.post_mlp_norm(self.run_mlp(self.norm_2(x)))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = config.bias or config.attn_bias
+        self.query = Linear(config.n_embd, config.n_head * config.head_size, bias=qkv_bias)
+        self.key = Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
+        self.value = Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
+        self.proj = Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        if config.qk_norm is not None:
+            per_head = config.qk_norm == "head"
+            self.q_norm = make_norm(config, config.head_size if per_head else config.n_head * config.head_size)
+            self.k_norm = make_norm(config, config.head_size if per_head else config.n_query_groups * config.head_size)
+        self.sliding_window = config.sliding_window_size if config.layer_uses_sliding_window(layer_idx) else None
+        self.use_rope = config.layer_uses_rope(layer_idx)
+        self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                input_pos_maxp1: Optional[int] = None,
+                document_masks: Optional[dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
+        """``input_pos_maxp1`` (decoding only): ``max(input_pos) + 1``, known on the host, for ``input_pos`` that
+        is a contiguous range. Attention then reads only the cache positions written so far, and needs no mask
+        where causality follows from the shapes (one query, or a prefill that starts at position 0).
+        ``document_masks`` (packed training, see ``GPT.document_masks``): the mask for each sliding window."""
+        B, T, _ = x.shape
+        hs, n_head, n_kv = self.config.head_size, self.config.n_head, self.config.n_query_groups
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.config.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(B, T, n_head, hs), k.view(B, T, n_kv, hs), v.view(B, T, n_kv, hs)
+        if self.config.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        # (B, heads, T, head_size)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.use_rope:
+            n_elem = self.config.rope_n_elem
+            if self.config.rope_local_base is not None:  # global and local tables side by side (reset_rope_cache)
+                columns = slice(n_elem, 2 * n_elem) if self.sliding_window is not None else slice(0, n_elem)
+                cos, sin = cos[..., columns], sin[..., columns]
+            q = apply_rope(q, cos, sin, n_elem)
+            k = apply_rope(k, cos, sin, n_elem)
+
+        if input_pos is not None:
+            if self.kv_cache is None:
+                raise RuntimeError("Call `model.set_kv_cache(...)` before decoding with input_pos.")
+            k, v = self.kv_cache(input_pos, k, v)
+            if input_pos_maxp1 is None:
+                mask = attention_mask(input_pos, k.size(2), self.sliding_window)
+            else:
+                k, v = k[:, :, :input_pos_maxp1], v[:, :, :input_pos_maxp1]
+                windowed = self.sliding_window is not None and input_pos_maxp1 > self.sliding_window
+                needs_mask = windowed or T not in (1, input_pos_maxp1)
+                mask = attention_mask(input_pos, input_pos_maxp1, self.sliding_window) if needs_mask else None
+            k, v = as_dtype(k, q.dtype), as_dtype(v, q.dtype)
+        elif document_masks is not None:
+            mask = document_masks[self.sliding_window]
+        elif self.sliding_window is not None and T > self.sliding_window:
+            mask = attention_mask(torch.arange(T, device=x.device), T, self.sliding_window)
+        else:
+            mask = None  # plain causal
+
+        # Each piece is projected on its own: the projection then keeps (a view of) what attention keeps, not a
+        # concatenated copy; the concatenated output is not kept.
+        pieces = self.attend(q, k, v, mask)
+        if len(pieces) == 1:
+            return self.proj(pieces[0].reshape(B, T, n_head * hs))
+        return torch.cat([self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in pieces], dim=1)
+
+    def attends_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Causal self-attention of a step that needs gradients, where ``ops.attends_in_blocks`` takes the blocks."""
+        T = q.size(2)
+        return (T == k.size(2) and T > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+                and attends_in_blocks(path_device(q), attention_dtype(q), q.size(0), q.size(1), T, self.config.n_embd))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Returns the output as consecutive pieces along time, each (B, T_i, heads, head_size): usually one.
+        Without a mask: causal, except that one query sees every key (a decoding step over the cache)."""
+        softcapping = self.config.attention_logit_softcapping
+        if softcapping is not None:
+            # Soft-capping needs the scores themselves, so this path is explicit (Gemma 2).
+            k, v = copy_shared_heads(k, v, q.size(1))
+            scores = softcap((q @ k.transpose(-2, -1)) * self.scale, softcapping)
+            if mask is None:
+                T = q.size(2)
+                mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return [(probs @ v).transpose(1, 2)]
+        if (
+            flash_attn_func is not None
+            and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and mask is None
+        ):
+            out = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scale, causal=True
+            )
+            return [out]
+        enable_gqa = k.size(1) != q.size(1)
+        if mask is None and self.attends_in_blocks(q, k, v):
+            return [causal_attention_in_blocks(q, *copy_shared_heads(k, v, q.size(1)), self.scale).transpose(1, 2)]
+        if enable_gqa and expands_shared_heads(path_device(q), q.dtype, q.size(-1), mask is not None, q.size(2)):
+            k, v = copy_shared_heads(k, v, q.size(1))
+            enable_gqa = False
+        if mask is None and attends_in_halves(path_device(q), q.size(2)):
+            return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale, enable_gqa=enable_gqa
+        )
+        return [y.transpose(1, 2)]
+
+
+def copy_shared_heads(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, heads, T, head_size) keys and values from grouped-query attention's shared heads: each query head its own
+    copy (autograd sums the copies' gradients back into the shared head)."""
+    if k.size(1) == heads:
+        return k, v
+    return k.repeat_interleave(heads // k.size(1), dim=1), v.repeat_interleave(heads // v.size(1), dim=1)
+
+
+def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:
+    """Boolean (T, key_length) mask: query at position p sees keys at positions <= p (and > p - window)."""
+    key_pos = torch.arange(key_length, device=input_pos.device)
+    mask = key_pos[None, :] <= input_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > input_pos[:, None] - sliding_window
+    return mask
+
+
+def document_mask(positions: torch.Tensor, sliding_window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, T, T) mask of packed sequences (0: attend, -inf: not): a token sees the earlier tokens of
+    its own document (and within the last ``sliding_window``); a document starts where ``positions`` is 0."""
+    T = positions.size(1)
+    documents = (positions == 0).cumsum(dim=1)
+    index = torch.arange(T, device=positions.device)
+    visible = (documents[:, :, None] == documents[:, None, :]) & (index[None, :] <= index[:, None])
+    if sliding_window is not None:
+        visible &= index[None, :] > index[:, None] - sliding_window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+    return mask.unsqueeze(1)
+
+
+def attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in for activations ``x``: autocast's where it is on."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) whose product takes ``ops.linear``'s kernel choice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """A linear layer as the model builds it (or a bare ``nn.Linear``): not quantized, not adapted."""
+    return type(module) in (nn.Linear, Linear)
+
+
+class GptNeoxMLP(nn.Module):
+    """Linear -> GELU -> Linear (GPT-NeoX, Phi)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc = Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+class LLaMAMLP(nn.Module):
+    """SwiGLU: proj(silu(fc_1(x)) * fc_2(x)) (Llama, Mistral, Qwen, Phi-3)."""
+
+    def __init__(self, config: Config, linear_class: type[nn.Linear] = Linear) -> None:
+        super().__init__()
+        self.fc_1 = linear_class(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = linear_class(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = linear_class(config.intermediate_size, config.n_embd, bias=config.bias)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.activation(self.fc_1(x)) * self.fc_2(x))
+
+
+class GemmaMLP(LLaMAMLP):
+    """GeGLU: the gate goes through GELU instead of SiLU (Gemma)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.approximate = config.gelu_approximate
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=self.approximate)
+
+
+@torch.library.custom_op("lit_model::expert_tokens", mutates_args=())
+def expert_tokens(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that chose ``expert`` (rows of ``chosen``, tokens x k) and in which of their k slots."""
+    pairs = (chosen == expert).nonzero()
+    return pairs[:, 0].clone(), pairs[:, 1].clone()  # a custom op's outputs may not alias each other
+
+
+@expert_tokens.register_fake
+def _expert_tokens_fake(chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, k = chosen.shape
+    try:  # torch.compile: a data-dependent size
+        rows = torch.library.get_ctx().new_dynamic_size(max=tokens)
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException:
+        # Fake tensors without a shape environment (the memory planner's trace) carry no routing: the routing that
+        # needs the most memory, every token choosing experts 0..k-1 (the experts' saved activations add up to k
+        # rows per token whatever the choice; the buffers in flight in one expert's forward and backward grow with
+        # its rows, at most one per token).
+        rows = tokens if expert < k else 0
+    return chosen.new_empty((rows,), dtype=torch.long), chosen.new_empty((rows,), dtype=torch.long)
+
+
+class LLaMAMoE(nn.Module):
+    """Mixture of SwiGLU experts (Mixtral, Qwen3-MoE): a router scores every expert per token, the
+    ``n_expert_per_token`` best run on that token and their outputs are summed, weighted by the router's softmax
+    probabilities (renormalised over the chosen experts with ``moe_norm_topk``)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate = Linear(config.n_embd, config.n_expert, bias=False)
+        # An expert sees a new number of tokens every step, and oneDNN builds and caches a kernel for each shape (the
+        # process grows step by step: benchmarks/results/moe_plan.md): the experts keep PyTorch's own linear maps.
+        self.experts = nn.ModuleList(LLaMAMLP(config, linear_class=nn.Linear) for _ in range(config.n_expert))
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.config.n_expert_per_token, dim=-1)  # (tokens, k)
+        if self.config.moe_norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = expert_tokens(chosen, e)
+            y = y.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return y.view(B, T, C)
+
+
+MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}
+
+
+INIT_DRAW_ELEMENTS = 1 << 22  # fp32 values drawn at once for a 16-bit weight (16 MB)
+
+
+def _normal_in_fp32(weight: torch.Tensor, std: float) -> None:
+    """N(0, std) drawn in fp32 and rounded to ``weight``'s dtype, at most INIT_DRAW_ELEMENTS at a time."""
+    if weight.dtype == torch.float32:
+        nn.init.normal_(weight, mean=0.0, std=std)
+        return
+    rows = weight.view(weight.size(0), -1)
+    step = max(1, INIT_DRAW_ELEMENTS // max(rows.size(1), 1))
+    for start in range(0, rows.size(0), step):
+        block = rows[start : start + step]
+        block.copy_(torch.empty(block.shape, dtype=torch.float32, device=block.device).normal_(0.0, std))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32; Gemma scales by (1 + weight)."""
+
+    def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and not self.unit_offset:
+            return rms_norm(x, self.weight, self.eps)  # on the CPU, fewer passes (ops.py)
+        return upcast_rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+
+def make_norm(config: Config, size: int) -> nn.Module:
+    if config.norm_class_name == "LayerNorm":
+        return nn.LayerNorm(size, eps=config.norm_eps)
+    return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+
+
+def rope_cache(config: Config, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, rope_n_elem) in fp32, with Llama 3.1 frequency scaling."""
+    n_elem = config.rope_n_elem
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, n_elem, 2, device=device, dtype=torch.float32) / n_elem))
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.get("rope_type", "llama3") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > original / low, inv_freq / factor, torch.where(wavelen < original / high, inv_freq, smoothed)
+        )
+    elif scaling is not None and scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
+    """Rotate the first ``n_elem`` channels of each head (the "rotate half" convention of HF weights)."""
+    if n_elem == 0:
+        return x
+    partial = n_elem < x.size(-1)
+    rotated = rotate(x[..., :n_elem] if partial else x, as_dtype(cos, x.dtype), as_dtype(sin, x.dtype))
+    return torch.cat((rotated, x[..., n_elem:]), dim=-1) if partial else rotated
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call where it would return ``x`` itself: a decoding step runs dozens of
+    these, and each call costs about a microsecond of dispatch."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+class KVCache(nn.Module):
+    """Keys and values for ``max_length`` positions, written in place at ``input_pos``."""
+
+    def __init__(self, batch_size: int, config: Config, max_length: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (batch_size, config.n_query_groups, max_length, config.head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.index_copy_(2, input_pos, as_dtype(k, self.k.dtype))
+        self.v.index_copy_(2, input_pos, as_dtype(v, self.v.dtype))
+        return self.k, self.v

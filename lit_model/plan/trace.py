@@ -1,0 +1,756 @@
+"""Engine (a): the exact trace. Build the run's real GPT under ``FakeTensorMode`` (tensors have shapes and
+dtypes but no storage, so a 70B model costs nothing), adapt it as the scripts do (LoRA, adapter, freezing; the
+bitsandbytes layers as stand-ins of the same tensors, see modules.py), set it up with a one-process Fabric of the
+run's precision and run the fit loop's own step (``TrainStep``: micro batches, loss scaling, backward, the
+optimizer update) twice and its evaluation once under ``MemTracker``; read the peak of live tensor bytes by
+category, and the state left after the step (what a checkpoint is saved from). FSDP runs are sharded by the
+scripts' own ``shard_model`` over PyTorch's fake process group, so this process holds one rank's share (HYBRID_SHARD
+and cpu_offload included). The model carries no switch for the planner.
+
+Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
+in autograd), so ``ops.take_paths_of`` makes the model take the planned device's kernels; the model is built in
+its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` cannot swap fake parameters); at least two
+steps run (the first has no optimizer state). What the trace cannot see is added by ``plan.py``: the process's
+runtime and allocator overhead, DDP buckets, the full state dict FSDP gathers when saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
+from torch.utils._pytree import tree_map_only
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import HalfPrecision
+from lightning.fabric.strategies import SingleDeviceStrategy
+from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lit_model.methods.adapter import apply_adapter
+from lit_model.core.config import Config
+from lit_model.infer.generation import forward_last, sample, set_kv_cache
+from lit_model.methods.lora import apply_lora
+from lit_model.plan.calibration import quantized_step_bytes
+from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
+from lit_model.model.gpt import GPT, default_dtype
+from lit_model.kernels.ops import cuda_attention_kernel, take_paths_of
+from lit_model.run import Run
+from lit_model.train.fabric import configure_model, fsdp_mesh, shard_model
+from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
+from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
+
+try:
+    from torch._guards import active_fake_mode
+except ImportError:  # pragma: no cover
+    from torch._subclasses.fake_tensor import active_fake_mode  # type: ignore
+
+
+class _Ref(_RefType):
+    """MemTracker's categories plus two of ours. Values equal MemTracker's, so its internal keys match."""
+
+    PARAM = "Parameter"
+    BUFFER = "Buffer"
+    GRAD = "Gradient"
+    ACT = "Activation"
+    TEMP = "Temp"
+    OPT = "Optstate"
+    OTH = "Other"
+    LOGITS = "Logits"
+    QUANT = "Quant"
+    HOST = "Host"  # what the real run keeps in host memory (FSDP cpu_offload's gradient shards): no device bytes
+
+
+CPU = torch.device("cpu")
+
+
+class _Tracker(MemTracker):
+    """MemTracker that files the tensors with the vocabulary as last dimension (logits, their softmax and its
+    gradient) as logits/loss memory and those created inside ``push_category("quant")`` scopes (the bitsandbytes
+    stand-ins) as quantization memory, and keeps only the global peak (module-level peaks cost time).
+
+    ``tied_shapes``: the shapes of trained parameters used in two places (a tied embedding and head). Autograd sums
+    the two gradients of such a parameter before accumulating them; a real run sums them in place (the engine's
+    input buffer holds the only reference), but under any dispatch mode, this tracker's included, the engine adds
+    out of place, which would count a third tensor of the embedding's size at that moment. That add does not
+    update the peaks: its result takes the first operand's place, as in the run.
+
+    ``keep_gradients_on_host``: FSDP's cpu_offload moves each gradient shard to host memory once it is
+    reduce-scattered; from the first moment a shard is the parameter's gradient, its bytes are filed as host memory
+    and the peaks are of the device's bytes alone."""
+
+    def __init__(self, vocab_size: int, tied_shapes: frozenset[tuple[int, ...]] = frozenset()) -> None:
+        super().__init__()
+        self._ref_class = _Ref
+        self._scopes: list[str] = []
+        self.vocab_size = vocab_size
+        self.tied_shapes = tied_shapes
+        self.host_gradients: tuple[nn.Parameter, ...] = ()
+        self._filed: dict[nn.Parameter, int] = {}  # the id of each parameter's gradient filed as host memory
+        self.values_read = 0  # how often the traced code read a tensor's value (stand-ins answered)
+        self.failed_in: Optional[str] = None
+
+    def keep_gradients_on_host(self, params: Iterable[nn.Parameter]) -> None:
+        self.host_gradients = tuple(params)
+
+    def _file_host_gradients(self) -> None:
+        for param in self.host_gradients:
+            grad = param.grad
+            if grad is not None and self._filed.get(param) != id(grad):
+                self._filed[param] = id(grad)
+                self._update_and_maybe_create_winfos(grad, _Ref.HOST)  # a DTensor: its local shard's storage
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: _RefType, update_existing: bool = False):  # type: ignore[no-untyped-def]
+        # host memory stays host memory when MemTracker files the same gradient again (before the optimizer steps)
+        if self.host_gradients and reftype is not _Ref.HOST:
+            known = (self._WINFO.get(storage, (None, None))[0] for storage in get_untyped_storages(t))
+            if any(info is not None and info.reftype is _Ref.HOST for info in known):
+                reftype = _Ref.HOST
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+    def push_category(self, name: str) -> None:
+        self._scopes.append(name)
+
+    def pop_category(self) -> None:
+        if self._scopes:
+            self._scopes.pop()
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker's own version hooks every parameter, which fails on frozen ones (LoRA, QLoRA, freezing).
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _Ref.GRAD)
+
+        param_memory = 0
+        for param in module.parameters():
+            winfos = self._update_and_maybe_create_winfos(param, _Ref.PARAM)
+            param_memory += sum(w.mem_consumed for w in winfos)
+            if param.grad is not None:
+                self._update_and_maybe_create_winfos(param.grad, _Ref.GRAD)
+            if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(grad_hook),
+                    # an optimizer stepping in backward may have freed the gradient already (its hook came first)
+                    param.register_post_accumulate_grad_hook(lambda p: None if p.grad is None else grad_hook(p.grad)),
+                )
+        buffer_memory = 0
+        for buffer in module.buffers():
+            winfos = self._update_and_maybe_create_winfos(buffer, _Ref.BUFFER)
+            buffer_memory += sum(w.mem_consumed for w in winfos)
+        return param_memory, buffer_memory
+
+    debug = False
+
+    def __enter__(self) -> "_Tracker":
+        if self._depth == 0:
+            self.region_peaks: dict[str, dict] = {}
+            self._region: tuple[int, str] = (0, "")
+        super().__enter__()
+        if self._depth == 1:  # what __torch_dispatch__ compares with; MemTracker records it itself from torch 2.12
+            self._fake_mode_on_entry = active_fake_mode()
+        return self
+
+    def _mode(self) -> str:
+        return "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+
+    def _region_key(self) -> str:
+        """The stretch of the step this moment belongs to: the n-th run of forward, backward or optimizer ops."""
+        mode = self._mode()
+        index, last = self._region
+        if mode != last:
+            self._region = (index + 1, mode)
+        return f"{self._region[0]}:{mode}"
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # The global peak, and the peak of each stretch of forward, backward or optimizer ops (trace_by_layers
+        # extrapolates each stretch's peak: where in a stretch the peak falls does not depend on the depth).
+        snap = self._curr_mem_snap.get(CPU)
+        if snap is not None:
+            key = self._region_key()
+            peak = self.region_peaks.get(key)
+            if peak is None or _device_bytes(peak) < _device_bytes(snap):
+                self.region_peaks[key] = dict(snap)
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < _device_bytes(dev_snap):
+                self._peak_mem[dev] = _device_bytes(dev_snap)
+                self._peak_mem_snap[dev] = dict(dev_snap)
+                if self.debug:
+                    self.peak_where = (sorted(self._mod_tracker.parents), self._mod_tracker.is_bw, list(self._scopes))
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # The step runs the root module once per micro batch; MemTracker's per-module statistics refuse that, and
+        # only the global peak is kept: forget the root's statistics when a new forward through it starts.
+        name = self._mod_tracker.get_known_fqn(module)
+        if not self._mod_tracker.is_bw and module in self.memory_tracking and set(self._mod_tracker.parents) == {"Global", name}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+    def _track_output(self, reftype: _RefType, tensor: torch.Tensor) -> None:
+        if reftype in (_Ref.ACT, _Ref.TEMP) and tensor.dim() and tensor.shape[-1] == self.vocab_size:
+            reftype = _Ref.LOGITS
+        self._track(reftype, tensor)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return self._stand_in(args[0])
+        try:
+            res = func(*args, **(kwargs or {}))
+        except Exception:
+            self.failed_in = self._mode()  # where the step stops if nothing in it catches this (TraceFailed)
+            raise
+        if active_fake_mode() is self._fake_mode_on_entry:
+            if self._in_opt:
+                reftype = _Ref.OPT
+            elif self._scopes:
+                reftype = _Ref.QUANT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _Ref.TEMP
+            else:
+                reftype = _Ref.ACT
+            tree_map_only(torch.Tensor, partial(self._track_output, reftype), res)
+            if self.host_gradients:
+                self._file_host_gradients()
+            if not self._sums_tied_gradients(func, args, res):
+                self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+        return res
+
+    def _stand_in(self, tensor: torch.Tensor) -> Union[bool, int, float]:
+        """A value for code that reads one from a fake tensor (``.item()``, ``if tensor:``), which fake tensors cannot
+        answer: Adafactor's step count, a learning-rate-free optimizer's estimates. False (the usual path past a check
+        for non-finite values) or 1; what the code allocates rarely depends on it, but where it does the trace may
+        miss a branch (plan.py says so and rounds up)."""
+        self.values_read += 1
+        if tensor.dtype is torch.bool:
+            return False
+        return 1.0 if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 1
+
+    def _sums_tied_gradients(self, func, args: tuple, res: Any) -> bool:  # type: ignore[no-untyped-def]
+        return (func is torch.ops.aten.add.Tensor and self._mod_tracker.is_bw and isinstance(res, torch.Tensor)
+                and tuple(res.shape) in self.tied_shapes and len(args) == 2
+                and all(isinstance(a, torch.Tensor) and a.shape == res.shape for a in args))
+
+
+def _device_bytes(snap: dict) -> int:
+    return snap[_TOTAL_KEY] - snap.get(_Ref.HOST, 0)
+
+
+class TraceFailed(RuntimeError):
+    """An op of the traced run that fake tensors cannot run; ``part``: forward, backward, optimizer or evaluation."""
+
+    def __init__(self, part: str, cause: Union[Exception, str]) -> None:
+        super().__init__(cause if isinstance(cause, str) else f"{type(cause).__name__}: {str(cause)[:200]}")
+        self.part = part
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # crosses from a fresh process (plan._trace_tensors)
+        return TraceFailed, (self.part, str(self))
+
+
+@dataclass
+class TraceResult:
+    phases: dict[str, dict[str, int]]  # phase -> category -> bytes at that phase's peak
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    probes: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_bytes: dict[str, int] = field(default_factory=dict)  # what the run keeps outside the device at most
+    # phase -> stretch of forward, backward or optimizer ops ("3:backward") -> category -> bytes at its peak
+    regions: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    values_read: int = 0  # tensor values the traced step read, answered by stand-ins (_Tracker._stand_in)
+
+
+@dataclass(frozen=True)
+class _BlockQuantizedState:
+    """What a block-quantized AdamW keeps per moment of a tensor: codes of ``code_bits`` per element and an fp32
+    scale per ``block`` elements (plus a quantization map of ``qmap`` fp32 values) for a tensor of at least 4096
+    elements (torchao: also a multiple of the block), else an unquantized moment (bitsandbytes: fp32; torchao:
+    the parameter's dtype); torchao keeps a float32 step count per tensor."""
+
+    code_bits: int
+    block: int
+    qmap: int = 0
+    torchao: bool = False
+
+
+# bitsandbytes' AdamW8bit (its qmaps, shared by all tensors, are left out), torchao's AdamW4bit and AdamWFp8
+_BLOCK_QUANTIZED = {
+    "adamw8bit": _BlockQuantizedState(8, 256), "pagedadamw8bit": _BlockQuantizedState(8, 256),
+    "adamw4bit": _BlockQuantizedState(4, 128, qmap=16, torchao=True), "adamwfp8": _BlockQuantizedState(8, 256, torchao=True),
+}
+
+
+class _SimQuantizedAdam(torch.optim.Optimizer):
+    """State of the sizes a block-quantized AdamW keeps (bitsandbytes' kernels and torchao's compiled step do not
+    run under fake tensors); the step is in place, like theirs. ``step_bytes``: the temporaries its real step
+    allocates for a tensor of n elements (``calibration.quantized_step_bytes``), allocated and freed
+    here while each tensor steps."""
+
+    def __init__(self, params, layout: _BlockQuantizedState, lr: float = 1e-3,
+                 step_bytes: Callable[[int], int] = lambda numel: 0) -> None:
+        super().__init__(params, {"lr": lr})
+        self.layout = layout
+        self.step_bytes = step_bytes
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        layout = self.layout
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                # under FSDP, torchao's state is of this rank's shard (bitsandbytes' is refused: check_optimizer_run)
+                local = p.to_local() if isinstance(p, DTensor) else p
+                n = local.numel()
+                if not state:
+                    quantized = n >= 4096 and (not layout.torchao or n % layout.block == 0)
+                    for moment in ("exp_avg", "exp_avg_sq"):
+                        if quantized:
+                            state[moment] = torch.zeros(n * layout.code_bits // 8, dtype=torch.uint8, device=p.device)
+                            state[moment + "_scale"] = torch.zeros(math.ceil(n / layout.block), dtype=torch.float32, device=p.device)
+                            if layout.qmap:
+                                state[moment + "_qmap"] = torch.zeros(layout.qmap, dtype=torch.float32, device=p.device)
+                        else:
+                            state[moment] = torch.zeros_like(local, dtype=p.dtype if layout.torchao else torch.float32)
+                    if layout.torchao:
+                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                temporaries = torch.empty(self.step_bytes(n), dtype=torch.uint8, device=p.device)
+                p.add_(p.grad, alpha=-group["lr"])  # in place, like the fused kernel
+                del temporaries
+
+
+def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.optim.Optimizer:
+    name = run.optimizer
+    if name.lower() in _BLOCK_QUANTIZED:
+        layout = _BLOCK_QUANTIZED[name.lower()]
+        params = [p for p in model.parameters() if p.requires_grad]
+        notes.append(f"{name}'s step does not run on fake tensors: the trace keeps state of the sizes it allocates "
+                     f"({layout.code_bits}-bit codes and an fp32 scale per {layout.block} elements for tensors of >= 4096)."
+                     + (" torchao compiles that step with torch.compile, whose own memory is not counted (about 80 MB "
+                        "more process memory on the CPU for lit-model-5m, benchmarks/memory_ladder.py)." if layout.torchao else ""))
+        step_bytes = partial(quantized_step_bytes, name, param_bytes=run.param_bytes, device_type=run.device_type)
+        if run.optimizer_in_backward:
+            return InBackwardOptimizer([_SimQuantizedAdam([p], layout, step_bytes=step_bytes) for p in params])
+        return _SimQuantizedAdam(params, layout, step_bytes=step_bytes)
+    if name.lower() == "apollo":
+        # APOLLO's step limits its update with a Python max() over a tensor, which fake tensors cannot answer; its
+        # state is GaLore's (projected moments and the projection, plus one scalar per matrix), its projection a
+        # random matrix where GaLore's SVD needs more temporary memory: GaLore's step stands in for it
+        notes.append("APOLLO's step does not run on fake tensors: traced with GaLore's step, which keeps the same "
+                     "projected state (APOLLO adds one scalar per matrix) and needs more temporary memory.")
+        name = "GaLore"
+    if name.lower() == "galore":
+        notes.append(f"{run.optimizer} recomputes each matrix's projection every 200 steps, one matrix at a time; "
+                     "the traced steps do not include that recomputation.")
+    # device_type "cuda" selects the fused AdamW a GPU run uses; fused AdamW also runs on (fake) CPU tensors.
+    return build_optimizer(model, name, learning_rate=1e-4, device_type=run.device_type, param_dtype=run.param_dtype,
+                           rank=run.optimizer_rank, in_backward=run.optimizer_in_backward)
+
+
+@contextlib.contextmanager
+def _cuda_kernels():
+    """Dropout and attention as CUDA runs them. Dropout: ``native_dropout`` keeps a boolean mask for backward (the CPU
+    kernel keeps a noise tensor of the input's dtype, which would overstate a GPU run's LoRA dropout memory).
+    Attention: the CPU's fused kernel keeps what CUDA's flash and memory-efficient kernels keep (the output and its
+    logsumexp); where CUDA would take the math kernel (``cuda_attention_kernel``), the trace takes it too."""
+    dropout_function, attention_function = F.dropout, F.scaled_dot_product_attention
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                  *args: Any, enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
+        shared = enable_gqa and k.size(-3) != q.size(-3)
+        if cuda_attention_kernel(q.dtype, q.size(-1), attn_mask is not None, shared) != "math":
+            return attention_function(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return attention_function(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
+
+    F.dropout, F.scaled_dot_product_attention = dropout, attention
+    try:
+        yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout_function, attention_function
+
+
+def _adapt(model: GPT, run: Run, tracker: "_Tracker") -> None:
+    """What the scripts do to the model before Fabric sets it up: quantize while loading (bitsandbytes' layers as
+    stand-ins of the same tensors), then LoRA or the adapter, or freezing."""
+    if run.quantize is not None:
+        quantize_model_sim(model, run.quantize, tracker)
+    if run.trainable == "lora":
+        apply_lora(model, run.lora)
+    elif run.trainable == "adapter":
+        apply_adapter(model, run.adapter)
+    else:
+        freeze_layers(model, run.freeze_layers)
+
+
+def _batch(run: Run, rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Inputs and targets of ``rows`` samples; with --packing also their positions, from which the model builds
+    its document masks."""
+    shape = (rows, run.seq_len)
+    tokens = (torch.randint(0, vocab, shape), torch.randint(0, vocab, shape))
+    return (*tokens, torch.zeros(shape, dtype=torch.long)) if run.packing else tokens
+
+
+def _tied_shapes(model: nn.Module) -> frozenset[tuple[int, ...]]:
+    """Shapes of the parameters that sit in two places of the model (a head tied to the embedding)."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return frozenset(tuple(p.shape) for p in model.parameters() if uses[id(p)] > 1)
+
+
+def _quant_state_bytes(model: nn.Module) -> int:
+    return sum(m.quant_statistics.numel() for m in model.modules() if isinstance(m, QuantLinearSim))
+
+
+class _BuiltInDtype(HalfPrecision):
+    """16-bit "true" precision for a model built in its dtype: ``.to(dtype)`` cannot swap fake parameters."""
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+
+class _TraceFabric(Fabric):
+    """One CPU process (the fake tensors live on the CPU) whose ``no_backward_sync`` is Fabric's ModelParallelStrategy's
+    (the single-device strategy's would do nothing): the step decides when FSDP reduces (TrainStep)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Any:
+        return _FSDPNoSync(module._forward_module, enabled)
+
+
+def _trace_fabric(run: Run) -> Fabric:
+    """The run's precision on the CPU: fp16 autocast does not run there; bf16's does and keeps the same bytes."""
+    strategy = SingleDeviceStrategy(CPU)
+    if run.precision in ("16-true", "bf16-true"):
+        return _TraceFabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[_BuiltInDtype(run.precision)])
+    precision = "bf16-mixed" if run.precision == "16-mixed" else run.precision
+    return _TraceFabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+
+
+@contextlib.contextmanager
+def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
+    """For FSDP, the run's ranks as PyTorch's fake process group (collectives that move nothing) and the mesh the
+    scripts shard over (``fsdp_mesh`` of Fabric's mesh; HYBRID_SHARD's is two-dimensional), so that this one
+    process holds exactly one rank's shards; None for the other strategies. Made before the fake tensors: a mesh
+    reads its ranks from a real tensor."""
+    if run.strategy != "fsdp":
+        yield None
+        return
+    if dist.is_initialized():  # plan._trace_tensors traces such a run in a fresh process
+        raise RuntimeError("this process already belongs to a process group: trace the FSDP run in a fresh process")
+    dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (run.world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        yield fsdp_mesh(mesh, run.replace(device_type="cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard)."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _map_categories(snap: dict, quant_state: int) -> dict[str, int]:
+    get = lambda ref: int(snap.get(ref, 0))  # noqa: E731
+    params = get(_Ref.PARAM) + get(_Ref.BUFFER) - quant_state
+    return {
+        "parameters": params,
+        "gradients": get(_Ref.GRAD),
+        "optimizer_state": get(_Ref.OPT),
+        "activations": get(_Ref.ACT) + get(_Ref.TEMP) + get(_Ref.OTH),
+        "logits_loss": get(_Ref.LOGITS),
+        "quantization": get(_Ref.QUANT) + quant_state,
+    }
+
+
+def trace_training(run: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> TraceResult:
+    """Peak tensor bytes of one rank, per phase and category: the fit loop's own step (``TrainStep``: its micro
+    batches, loss scaling, backward and optimizer update) and evaluation (``evaluation_sums``) on the run's model,
+    set up by a one-process Fabric with the run's precision; under FSDP the model is sharded by the scripts'
+    ``shard_model`` over a fake process group of the run's ranks."""
+    with _fake_process_group(run) as mesh:
+        return _trace(run, phases, mesh)
+
+
+def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> TraceResult:
+    start = time.perf_counter()
+    notes: list[str] = []
+    config = run.config
+    B, T = run.micro_batch_size, run.seq_len
+    fabric = _trace_fabric(run)
+    # take_paths_of: the fake tensors live on the CPU; the model must take the planned device's code paths
+    with FakeTensorMode(), take_paths_of(run.device_type):
+        with default_dtype(run.param_dtype):
+            model = GPT(config)
+            model.max_seq_length = T
+        tracker = _Tracker(vocab_size=config.padded_vocab_size, tied_shapes=_tied_shapes(model))
+        _adapt(model, run, tracker)
+        configure_model(model, run)
+        offloading = model.activation_offloading  # the fake tensors it drops: their bytes are host memory
+        quant_state = _quant_state_bytes(model)  # a buffer: FSDP does not shard it
+        if mesh is not None:
+            model = shard_model(model, mesh, run.replace(device_type="cpu"))  # where the fake shards live
+        # FSDP's cpu_offload: the shards (and their gradients and the optimizer state) live in host memory, where
+        # the optimizer steps; the fake tensors all live on the CPU, so their bytes are taken off the device's below
+        shards = grad_shards = 0
+        if run.cpu_offload:
+            trained = [p for p in model.parameters() if p.requires_grad]
+            shards, grad_shards = _local_bytes(model.parameters()), _local_bytes(trained)
+            tracker.keep_gradients_on_host(trained)
+        model = fabric.setup(model, move_to_device=False)  # built on its (fake) device: nothing to move
+        inner = _build_optimizer(model, run, notes)
+        for moments in getattr(inner, "moments", ()):  # state an optimizer keeps outside `state` (AdaLomo's)
+            for moment in moments.values():
+                tracker._update_and_maybe_create_winfos(moment, _Ref.OPT)
+        optimizer = fabric.setup_optimizers(inner)
+        step = TrainStep(fabric, model, optimizer, B, recover=False, report=lambda *_: "")
+        vocab = config.padded_vocab_size
+        micro_steps = min(run.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
+        samples = _batch(run, B * micro_steps, vocab)
+        tracker.track_external(*samples)
+        results: dict[str, dict[str, int]] = {}
+        regions: dict[str, dict[str, dict[str, int]]] = {}
+        kernels = _cuda_kernels if run.device_type == "cuda" else contextlib.nullcontext
+        try:
+            for iteration in range(2):  # the first creates the optimizer state, the second is the steady state
+                with kernels(), tracker:
+                    tracker.reset_mod_stats()
+                    step([samples], "in the plan")
+                    step.update(run.grad_clip)
+                    if iteration:
+                        results["train_step"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+                        regions["train_step"] = _map_regions(tracker, quant_state)
+        except Exception as error:  # an op fake tensors cannot run; an optimizer step that raised leaves _in_opt set
+            raise TraceFailed(tracker.failed_in or tracker._mode(), error) from error
+        # what a checkpoint is saved from: the state left after a step (the optimizer's, DDP's buckets)
+        results["checkpoint_save"] = _map_categories(tracker.get_tracker_snapshot()[CPU], quant_state)
+        optimizer_state = results["checkpoint_save"]["optimizer_state"]
+        host = {f"activation_offloading_{run.activation_offloading}": offloading.peak_bytes} if offloading else {}
+        if "evaluation" in phases:
+            batch = _batch(run, run.eval_batch, vocab)
+            tracker.track_external(*batch)
+            try:
+                with kernels(), tracker:
+                    tracker.reset_mod_stats()
+                    evaluation_sums(fabric, model, [batch])
+                    results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
+                    regions["evaluation"] = _map_regions(tracker, quant_state)
+            except Exception as error:  # the evaluation's own ops (its loss sums) can fail where the step's did not
+                raise TraceFailed("evaluation", error) from error
+    if run.cpu_offload:
+        # Taking the resident shards and optimizer state off every moment's total bounds the device's peak from
+        # above (the optimizer's temporaries stay counted); the gradient shards were filed as host memory as they came.
+        for categories in [*results.values(), *(c for stretch in regions.values() for c in stretch.values())]:
+            categories["parameters"] -= shards
+            categories["optimizer_state"] = max(categories["optimizer_state"] - optimizer_state, 0)
+        host["cpu_offload"] = shards + grad_shards + optimizer_state
+    regions["checkpoint_save"] = {"0:saved": dict(results["checkpoint_save"])}
+    return TraceResult(phases=results, seconds=time.perf_counter() - start, notes=notes, host_bytes=host,
+                       regions=regions, values_read=tracker.values_read)
+
+
+def _map_regions(tracker: _Tracker, quant_state: int) -> dict[str, dict[str, int]]:
+    return {key: _map_categories(snap, quant_state) for key, snap in tracker.region_peaks.items()}
+
+
+# ---- deep models: trace a few layers, extrapolate exactly ------------------------------------------------------
+def layer_period(run: Run) -> int:
+    """The number of consecutive blocks after which the blocks' kinds repeat (local/global attention, blocks
+    without RoPE, checkpointed blocks): every period of blocks holds the same memory."""
+    config, period = run.config, 1
+    if config.sliding_window_size is not None:
+        period = config.full_attention_every or config.sliding_window_layer_stride
+    for every in (config.nope_every, run.ac_interval):
+        if every:
+            period = math.lcm(period, every)
+    return period
+
+
+def depth_segments(run: Run) -> Optional[list[int]]:
+    """The run's blocks as consecutive segments of one kind each (frozen or trained, with or without an
+    adapter): their lengths. None when the kinds follow parameter-name patterns (--freeze_layers PATTERNS)."""
+    n_layer = run.config.n_layer
+    if run.trainable == "adapter":
+        return [run.adapter_start_layer, n_layer - run.adapter_start_layer]
+    if isinstance(run.freeze_layers, int):
+        return [run.freeze_layers, n_layer - run.freeze_layers]
+    return None if run.freeze_layers is not None else [n_layer]
+
+
+def with_segments(run: Run, lengths: list[int]) -> Run:
+    """The same run on a model whose segments have these lengths."""
+    from lit_model.methods.adapter import AdapterConfig
+
+    changes: dict[str, Any] = {"config": dataclasses.replace(run.config, n_layer=sum(lengths))}
+    if run.trainable == "adapter":
+        changes["adapter"] = AdapterConfig(run.adapter_prompt_length, lengths[0])
+    elif isinstance(run.freeze_layers, int):
+        changes["freeze_layers"] = lengths[0]
+    return run.replace(**changes)
+
+
+def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluation")) -> Optional[TraceResult]:
+    """The trace of a deep model from traces of shallow ones. A block's memory is the same in every period of
+    blocks, so within each stretch of forward, backward or optimizer ops of a step the memory at the stretch's peak
+    is linear in the number of periods of each segment (forward only grows; backward frees a block's activations
+    and adds its gradients at the same rate in every period, so its peak stays at the stretch's start or end):
+    trace the run with two periods more than each segment's remainder, then with one more period in each segment
+    in turn, extrapolate each stretch's peak and take the largest. Which stretch peaks can change with the depth
+    (the end of forward in a deep model, the backward in a shallow one), so the phases' peaks are not extrapolated
+    themselves. None when the run's blocks do not form segments (see depth_segments), or when the shallow traces
+    do not have the same stretches (an optimizer stepping inside backward, per parameter)."""
+    segments = depth_segments(run)
+    if segments is None:
+        return None
+    period = layer_period(run)
+    # keeping each segment's length modulo the period keeps every block's kind (its index modulo the period); two
+    # periods at least so that the first and the last block of a segment differ, as in the deep model. Under FSDP
+    # three: a middle block's backward also holds the previous block's reduce-scatter buffer (FSDP2 keeps one in
+    # flight), which neither end block does; from two blocks that buffer would be extrapolated once per period.
+    periods_kept = 3 if run.strategy == "fsdp" else 2
+    base = [min(length, length % period + periods_kept * period) for length in segments]
+    start = time.perf_counter()
+    reference = trace_training(with_segments(run, base), phases)
+    regions = {phase: {key: dict(categories) for key, categories in stretches.items()}
+               for phase, stretches in reference.regions.items()}
+    host = dict(reference.host_bytes)
+    traced_depths = [sum(base)]
+    for index, (length, shallow) in enumerate(zip(segments, base)):
+        periods = (length - shallow) // period
+        if periods == 0:
+            continue
+        longer = base[:index] + [shallow + period] + base[index + 1:]
+        traced_depths.append(sum(longer))
+        step = trace_training(with_segments(run, longer), phases)
+        if {p: set(r) for p, r in step.regions.items()} != {p: set(r) for p, r in reference.regions.items()}:
+            return None
+        for phase, stretches in regions.items():
+            for key, categories in stretches.items():
+                for category in categories:
+                    categories[category] += periods * (step.regions[phase][key][category]
+                                                       - reference.regions[phase][key][category])
+        for key in host:
+            host[key] += periods * (step.host_bytes[key] - reference.host_bytes[key])
+    result = {phase: max(stretches.values(), key=lambda c: sum(c.values())) for phase, stretches in regions.items()}
+    note = (f"Traced with {', '.join(map(str, traced_depths))} blocks and extrapolated to {run.config.n_layer} "
+            f"(the blocks' kinds repeat every {period}).")
+    return TraceResult(phases=result, seconds=time.perf_counter() - start, notes=reference.notes + [note], host_bytes=host,
+                       regions=regions, values_read=reference.values_read)
+
+
+def optimizer_state_ratio(run: Run) -> float:
+    """State bytes per trainable byte of the run's optimizer, measured: two real steps (random gradients) of a small
+    model of linear layers and a norm in the run's parameter dtype, on the CPU. For a step that fake tensors cannot
+    run. Per-element state comes out exact; factored or per-tensor state is a larger share of small tensors than of
+    a model's, so the ratio bounds it from above."""
+    torch.manual_seed(0)
+    with default_dtype(run.param_dtype):
+        model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 64))
+    optimizer = build_optimizer(model, run.optimizer, learning_rate=1e-4, device_type="cpu", param_dtype=run.param_dtype)
+    for _ in range(2):
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    return optimizer_state_bytes(optimizer) / sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of a (real) optimizer's state tensors, each storage once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for values in optimizer.state.values()
+                for t in values.values() if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+# ---- generation ------------------------------------------------------------------------------------------------
+GENERATION_PHASES = ("prefill", "decode")
+TRACED_TOP_P = 0.5  # the trace samples with nucleus filtering: of the sampling paths, the one that allocates the most
+
+
+@dataclass
+class GenerationTrace:
+    """generate/base.py's model on one device: what each part of it holds (``resident``: "embed", "blocks.<i>",
+    "norm_f", "lm_head" and "rope", the RoPE tables, -> category -> bytes; a weight shared by two parts counts in
+    the first) and, per phase, what is in flight at that phase's peak beyond them (``transient``)."""
+
+    resident: dict[str, dict[str, int]]
+    transient: dict[str, dict[str, int]]
+    seconds: float
+
+
+def trace_generation(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int, dtype: torch.dtype,
+                     compute_dtype: torch.dtype, quantize: Optional[str], device_type: str) -> GenerationTrace:
+    """Trace what generate/base.py runs (``generation.forward_last`` and ``generation.sample``) on the model as
+    ``generation.load_model`` builds it (weights in ``dtype``, linear layers quantized with ``quantize``; RoPE
+    tables for prompt + new positions) with its KV cache (``set_kv_cache``, in ``compute_dtype``): the prefill of
+    the prompt, then the decoding step that peaks, the last one, whose attention reads the whole cache. Under
+    autocast where ``compute_dtype`` is not ``dtype`` (bf16's on the CPU, which keeps fp16's bytes)."""
+    start = time.perf_counter()
+    total = prompt_length + max_new_tokens
+    with FakeTensorMode(), take_paths_of(device_type):
+        with default_dtype(dtype):
+            model = GPT(config)
+            model.max_seq_length = total
+        tracker = _Tracker(vocab_size=config.padded_vocab_size)
+        if quantize is not None:
+            quantize_model_sim(model, quantize, tracker)
+        model.eval().requires_grad_(False)
+        set_kv_cache(model, batch_size, total, compute_dtype)
+        resident = _resident_bytes(model)
+        prompt = torch.randint(0, config.padded_vocab_size, (batch_size, prompt_length))
+        tracker.track_external(model, prompt)
+        steps = {"prefill": (prompt, torch.arange(prompt_length), prompt_length),
+                 "decode": (prompt[:, -1:], torch.tensor([total - 1]), total)}
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype != dtype
+                    else contextlib.nullcontext())
+        kernels = _cuda_kernels if device_type == "cuda" else contextlib.nullcontext
+        transient = {}
+        with torch.no_grad(), autocast, kernels():
+            for phase, (idx, input_pos, input_pos_maxp1) in steps.items():
+                with tracker:
+                    tracker.reset_mod_stats()
+                    sample(forward_last(model, idx, input_pos, input_pos_maxp1), temperature=1.0, top_p=TRACED_TOP_P)
+                    peak = tracker.get_tracker_snapshot("peak")[CPU]
+                get = lambda ref: int(peak.get(ref, 0))  # noqa: E731
+                transient[phase] = {"activations": get(_Ref.ACT) + get(_Ref.TEMP) + get(_Ref.OTH),
+                                    "logits_loss": get(_Ref.LOGITS), "quantization": get(_Ref.QUANT)}
+    return GenerationTrace(resident=resident, transient=transient, seconds=time.perf_counter() - start)
+
+
+def _resident_bytes(model: GPT) -> dict[str, dict[str, int]]:
+    """Each part's parameters and buffers by category: the KV cache, bitsandbytes' statistics, the rest."""
+    parts: dict[str, nn.Module] = {"embed": model.embed, **{f"blocks.{i}": b for i, b in enumerate(model.blocks)},
+                                   "norm_f": model.norm_f, "lm_head": model.lm_head}
+    seen: set[int] = set()
+    resident = {}
+    for part, module in parts.items():
+        categories = {"parameters": 0, "quantization": 0, "kv_cache": 0}
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            leaf = name.rsplit(".", 2)
+            category = ("kv_cache" if leaf[-2:-1] == ["kv_cache"] else
+                        "quantization" if leaf[-1] == "quant_statistics" else "parameters")
+            categories[category] += tensor.numel() * tensor.element_size()
+        resident[part] = categories
+    resident["rope"] = {"parameters": sum(t.numel() * t.element_size() for t in (model.cos, model.sin)),
+                        "quantization": 0, "kv_cache": 0}
+    return resident

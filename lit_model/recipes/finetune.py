@@ -1,0 +1,270 @@
+"""What finetune/full.py, lora.py and adapter.py share: their flags, the checkpoint + data setup, loading the
+base model (quantized on request), the fit with padded length-grouped batches and trainable-only checkpoints,
+and the end of the run (summary, an answer to a fixed validation instruction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric import Fabric
+
+from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
+from lit_model.data.instruct import InstructData, PackedDataset, collate, load_instruct_data, padding_fraction
+from lit_model.data.sources import parse_fields
+from lit_model.io.download import resolve_checkpoint
+from lit_model.core.errors import UsageError
+from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
+from lit_model.core.units import format_bytes
+from lit_model.model.gpt import GPT
+from lit_model.io.prompts import PROMPT_STYLE_FILE, PromptStyle
+from lit_model.io.tokenizer import Tokenizer
+from lit_model.run import Run, Trainable, resolve_run
+from lit_model.train import session
+from lit_model.train.args import TrainArgs
+from lit_model.train.loop import Progress, fit, write_summary
+from lit_model.train.resumable import STATE_NAME
+from lit_model.train.step import unwrap
+
+DEFAULT_CHECKPOINT = Path("out/pretrain/final")
+# What a fine-tune writes into its final/ itself, so never copies from the checkpoint it started from
+DERIVED_FILES = (LORA_WEIGHTS, LORA_CONFIG, ADAPTER_WEIGHTS, ADAPTER_CONFIG, PROMPT_STYLE_FILE)
+Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"]
+
+
+@dataclass
+class FinetuneArgs(TrainArgs):
+    """Flags shared by finetune/full.py, lora.py and adapter.py.
+
+    Args:
+        checkpoint_dir: checkpoint to start from (weights, model_config.yaml, tokenizer); default: what
+            `python pretrain/main.py` writes
+        model_name: ORG/NAME (or its registry name) of a model `lit-model download ORG/NAME` wrote to
+            checkpoints/ORG/NAME, in place of --checkpoint_dir; with --plan also a model not downloaded yet
+            (its architecture from the config registry)
+        model_config: with --plan: a YAML of Config fields, to plan a custom architecture before it has a checkpoint
+        data_path: .json/.jsonl/.parquet/.csv instruction data (Alpaca keys, common aliases such as
+            prompt/response or question/answer, or chat "messages"/"conversations"), a directory of them, or a
+            directory written by datasets' save_to_disk; omitted: instructions made from the Python standard library
+        data: a named hub dataset instead of --data_path: alpaca, alpaca_2k, dolly, lima (gated), longform
+            (downloaded once into the datasets cache; needs `pip install datasets`)
+        data_fields: map the data's field names to ours, OURS=THEIRS pairs: e.g.
+            instruction=question,output=answer (ours: instruction, input, output, messages)
+        quantize: keep the frozen base weights in bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8 (lora.py: QLoRA)
+        prompt_style: alpaca, chatml, llama-3, ...; default: the checkpoint's, or alpaca for a base model
+        mask_prompt: compute the loss on the responses only (prompt tokens get target -100)
+        packing: pack several samples into each sequence of up to the run's sequence length, each attending only
+            to itself with its positions from 0 (the loss per token is the unpacked one): far less padding, more
+            real tokens per second; --global_batch_size and --micro_batch_size then count sequences, not samples
+        val_split_fraction: share of the records held out for validation
+        sample_instruction: instruction answered at the end (default: the first validation sample's)
+    """
+
+    data_kind: ClassVar[str] = "instruct"  # what --data may name
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT
+    model_name: Optional[str] = None
+    model_config: Optional[Path] = None
+    data: Optional[str] = None
+    data_fields: Optional[str] = None
+    out_dir: Path = Path("out/finetune")
+    quantize: Optional[Quantize] = None
+    prompt_style: Optional[str] = None
+    mask_prompt: bool = True
+    packing: bool = False
+    val_split_fraction: float = 0.05
+    sample_instruction: Optional[str] = None
+    micro_batch_size: Union[int, Literal["auto"]] = 4
+    global_batch_size: int = 16
+    max_steps: Optional[int] = 100
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    log_interval: int = 5
+    eval_interval: int = 25
+    eval_iters: int = 10
+    save_interval: int = 50
+
+
+@dataclass
+class Setup:
+    checkpoint_dir: Path
+    tokenizer: Tokenizer
+    style: PromptStyle
+    data: InstructData
+    padding: dict[str, float]  # summary.json's padding fractions: this run's, and without and with packing
+
+
+
+
+def resolve(args: FinetuneArgs, method: Trainable) -> Run:
+    """The run, resolved once in the script's main: every flag checked against the checkpoint and the device
+    before any process starts (a plan reads the architecture only)."""
+    from lit_model.methods.quantize import check_quantize
+
+    if args.freeze_layers is not None and method != "full":
+        raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
+                         "only its own parameters. Drop --freeze_layers.")
+    if method == "lora":  # its flags' checks need no checkpoint: they come before any is read
+        LoRAConfig.from_flags(args)
+    checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
+                                                plan=args.plan is not None, model_config=args.model_config)
+    if args.plan is not None:  # the architecture only: no weights are read
+        return resolve_run(args, config, method)
+    continues_adapter = (checkpoint_dir / ADAPTER_CONFIG).is_file()
+    if continues_adapter and method != "adapter":
+        raise UsageError(
+            f"{checkpoint_dir} holds a LLaMA-Adapter fine-tune ({ADAPTER_CONFIG}), whose prefixes cannot be merged "
+            f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py, "
+            "or start from its base checkpoint."
+        )
+    run = resolve_run(args, config, method, checkpoint_dir=checkpoint_dir)
+    check_quantize(run.quantize, run.device_type, run.param_dtype, run.autocast_dtype is not None)
+    if run.quantize == "bnb.int8" and run.strategy == "fsdp":
+        raise UsageError(
+            "--quantize bnb.int8 cannot be sharded: bitsandbytes keeps LLM.int8()'s row scales on the weight object, "
+            "which FSDP replaces with its shards. With --strategy fsdp use a 4-bit mode (bnb.nf4, bnb.nf4-dq, "
+            "bnb.fp4: FSDP shards their packed weights), or keep bnb.int8 with --strategy ddp or one device."
+        )
+    if continues_adapter:  # its prefixes are continued as they were saved
+        run = run.replace(adapter=AdapterConfig.from_dir(checkpoint_dir))
+    if run.adapter is not None:
+        run.adapter.check(run.config.n_layer)
+    return run
+
+
+def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
+    """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
+    run = session.choose_loss_chunk_size(fabric, session.choose_micro_batch_size(fabric, run, args), args)
+    checkpoint_dir = run.checkpoint_dir
+    tokenizer = Tokenizer(checkpoint_dir)
+    if args.prompt_style is not None:
+        style = PromptStyle.from_name(args.prompt_style)
+    else:  # a base model's "default" style has no turn markers: instructions and answers would run together
+        style = PromptStyle.from_checkpoint(checkpoint_dir, run.config)
+        style = style if style.name != "default" else PromptStyle.from_name("alpaca")
+    data = load_instruct_data(args.data_path, tokenizer, style, run.seq_len, args.mask_prompt, args.val_split_fraction,
+                              data=args.data, fields=parse_fields(args.data_fields))
+    if args.sample_instruction is not None:
+        data.sample_instruction = style.apply(args.sample_instruction)
+    fabric.print(f"Data: {data.description}")
+    packed = PackedDataset(data.train, run.seq_len)
+    steps = min(args.max_steps or 1, math.ceil(len(data.train) / run.global_batch_size))  # at most an epoch
+    fractions = [padding_fraction(train.lengths, run.global_batch_size, run.micro_batch_size, steps, run.seq_len, args.seed)
+                 for train in (data.train, packed)]
+    padding = {"padding_fraction_without_packing": fractions[0], "padding_fraction_with_packing": fractions[1],
+               "padding_fraction": fractions[run.packing]}
+    fabric.print(f"Padding: {fractions[0]:.1%} of the tokens in the micro batches without packing, {fractions[1]:.1%} "
+                 f"with --packing ({len(data.train)} samples in {len(packed)} sequences of up to {run.seq_len} tokens)")
+    if run.packing:
+        data = dataclasses.replace(data, train=packed, val=PackedDataset(data.val, run.seq_len))
+    return run, Setup(checkpoint_dir, tokenizer, style, data, padding)
+
+
+def load_model(fabric: Fabric, run: Run, setup: Setup) -> GPT:
+    """The checkpoint's model in the precision's dtype, frozen, in train mode: on this process's device (each
+    part quantized there as it is read), or on the CPU for FSDP, which shards it from there."""
+    from lit_model.infer.generation import load_model as load_checkpoint_model
+
+    device = torch.device("cpu") if run.strategy == "fsdp" else fabric.device
+    model = load_checkpoint_model(setup.checkpoint_dir, [device], run.param_dtype, run.quantize, max_seq_length=run.seq_len)
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            # bitsandbytes repacks 4-bit weights in place for CPU inference when it sees an eval-mode forward
+            # without gradients (our validation): keep the one layout that training and FSDP's shards use
+            module.support_avx512bf16_for_cpu = False
+    n_parameters = sum(p.numel() for p in GPT.on_meta(run.config).parameters())  # before quantization packs them
+    fabric.print(f"Model: {run.config.name} from {setup.checkpoint_dir}, {n_parameters:,} parameters"
+                 f"{f', frozen base weights in {run.quantize}' if run.quantize else ''}")
+    return model.train()
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    return {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def _strip_wrappers(name: str) -> str:
+    for prefix in ("_forward_module.", "module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.Module, optimizer: Any,
+          trainable_only: bool) -> tuple[Progress, Run]:
+    """Resume if asked, then fit. ``trainable_only``: the resumable checkpoints hold only the trainable
+    parameters and their optimizer state (the frozen base comes from ``--checkpoint_dir``). FSDP saves its
+    sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
+    data, progress = setup.data, Progress()
+    save_filter, check = None, None
+    if trainable_only and run.strategy != "fsdp":
+        names = trainable_names(model)
+        save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
+        check = partial(check_resumable, model=model, names=names)
+    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
+    pad = partial(collate, max_length=run.seq_len)
+    train_batches = session.train_batches(fabric, data.train, run, args, progress.step, pad, data.train.lengths)
+    val_batches = session.val_batches(fabric, data.val, run, args, pad)
+    tokens_per_sample = data.train.target_tokens / len(data.train)
+    max_steps = args.max_steps
+    if args.max_tokens is not None:
+        max_steps = math.ceil(args.max_tokens / (run.global_batch_size * tokens_per_sample))
+    if not max_steps or max_steps < 1:
+        raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
+    fabric.print(
+        f"Training {max_steps} steps of {run.global_batch_size} {'sequences' if run.packing else 'samples'} "
+        f"(~{tokens_per_sample:.0f} response tokens "
+        f"each; micro batch {run.micro_batch_size}, {run.accumulation} accumulation steps, "
+        f"{run.world_size} process(es), {run.precision})"
+    )
+    rehearsal_batch = session.longest_batch(fabric, data.train, run, pad, data.train.lengths)
+    return fit(fabric, run, model, optimizer, train_batches, val_batches, args, max_steps, progress,
+               save_filter=save_filter, rehearsal_batch=rehearsal_batch)
+
+
+def check_resumable(path: Path, model: nn.Module, names: set[str]) -> None:
+    """A trainable-only checkpoint (verified) loads non-strictly: check first that it holds exactly these parameters."""
+    saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
+    shapes = {n: tuple(p.shape) for n, p in unwrap(model).named_parameters() if n in names}
+    found = {_strip_wrappers(n): tuple(t.shape) for n, t in saved.items()}
+    if found != shapes:
+        raise UsageError(
+            f"Checkpoint {path} holds other trainable parameters ({len(found)}) than this run has ({len(shapes)}): it "
+            "was written with other LoRA/adapter flags. Resume with the flags of that run, or start over with "
+            "--overwrite or a new --out_dir."
+        )
+
+
+def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters, whole and on the CPU (a collective under FSDP: call it on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, parameter in unwrap(model).named_parameters():
+        if parameter.requires_grad:
+            tensor = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+            state[name] = tensor.detach().to("cpu", copy=True)
+    return state
+
+
+def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress: Progress, final_dir: Path) -> None:
+    """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
+    what = run.trainable if run.quantize is None or run.trainable != "lora" else f"qlora ({run.quantize})"
+    what += " + DoRA" if run.lora is not None and run.lora.dora else ""
+    answer = session.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
+    # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
+    summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})
+    fabric.print(
+        f"\nValidation loss {summary['val_loss']:.3f} | {summary['tokens_per_sec']:,.0f} tok/s | peak memory "
+        f"{format_bytes(summary['peak_memory_bytes'])}\n"
+        f"Saved {final_dir} (generate: python generate/base.py --checkpoint_dir {final_dir}), metrics in "
+        f"{args.out_dir / 'metrics.csv'}, summary in {args.out_dir / 'summary.json'}\n"
+        f"Validation instruction:\n{setup.data.sample_instruction}\nGenerated answer:\n{answer}"
+    )
+

@@ -1,0 +1,152 @@
+"""The house's layers (docs/architecture.md): each module of lit_model imports only lit_model modules of its own
+layer or of layers below it, at the top of the module (never inside a function), and no two modules import each
+other round a circle. Read from the source with ``ast``: nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lit_model"
+
+# Lowest first; a module may import its own layer and the ones before it. The last layer is the commands: the
+# flag parser, `lit-model`, and the `python -m lit_model.X` modules users know.
+LAYERS = (
+    ("core",), ("kernels",), ("model",), ("io", "data"), ("methods",), ("parallel",), ("run",), ("infer",),
+    ("train",), ("plan",), ("recipes",), ("cli", "entry", "__main__", "config", "convert", "download", "lora"),
+)
+LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
+
+# Imports that still run against the layers, each named once; the redesign (issue 45) removes them, and this list
+# may only shrink: an entry that no longer occurs fails the test too, so it is deleted when its import goes.
+OPEN = {
+    ('infer/generation.py', 'lit_model.core.units', 'in a function'),
+    ('infer/generation.py', 'lit_model.methods.adapter', 'in a function'),
+    ('infer/generation.py', 'lit_model.methods.quantize', 'in a function'),
+    ('io/checkpoint.py', 'lit_model.io.tokenizer', 'in a function'),
+    ('io/convert.py', 'lit_model.io.tokenizer', 'in a function'),
+    ('io/prompts.py', 'lit_model.core.config', 'in a function'),
+    ('methods/lora.py', 'lit_model.io.checkpoint', 'in a function'),
+    ('methods/quantize.py', 'lit_model.io.checkpoint', 'in a function'),
+    ('model/gpt.py', 'lit_model.io.checkpoint', 'in a function'),
+    ('model/gpt.py', 'lit_model.io.checkpoint', 'upward'),
+    ('model/gpt.py', 'lit_model.methods.adapter', 'in a function'),
+    ('model/gpt.py', 'lit_model.methods.adapter', 'upward'),
+    ('plan/__init__.py', 'lit_model.plan', 'in a function'),
+    ('plan/__init__.py', 'lit_model.plan.plot', 'in a function'),
+    ('plan/trace.py', 'lit_model.methods.adapter', 'in a function'),
+    ('recipes/finetune.py', 'lit_model.infer.generation', 'in a function'),
+    ('recipes/finetune.py', 'lit_model.methods.quantize', 'in a function'),
+    ('train/loop.py', 'lit_model.io.checkpoint', 'in a function'),
+    ('train/oom_report.py', 'lit_model.plan.planner', 'in a function'),
+    ('train/oom_report.py', 'lit_model.plan.planner', 'upward'),
+    ('train/recovery.py', 'lit_model.core.units', 'in a function'),
+    ('train/session.py', 'lit_model.data.instruct', 'in a function'),
+    ('train/session.py', 'lit_model.data.text', 'in a function'),
+    ('train/session.py', 'lit_model.infer.generation', 'in a function'),
+    ('train/session.py', 'lit_model.plan', 'in a function'),
+    ('train/session.py', 'lit_model.plan', 'upward'),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``lit_model.X...``: its first part below lit_model (a module at the top: its own name)."""
+    parts = module.split(".")
+    return LEVEL[parts[1]] if len(parts) > 1 else LEVEL["core"]
+
+
+def lit_model_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, whether the import stands inside a function) for every import of a lit_model module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside.update(id(child) for child in ast.walk(node) if child is not node)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] if node.module != "lit_model" else [f"lit_model.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(name, id(node) in inside) for name in names if name == "lit_model" or name.startswith("lit_model.")]
+    return found
+
+
+def violations() -> set[tuple[str, str, str]]:
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative, level = str(path.relative_to(PACKAGE)), layer_of(module_name(path))
+        for imported, in_function in lit_model_imports(path):
+            if imported == "lit_model":
+                continue
+            if in_function:
+                found.add((relative, imported, "in a function"))
+            if layer_of(imported) > level:
+                found.add((relative, imported, "upward"))
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = {module_name(p) for p in PACKAGE.rglob("*.py")} - {"lit_model"}
+    unplaced = {m for m in unplaced if m.split(".")[1] not in LEVEL}
+    assert not unplaced, f"modules in no layer of LAYERS: {sorted(unplaced)}"
+
+
+def test_imports_point_down_and_stand_at_the_top() -> None:
+    found = violations()
+    assert found - OPEN == set(), "imports against the layers (move the code to its layer, or the import to the top)"
+    assert OPEN - found == set(), "no longer occur: delete them from OPEN"
+
+
+def circles() -> set[frozenset[str]]:
+    """The import circles: the strongly connected components of the import graph (Tarjan) with more than one
+    module, or one module that imports itself."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        graph[module_name(path)] = {name for name, _ in lit_model_imports(path) if name != "lit_model"}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: set[frozenset[str]] = set()
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node] & graph.keys():
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1 or node in graph[node]:
+                found.add(frozenset(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+# The circles still open (issue 45 removes them); the same rule as OPEN.
+OPEN_CIRCLES = {
+    frozenset({"lit_model.model.gpt", "lit_model.methods.adapter"}),
+    frozenset({"lit_model.train.args", "lit_model.train.loggers"}),
+    frozenset({"lit_model.plan", "lit_model.plan.planner", "lit_model.plan.plot"}),
+}
+
+
+def test_no_import_circle() -> None:
+    found = circles()
+    assert found - OPEN_CIRCLES == set(), "import circles"
+    assert OPEN_CIRCLES - found == set(), "no longer occur: delete them from OPEN_CIRCLES"
