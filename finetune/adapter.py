@@ -24,7 +24,7 @@ from lit_model.methods.adapter import ADAPTER_WEIGHTS, AdapterAttention, apply_a
 from lit_model.io.checkpoint import derive_checkpoint_dir
 from lit_model.cli import parse
 from lit_model.core.errors import run_cli
-from lit_model.recipes import finetune
+from lit_model.recipes import common, finetune
 from lit_model.train import session
 from lit_model.train.args import check_args
 from lit_model.run import Run
@@ -52,7 +52,7 @@ def main(args: AdapterArgs) -> None:
     check_args(args)
     run = finetune.resolve(args, "adapter")
     if args.plan is not None:
-        return session.print_plan(run, args)
+        return common.print_plan(run, args)
     check_out_dir(args.out_dir, args)
     fabric = setup_fabric(run)
     launch(fabric, run, train, run, args)

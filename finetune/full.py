@@ -19,7 +19,7 @@ from lightning.fabric import Fabric
 
 from lit_model.cli import parse
 from lit_model.core.errors import UsageError, run_cli
-from lit_model.recipes import finetune
+from lit_model.recipes import common, finetune
 from lit_model.train import session
 from lit_model.train.args import check_args
 from lit_model.run import Run
@@ -47,7 +47,7 @@ def main(args: FullArgs) -> None:
         )
     run = finetune.resolve(args, "full")
     if args.plan is not None:
-        return session.print_plan(run, args)
+        return common.print_plan(run, args)
     check_out_dir(args.out_dir, args)
     fabric = setup_fabric(run)
     launch(fabric, run, train, run, args)

@@ -25,6 +25,8 @@ from lit_model.data.text import default_tokenizer, load_pretrain_data, unigram_l
 from lit_model.core.errors import UsageError, run_cli
 from lit_model.core.units import format_bytes
 from lit_model.io.tokenizer import Tokenizer
+from lit_model.plan.oom_report import out_of_memory_report
+from lit_model.recipes import common
 from lit_model.train import session
 from lit_model.train.args import TrainArgs, check_args
 from lit_model.run import Run, resolve_run
@@ -64,7 +66,7 @@ def main(args: PretrainArgs) -> None:
     # a bad --model_name or --model_config stops before any process starts; the run is resolved here, once
     run = resolve_run(args, model_config(args))
     if args.plan is not None:
-        session.print_plan(run, args)
+        common.print_plan(run, args)
         return
     check_out_dir(args.out_dir, args)
     fabric = setup_fabric(run)
@@ -78,7 +80,7 @@ def model_config(args: PretrainArgs) -> Config:
 
 def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     config, seq_length = run.config, run.seq_len
-    run = session.choose_loss_chunk_size(fabric, session.choose_micro_batch_size(fabric, run, args), args)
+    run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     tokenizer = Tokenizer(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer(config.vocab_size)
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise UsageError(
@@ -109,7 +111,7 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     )
     rehearsal_batch = session.longest_batch(fabric, train_data, run)
     progress, run = fit(fabric, run, model, optimizer, train_batches, val_batches, args, max_steps, progress,
-                        rehearsal_batch=rehearsal_batch)
+                        out_of_memory_report, rehearsal_batch=rehearsal_batch)
     if progress.stopped:  # saved and summarized by fit: no final/, no sample
         return
 
@@ -117,7 +119,7 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
     save_final(fabric, model, config, final_dir, tokenizer.checkpoint_dir)
     del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
     baseline = unigram_loss(train_data.tokens, val_data.tokens, config.padded_vocab_size)
-    sample = session.sample_text(fabric, final_dir, tokenizer, args.sample_prompt)
+    sample = common.sample_text(fabric, final_dir, tokenizer, args.sample_prompt)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
     summary = write_summary(fabric, run, progress, args, {"unigram_val_loss": baseline, "final_dir": str(final_dir)})
     fabric.print(

@@ -279,7 +279,7 @@ def test_out_of_memory_report_cites_only_checkpoints_that_exist(tmp_path):
     from lit_model import Config
     from lit_model.run import resolve_run
     from lit_model.train.args import TrainArgs
-    from lit_model.train.oom_report import out_of_memory_report
+    from lit_model.plan.oom_report import out_of_memory_report
 
     config = Config(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4)
     args = TrainArgs(out_dir=tmp_path, micro_batch_size=1, global_batch_size=4, device_memory="2MB")

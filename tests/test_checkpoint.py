@@ -14,19 +14,21 @@ from lit_model.io.checkpoint import (
     save_checkpoint_dir,
 )
 from lit_model.core.errors import UserError
+from lit_model.methods.load import load_gpt
 
 BIG = Config(name="load-test", block_size=256, vocab_size=8192, n_layer=6, n_embd=768, n_head=12, intermediate_size=2048)
 
 LOAD_AND_MEASURE = """
 import sys, torch
 from lit_model import GPT
+from lit_model.methods.load import load_gpt
 import lit_model.io.checkpoint, numpy, safetensors.torch  # imported before measuring
 from lit_model import Config
 def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096
 with torch.device("meta"):  # the first model built on meta initialises ~80 MB of torch state, once
     GPT(Config(name="warm-up", n_layer=1, n_embd=8, n_head=1, vocab_size=8, block_size=8))
 before = rss()
-model = GPT.from_checkpoint(sys.argv[1], dtype=torch.float32 if sys.argv[2] == 'fp32' else torch.bfloat16)
+model = load_gpt(sys.argv[1], dtype=torch.float32 if sys.argv[2] == 'fp32' else torch.bfloat16)
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 from lit_model.core.units import peak_rss_bytes
 peak = peak_rss_bytes()
@@ -77,7 +79,7 @@ def test_round_trip_and_tied_weights(tmp_path):
     model = GPT(config)
     model.init_weights()
     save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path / "ckpt")
-    loaded = GPT.from_checkpoint(tmp_path / "ckpt")
+    loaded = load_gpt(tmp_path / "ckpt")
     assert loaded.lm_head.weight is loaded.embed.weight
     idx = torch.randint(0, 64, (1, 8))
     torch.testing.assert_close(loaded(idx), model.eval()(idx))
@@ -85,10 +87,10 @@ def test_round_trip_and_tied_weights(tmp_path):
 
 def test_missing_files_and_shape_mismatch_are_clear(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        GPT.from_checkpoint(tmp_path / "nothing")
+        load_gpt(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="missing model.safetensors"):
-        GPT.from_checkpoint(tmp_path / "empty")
+        load_gpt(tmp_path / "empty")
     config = Config(name="a", block_size=32, vocab_size=64, n_layer=1, n_embd=16, n_head=2)
     save_checkpoint_dir(lit_state_dict(GPT(config), config), config, tmp_path / "ckpt")
     config.n_embd = 32
@@ -97,7 +99,7 @@ def test_missing_files_and_shape_mismatch_are_clear(tmp_path):
     config.save(tmp_path / "ckpt")
     (tmp_path / "ckpt" / MANIFEST_NAME).unlink()  # edited by hand: the manifest no longer describes it
     with pytest.raises(UserError, match=r"has shape \(.*\) but the model config expects"):
-        GPT.from_checkpoint(tmp_path / "ckpt")
+        load_gpt(tmp_path / "ckpt")
 
 
 def test_atomic_directory_keeps_the_old_one_when_writing_fails(tmp_path):
@@ -170,10 +172,10 @@ def _damage(path, how):
 def test_damaged_checkpoints_are_refused_with_the_file_named(tmp_path, name, how):
     config = Config(name="a", block_size=32, vocab_size=64, n_layer=1, n_embd=16, n_head=2)
     save_checkpoint_dir(lit_state_dict(GPT(config), config), config, tmp_path / "ckpt")
-    GPT.from_checkpoint(tmp_path / "ckpt")
+    load_gpt(tmp_path / "ckpt")
     _damage(tmp_path / "ckpt" / name, how)
     with pytest.raises(UserError, match=rf"{tmp_path / 'ckpt' / name} is damaged"):
-        GPT.from_checkpoint(tmp_path / "ckpt")
+        load_gpt(tmp_path / "ckpt")
 
 
 def test_a_checkpoint_without_manifest_loads_with_a_note(tmp_path, capsys):
@@ -183,7 +185,7 @@ def test_a_checkpoint_without_manifest_loads_with_a_note(tmp_path, capsys):
     save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path / "ckpt")
     (tmp_path / "ckpt" / MANIFEST_NAME).unlink()  # as an older version or a hand-made conversion leaves it
     capsys.readouterr()
-    loaded = GPT.from_checkpoint(tmp_path / "ckpt")
+    loaded = load_gpt(tmp_path / "ckpt")
     check_checkpoint_dir(tmp_path / "ckpt")
     torch.testing.assert_close(loaded.embed.weight, model.embed.weight)
     assert capsys.readouterr().err.count(f"Note: {tmp_path / 'ckpt'} has no {MANIFEST_NAME}") == 1

@@ -19,6 +19,7 @@ from lit_model.core.config import Config  # noqa: E402
 from lit_model.io.convert import config_from_hf, config_to_hf, hf_to_lit, lit_to_hf  # noqa: E402
 from lit_model.core.errors import UserError  # noqa: E402
 from lit_model.model.gpt import GPT  # noqa: E402
+from lit_model.methods.load import load_gpt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 128, 16
@@ -137,16 +138,16 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
     expected = hf_logits(hf_model, idx)
 
     hf_to_lit(tmp_path / "hf", tmp_path / "lit")
-    model = GPT.from_checkpoint(tmp_path / "lit")
+    model = load_gpt(tmp_path / "lit")
     for field, value in FEATURES.get(family, {}).items():
         assert getattr(model.config, field) == value, field
     with torch.no_grad():
         assert_same(model(idx), expected)
         if model.config.sliding_window_size is not None:  # the window must matter for the test to mean anything
-            model_global = GPT.from_checkpoint(tmp_path / "lit", sliding_window_size=None)
+            model_global = load_gpt(tmp_path / "lit", sliding_window_size=None)
             assert (model_global(idx) - expected).abs().max() > 1e-3
         if model.config.final_logit_softcapping is not None:
-            uncapped = GPT.from_checkpoint(
+            uncapped = load_gpt(
                 tmp_path / "lit", final_logit_softcapping=None, attention_logit_softcapping=None
             )
             assert (uncapped(idx) - expected).abs().max() > 1e-3
@@ -158,7 +159,7 @@ def test_roundtrip_logits(family: str, tmp_path: Path) -> None:
             switches.append(("moe_norm_topk", False))
         for field, off in switches:
             if getattr(model.config, field) != off:
-                without = GPT.from_checkpoint(tmp_path / "lit", **{field: off})
+                without = load_gpt(tmp_path / "lit", **{field: off})
                 assert (without(idx) - expected).abs().max() > 1e-3, field
 
     lit_to_hf(tmp_path / "lit", tmp_path / "hf2")
@@ -187,7 +188,7 @@ def test_gemma3_multimodal_checkpoint_converts_its_language_model(tmp_path: Path
     hf_model.save_pretrained(tmp_path / "hf")
     idx = tokens()
     hf_to_lit(tmp_path / "hf", tmp_path / "lit")
-    model = GPT.from_checkpoint(tmp_path / "lit")
+    model = load_gpt(tmp_path / "lit")
     assert model.config.hf_type == "gemma3_text" and model.config.full_attention_every == 3
     with torch.no_grad():
         assert_same(model(idx), hf_logits(hf_model, idx))
@@ -337,7 +338,7 @@ def test_cli(tmp_path: Path) -> None:
     assert ok.returncode == 0, err
     assert str(tmp_path / "lit") in out and "model.safetensors" in err  # final line; per-shard progress
     with torch.no_grad():
-        assert_same(GPT.from_checkpoint(tmp_path / "lit")(tokens()), hf_logits(hf_model, tokens()))
+        assert_same(load_gpt(tmp_path / "lit")(tokens()), hf_logits(hf_model, tokens()))
     _, err = refused.communicate(timeout=120)
     assert refused.returncode == 1 and "Traceback" not in err and "--overwrite" in err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]

@@ -21,7 +21,7 @@ hub_http = pytest.importorskip("huggingface_hub.utils._http")
 from conftest import HUB_COMMIT as COMMIT, HUB_REPO as REPO, sha1_file as _sha1  # noqa: E402
 from lit_model.io.download import download, resolve_checkpoint  # noqa: E402
 from lit_model.core.errors import UsageError, UserError  # noqa: E402
-from lit_model.model.gpt import GPT  # noqa: E402
+from lit_model.methods.load import load_gpt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def hub_env(tmp_path, monkeypatch):
 
 
 def assert_same_logits(checkpoint: Path, idx: torch.Tensor, expected: torch.Tensor) -> None:
-    model = GPT.from_checkpoint(checkpoint)
+    model = load_gpt(checkpoint)
     with torch.no_grad():
         assert (model(idx) - expected).abs().max().item() <= 1e-5
 
@@ -70,7 +70,7 @@ def test_download_from_a_served_hub(tiny_hf, serve, hub_env, tmp_path, capsys) -
     assert sorted(p.name for p in snapshot.iterdir()) == NEEDED
     assert (cache / "models--tiny-org--tiny-llama" / "refs" / "main").read_text() == COMMIT
     assert_same_logits(out, idx, logits)
-    assert GPT.from_checkpoint(out).config.name == "tiny-llama"  # named after the repository, not the commit
+    assert load_gpt(out).config.name == "tiny-llama"  # named after the repository, not the commit
     assert (out / "tokenizer.json").read_bytes() == (repo / "tokenizer.json").read_bytes()
 
     # a second download of the same repository reads the cache: no file is fetched again

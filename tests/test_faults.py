@@ -26,6 +26,7 @@ from lit_model.run import resolve_run
 from lit_model.train.fabric import StateIO, setup_fabric
 from lit_model.train.loop import MetricsWriter, Progress
 from lit_model.train.resumable import CHECKPOINTS, LINEAGE_NAME, STATE_NAME, lineage, save_resumable, start_lineage
+from lit_model.methods.load import load_gpt
 
 CONFIG = Config(name="faults", block_size=16, vocab_size=32, n_layer=1, n_embd=8, n_head=2)
 
@@ -307,4 +308,4 @@ def test_lora_merge_replaces_a_non_empty_out_dir_only_with_overwrite(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "users"]
     run_cli(lora_cli, [*command, "--overwrite"])
     assert not (users / "thesis.tex").exists() and LoRAConfig.from_dir(users).merged
-    GPT.from_checkpoint(users)
+    load_gpt(users)

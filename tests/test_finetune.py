@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, STDLIB, read_metrics
+from lit_model.methods.load import load_gpt
 
 MODEL = dict(name="ft-tiny", block_size=256, vocab_size=512, n_layer=2, n_embd=64, n_head=4, n_query_groups=2,
              intermediate_size=128)
@@ -80,7 +81,6 @@ def lora_run(ft) -> Path:
 
 
 def test_lora_trains_only_the_adapter_and_saves_merged_weights_beside_it(ft, lora_run):
-    from lit_model import GPT
     from lit_model.methods.lora import LoRAConfig
 
     final = lora_run / "final"
@@ -102,7 +102,7 @@ def test_lora_trains_only_the_adapter_and_saves_merged_weights_beside_it(ft, lor
             torch.testing.assert_close(merged[name], tensor + delta)
         else:  # everything else is the base, bit for bit
             assert torch.equal(merged[name], tensor), name
-    assert GPT.from_checkpoint(final).config.name == "ft-tiny"
+    assert load_gpt(final).config.name == "ft-tiny"
     rows = read_metrics(lora_run)
     assert [int(r["step"]) for r in rows] == list(range(1, 7)) and rows[2]["val_loss"] and rows[5]["val_loss"]
     summary = json.loads((lora_run / "summary.json").read_text())
@@ -142,7 +142,6 @@ def test_adapter_and_full_resume_give_exactly_the_uninterrupted_losses(ft, tmp_p
 
 
 def test_adapter_trains_only_its_prefixes_and_generate_loads_it(ft, tmp_path):
-    from lit_model import GPT
     from lit_model.methods.adapter import AdapterAttention
 
     out = tmp_path / "adapter"
@@ -155,7 +154,7 @@ def test_adapter_trains_only_its_prefixes_and_generate_loads_it(ft, tmp_path):
     assert saved_model_keys(out / "checkpoints" / "step-00000006") == set(adapter)
     base, saved = load_file(str(ft["base"] / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert base.keys() == saved.keys() and all(torch.equal(base[k], saved[k]) for k in base)
-    model = GPT.from_checkpoint(final)
+    model = load_gpt(final)
     assert isinstance(model.blocks[1].attn, AdapterAttention)
     torch.testing.assert_close(model.blocks[1].attn.adapter_gate.data, adapter["blocks.1.attn.adapter_gate"])
     generated = run("generate/base.py", "--checkpoint_dir", final, "--prompt", "Add 1 and 2.", "--max_new_tokens", "5", cache=ft["cache"])
@@ -372,19 +371,19 @@ def test_the_sample_at_the_end_runs_after_the_trained_model_and_optimizer_are_go
     scripts must have dropped the model they trained and its optimizer state by then."""
     from lit_model import GPT
     from lit_model.cli import parse
-    from lit_model.train import session
+    from lit_model.recipes import common
 
     # what earlier tests left (the planner's fake models among them) may be collected during the run: count only
     # the objects made since
     before = {kind: weakref.WeakSet(live(kind)) for kind in (GPT, torch.optim.Optimizer)}
     seen = []
-    real = session.sample_text
+    real = common.sample_text
 
     def sample_text(*args, **kwargs):
         seen.append(tuple(sum(o not in old for o in live(kind)) for kind, old in before.items()))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(session, "sample_text", sample_text)
+    monkeypatch.setattr(common, "sample_text", sample_text)
     monkeypatch.setenv("LIT_MODEL_CACHE", str(ft["cache"]))
     module = load_script(method)
     args_cls = getattr(module, {"lora": "LoRAArgs", "full": "FullArgs", "adapter": "AdapterArgs"}[method])

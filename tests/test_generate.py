@@ -19,6 +19,7 @@ from lit_model.infer.generation import (
 )
 from lit_model.io.prompts import STYLES, PromptStyle
 from lit_model.io.tokenizer import Tokenizer, train_bpe
+from lit_model.methods.load import load_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -369,12 +370,12 @@ def test_plan_from_a_model_name_says_7b_does_not_fit_10gb_and_suggests_quantize(
 def test_the_end_of_run_sample_is_skipped_when_it_would_not_fit(checkpoint_dir: Path, monkeypatch) -> None:
     from types import SimpleNamespace
 
-    import lit_model.plan
-    from lit_model.train.session import sample_text
+    import lit_model.recipes.common
+    from lit_model.recipes.common import sample_text
 
     rank0, tokenizer = SimpleNamespace(global_rank=0), Tokenizer(checkpoint_dir)
     assert sample_text(rank0, checkpoint_dir, tokenizer, "def f(x):", max_new_tokens=8)  # it fits: a continuation
-    monkeypatch.setattr(lit_model.plan, "detect_device_memory", lambda device_type: 1000)
+    monkeypatch.setattr(lit_model.recipes.common, "detect_device_memory", lambda device_type: 1000)
     note = sample_text(rank0, checkpoint_dir, tokenizer, "def f(x):", max_new_tokens=8)
     assert note.startswith(f"[no sample: generating from {checkpoint_dir} in fp32 takes about") and "is free" in note
 
@@ -440,7 +441,7 @@ def test_converted_hf_llama_matches_transformers_greedy(tmp_path: Path) -> None:
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     hf_model.save_pretrained(tmp_path / "hf")
     hf_to_lit(str(tmp_path / "hf"), str(tmp_path / "lit"))
-    model = GPT.from_checkpoint(tmp_path / "lit")
+    model = load_gpt(tmp_path / "lit")
     prompt = torch.tensor([[11, 22, 33, 44, 55, 66]])
     with torch.no_grad():
         expected = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)

@@ -1,6 +1,7 @@
 """The house's layers (docs/architecture.md): each module of lit_model imports only lit_model modules of its own
-layer or of layers below it, at the top of the module (never inside a function), and no two modules import each
-other round a circle. Read from the source with ``ast``: nothing is imported."""
+layer or of layers below it, at the top of the module (never inside a function; under ``if TYPE_CHECKING`` counts as
+the top), and no modules import each other round a circle. Read from the source with ``ast``: nothing is
+imported."""
 
 from __future__ import annotations
 
@@ -17,47 +18,21 @@ LAYERS = (
 )
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 
-# Imports that still run against the layers, each named once; the redesign (issue 45) removes them, and this list
-# may only shrink: an entry that no longer occurs fails the test too, so it is deleted when its import goes.
-OPEN = {
-    ('infer/generation.py', 'lit_model.core.units', 'in a function'),
-    ('infer/generation.py', 'lit_model.methods.adapter', 'in a function'),
-    ('infer/generation.py', 'lit_model.methods.quantize', 'in a function'),
-    ('io/checkpoint.py', 'lit_model.io.tokenizer', 'in a function'),
-    ('io/convert.py', 'lit_model.io.tokenizer', 'in a function'),
-    ('io/prompts.py', 'lit_model.core.config', 'in a function'),
-    ('methods/lora.py', 'lit_model.io.checkpoint', 'in a function'),
-    ('methods/quantize.py', 'lit_model.io.checkpoint', 'in a function'),
-    ('model/gpt.py', 'lit_model.io.checkpoint', 'in a function'),
-    ('model/gpt.py', 'lit_model.io.checkpoint', 'upward'),
-    ('model/gpt.py', 'lit_model.methods.adapter', 'in a function'),
-    ('model/gpt.py', 'lit_model.methods.adapter', 'upward'),
-    ('plan/__init__.py', 'lit_model.plan', 'in a function'),
-    ('plan/__init__.py', 'lit_model.plan.plot', 'in a function'),
-    ('plan/trace.py', 'lit_model.methods.adapter', 'in a function'),
-    ('recipes/finetune.py', 'lit_model.infer.generation', 'in a function'),
-    ('recipes/finetune.py', 'lit_model.methods.quantize', 'in a function'),
-    ('train/loop.py', 'lit_model.io.checkpoint', 'in a function'),
-    ('train/oom_report.py', 'lit_model.plan.planner', 'in a function'),
-    ('train/oom_report.py', 'lit_model.plan.planner', 'upward'),
-    ('train/recovery.py', 'lit_model.core.units', 'in a function'),
-    ('train/session.py', 'lit_model.data.instruct', 'in a function'),
-    ('train/session.py', 'lit_model.data.text', 'in a function'),
-    ('train/session.py', 'lit_model.infer.generation', 'in a function'),
-    ('train/session.py', 'lit_model.plan', 'in a function'),
-    ('train/session.py', 'lit_model.plan', 'upward'),
-}
-
-
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def layer_of(module: str) -> int:
-    """The layer of ``lit_model.X...``: its first part below lit_model (a module at the top: its own name)."""
+    """The layer of ``lit_model.X...``: its first part below lit_model (a module at the top: its own name); the
+    package itself, which re-exports the public names, stands with the commands."""
     parts = module.split(".")
-    return LEVEL[parts[1]] if len(parts) > 1 else LEVEL["core"]
+    return LEVEL[parts[1]] if len(parts) > 1 else len(LAYERS) - 1
 
 
 def lit_model_imports(path: Path) -> list[tuple[str, bool]]:
@@ -70,7 +45,8 @@ def lit_model_imports(path: Path) -> list[tuple[str, bool]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] if node.module != "lit_model" else [f"lit_model.{a.name}" for a in node.names]
+            # `from package import module` imports the module; `from module import name`, the module
+            names = [f"{node.module}.{a.name}" if is_module(f"{node.module}.{a.name}") else node.module for a in node.names]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -100,9 +76,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_point_down_and_stand_at_the_top() -> None:
-    found = violations()
-    assert found - OPEN == set(), "imports against the layers (move the code to its layer, or the import to the top)"
-    assert OPEN - found == set(), "no longer occur: delete them from OPEN"
+    assert violations() == set(), "imports against the layers: move the code to its layer, or the import to the top"
 
 
 def circles() -> set[frozenset[str]]:
@@ -138,15 +112,5 @@ def circles() -> set[frozenset[str]]:
     return found
 
 
-# The circles still open (issue 45 removes them); the same rule as OPEN.
-OPEN_CIRCLES = {
-    frozenset({"lit_model.model.gpt", "lit_model.methods.adapter"}),
-    frozenset({"lit_model.train.args", "lit_model.train.loggers"}),
-    frozenset({"lit_model.plan", "lit_model.plan.planner", "lit_model.plan.plot"}),
-}
-
-
 def test_no_import_circle() -> None:
-    found = circles()
-    assert found - OPEN_CIRCLES == set(), "import circles"
-    assert OPEN_CIRCLES - found == set(), "no longer occur: delete them from OPEN_CIRCLES"
+    assert circles() == set()

@@ -16,6 +16,7 @@ from lit_model.io.checkpoint import save_checkpoint_dir
 from lit_model.core.errors import UsageError, UserError
 from lit_model.methods.lora import LORA_WEIGHTS, LoRAConfig, apply_lora, merge
 from lit_model.recipes.finetune import gather_trainable
+from lit_model.methods.load import load_gpt
 
 CONFIG = Config(name="unit", block_size=32, vocab_size=128, n_layer=2, n_embd=64, n_head=4, n_query_groups=2,
                 intermediate_size=128, bias=True)
@@ -75,7 +76,7 @@ def test_merge_gives_the_logits_of_the_unmerged_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lit_model.lora", "merge", "--checkpoint_dir", str(tmp_path / "ckpt")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    merged = GPT.from_checkpoint(tmp_path / "ckpt")
+    merged = load_gpt(tmp_path / "ckpt")
     torch.testing.assert_close(merged(idx), expected, atol=1e-5, rtol=1e-5)
     assert LoRAConfig.from_dir(tmp_path / "ckpt").merged
     with pytest.raises(UserError, match="already merged"):
@@ -216,7 +217,7 @@ def test_adapter_starts_as_the_base_model_and_travels_with_its_checkpoint(tmp_pa
     save_checkpoint_dir(state, model.config, directory)
     save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, str(directory / "adapter.safetensors"))
     config.save(directory)
-    loaded = GPT.from_checkpoint(directory)
+    loaded = load_gpt(directory)
     assert isinstance(loaded.blocks[1].attn, AdapterAttention) and not isinstance(loaded.blocks[0].attn, AdapterAttention)
     torch.testing.assert_close(loaded(idx), after)
     with pytest.raises(UsageError, match="start_layer"):

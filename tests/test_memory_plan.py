@@ -16,9 +16,8 @@ import torch.nn as nn
 
 from lit_model import Config
 from lit_model.core.errors import UsageError
-from lit_model.plan import (
-    Plan, detect_device_memory, max_micro_batch_size, parse_memory, plan_generation, plan_training, plot_plan,
-)
+from lit_model.core.units import detect_device_memory, parse_memory
+from lit_model.plan import Plan, max_micro_batch_size, plan_generation, plan_training, plot_plan
 from lit_model.plan.analytic import CATEGORIES, param_counts, training_phases
 from lit_model.plan.planner import CLOSED_FORM_MARGIN
 from lit_model.model.gpt import GPT, default_dtype

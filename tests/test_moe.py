@@ -20,9 +20,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from moe_plan import MODEL, predict  # noqa: E402
 from plan_accuracy import run_worker, settings_for  # noqa: E402
 
-from lit_model import GPT, Config  # noqa: E402
+from lit_model import Config  # noqa: E402
 from lit_model.plan import plan_training  # noqa: E402
 from lit_model.model.gpt import LLaMAMoE  # noqa: E402
+from lit_model.methods.load import load_gpt  # noqa: E402
 
 MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2)
 
@@ -76,7 +77,7 @@ def test_lora_on_every_expert_with_fsdp_trains_and_merges(ft, tmp_path):
     adapted = {name.split(".lora_")[0] for name in lora if ".experts." in name}
     assert adapted == {f"blocks.{layer}.mlp.experts.{e}.{proj}" for layer in range(2) for e in range(4)
                        for proj in ("fc_1", "fc_2", "proj")}
-    base_model, merged = GPT.from_checkpoint(base).eval(), GPT.from_checkpoint(out / "final").eval()
+    base_model, merged = load_gpt(base).eval(), load_gpt(out / "final").eval()
     ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (base_model(ids) - merged(ids)).abs().max() > 1e-3

@@ -93,7 +93,7 @@ def test_report_when_even_one_sample_does_not_fit(fabric, monkeypatch):
 
 def test_out_of_memory_report_names_categories_and_fixes(tmp_path):
     from lit_model.train.args import TrainArgs
-    from lit_model.train.oom_report import out_of_memory_report
+    from lit_model.plan.oom_report import out_of_memory_report
 
     from lit_model.run import resolve_run
 

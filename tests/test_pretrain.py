@@ -18,6 +18,7 @@ from conftest import ROOT, read_metrics, run_script
 from lit_model.kernels.ops import onednn_fp32_linear
 from lit_model.train.loop import seed_step
 from safetensors import safe_open
+from lit_model.methods.load import load_gpt
 
 
 def tiny_args(setup: dict[str, Path], out_dir: Path, *extra: str) -> list[str]:
@@ -54,9 +55,8 @@ def test_run_writes_final_checkpoint_metrics_summary_and_sample(tiny_setup, tmp_
     assert summary["fp32_linear"] == ("onednn" if onednn_fp32_linear() else "blas")
     assert "Sample:" in proc.stdout and "step 20/20" in proc.stdout and "unigram baseline" in proc.stdout
 
-    from lit_model import GPT
 
-    model = GPT.from_checkpoint(out / "final")
+    model = load_gpt(out / "final")
     assert model.config.name == "test-tiny"
 
 

@@ -18,17 +18,19 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
-from lit_model.io.checkpoint import model_parts
 from lit_model.core.config import Config
-from lit_model.io.download import resolve_checkpoint
 from lit_model.core.errors import UsageError, UserError
-from lit_model.core.units import format_bytes
-from lit_model.model.gpt import GPT, KVCache, plain_linear
-from lit_model.kernels.ops import decoding_column_major
 from lit_model.core.precision import PRECISIONS, param_dtype, resolve_precision
+from lit_model.core.units import format_bytes, parse_memory, peak_rss_bytes
+from lit_model.io.checkpoint import model_parts
+from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import PromptStyle
-from lit_model.run import resolve_devices as run_devices
 from lit_model.io.tokenizer import Tokenizer
+from lit_model.kernels.ops import decoding_column_major
+from lit_model.methods.adapter import load_saved_adapter
+from lit_model.methods.quantize import QUANTIZE_MODES, check_quantize, load_weights
+from lit_model.model.gpt import GPT, KVCache, plain_linear
+from lit_model.run import resolve_devices as run_devices
 
 DEFAULT_CHECKPOINT = Path("out/pretrain/final")  # what `python pretrain/main.py` writes
 
@@ -71,8 +73,6 @@ def resolve_generation_precision(
 ) -> Precision:
     """``planning``: for a device that need not be here (a CUDA plan assumes bfloat16 support) and without
     bitsandbytes installed, so only the --quantize name is checked."""
-    from lit_model.methods.quantize import QUANTIZE_MODES, check_quantize
-
     if precision is None and quantize == "bnb.int8" and device_type == "cuda":
         precision = "16-true"  # LLM.int8() computes in float16 on CUDA
     name = resolve_precision(precision, device_type, present=not planning)
@@ -143,9 +143,6 @@ def load_model(
     ``max_seq_length`` (default: the block size) sizes the RoPE tables. ``decoding`` (a model only to generate with):
     the weights in the layout decoding multiplies fastest (``column_major_weights``); fine-tuning, which trains them
     (and shards them under FSDP), keeps them row-major."""
-    from lit_model.methods.adapter import load_saved_adapter
-    from lit_model.methods.quantize import load_weights
-
     devices = [torch.device(d) for d in devices]
     config = Config.from_checkpoint(checkpoint_dir)
     model = GPT.on_meta(config)
@@ -575,7 +572,6 @@ def peak_memory_bytes(devices: Sequence[torch.device]) -> int:
     """CUDA: max_memory_reserved summed over the devices; CPU: the process's peak RSS."""
     if devices and devices[0].type == "cuda":
         return sum(torch.cuda.max_memory_reserved(d) for d in devices)
-    from lit_model.core.units import peak_rss_bytes
 
     return peak_rss_bytes()
 
@@ -696,9 +692,6 @@ def check_generation_args(args: GenerationArgs) -> None:
     """Every flag of generate/base.py and chat.py (``num_samples``, ``prompt_length``, ``max_new_tokens``,
     ``max_seq_length`` where the script has them), checked before any file is read; the limits that depend on
     the model (its context) are checked once its config is read."""
-    from lit_model.core.units import parse_memory
-    from lit_model.methods.quantize import QUANTIZE_MODES
-
     check_sampling(args.temperature, args.top_k, args.top_p, getattr(args, "num_samples", 1))
     for flag, least in (("max_new_tokens", 1), ("prompt_length", 1), ("max_seq_length", 2), ("devices", 1), ("seed", 0)):
         value = getattr(args, flag, None)

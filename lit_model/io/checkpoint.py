@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from lit_model.core.config import Config
 from lit_model.core.errors import UserError
 from lit_model.core.files import atomic_write, disk_full_error, fsync_directory, is_disk_full
+from lit_model.io.tokenizer import TOKENIZER_FILES
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.yaml"
@@ -166,8 +167,6 @@ def save_checkpoint_dir(
 ) -> Path:
     """Write weights, config, the tokenizer files and what ``write_extra(tmp_dir)`` adds atomically to ``out_dir``
     (``overwrite``: see ``atomic_directory``)."""
-    from lit_model.io.tokenizer import TOKENIZER_FILES
-
     out_dir = Path(out_dir)
     if config.tie_embeddings:
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}

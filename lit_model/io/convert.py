@@ -25,6 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from lit_model.core.config import Config
+from lit_model.core.errors import UsageError, UserError
 from lit_model.io.checkpoint import (
     WEIGHTS_NAME,
     atomic_directory,
@@ -32,8 +34,7 @@ from lit_model.io.checkpoint import (
     check_state_dict,
     save_checkpoint_dir,
 )
-from lit_model.core.config import Config
-from lit_model.core.errors import UsageError, UserError
+from lit_model.io.tokenizer import TOKENIZER_FILES
 from lit_model.model.gpt import GPT
 
 ARCHITECTURES = {
@@ -934,7 +935,6 @@ def lit_to_hf(
     hf_config = config_to_hf(config)
     _check_out_dir(out_dir, overwrite, (checkpoint_dir,))
 
-    from lit_model.io.tokenizer import TOKENIZER_FILES
 
     weights_path = checkpoint_dir / WEIGHTS_NAME
     model = GPT.on_meta(config)

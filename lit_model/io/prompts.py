@@ -19,8 +19,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import yaml
 
-from lit_model.io.chat_template import read_chat_template, render, special_tokens
+from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
+from lit_model.io.chat_template import read_chat_template, render, special_tokens
 
 PROMPT_STYLE_FILE = "prompt_style.yaml"
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
@@ -123,8 +124,6 @@ class PromptStyle:
         if template is not None:
             return template
         if config is None:
-            from lit_model.core.config import Config
-
             config = Config.from_checkpoint(checkpoint_dir)
         return cls.from_config(config)
 

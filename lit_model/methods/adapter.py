@@ -7,7 +7,7 @@ model (Zhang et al., 2023, https://arxiv.org/abs/2303.16199). Only the prefixes 
 
 The prefix cannot be folded into the base weights, so a checkpoint directory carries it beside them
 (``adapter.safetensors`` + ``adapter.yaml``); ``load_saved_adapter`` attaches it whenever such a directory is
-loaded (``GPT.from_checkpoint``, ``generation.load_model``).
+loaded (``load_gpt``, ``generation.load_model``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import yaml
 
 from lit_model.core.errors import UsageError, UserError
+from lit_model.io.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
 from lit_model.kernels.ops import dropout_before_linear
 from lit_model.methods.quantize import dequantized_weight
 
@@ -228,7 +229,6 @@ def save_merged_checkpoint(
     is replaced only with ``overwrite``."""
     from safetensors.torch import save_file
 
-    from lit_model.io.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
 
     with SafetensorsReader(check_checkpoint_dir(base_dir) / WEIGHTS_NAME) as file:
         merged = merge_state_dict({name: file.read(name) for name in file.shapes}, lora, config)

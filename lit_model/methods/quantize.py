@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from lit_model.core.errors import UsageError
+from lit_model.io.checkpoint import load_model_weights
 from lit_model.model.gpt import plain_linear
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
@@ -167,8 +168,6 @@ def load_weights(
     """Stream a checkpoint into ``model`` (built on the meta device) part by part (checkpoint.py), quantizing
     each part's linear layers as soon as it arrives, before the next part is read; the matrices named in
     ``column_major`` are read in that layout."""
-    from lit_model.io.checkpoint import load_model_weights
-
     tied = bool(getattr(model.config, "tie_embeddings", False))
 
     def quantize_part(part_name: str, part: nn.Module) -> None:

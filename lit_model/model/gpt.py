@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -240,27 +239,6 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        checkpoint_dir: str | Path,
-        device: str | torch.device = "cpu",
-        dtype: Optional[torch.dtype] = None,
-        **config_overrides,
-    ) -> "GPT":
-        """Build on the meta device and assign the stored tensors, so only one copy of the weights is
-        ever in memory."""
-        from lit_model.methods.adapter import load_saved_adapter
-        from lit_model.io.checkpoint import check_checkpoint_dir, load_model_weights
-
-        checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
-        config = Config.from_checkpoint(checkpoint_dir, **config_overrides)
-        model = cls.on_meta(config)
-        load_model_weights(model, checkpoint_dir, device=device, dtype=dtype)
-        load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
-        model.reset_rope_cache(torch.device(device))
-        return model.eval()
 
 
 class Block(nn.Module):

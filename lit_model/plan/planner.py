@@ -1,7 +1,8 @@
 """The planner: predicted peak memory of a run per rank, by category and phase, against the device's memory,
 with the cheapest flag changes that make it fit.
 
-    from lit_model.plan import plan_training, parse_memory
+    from lit_model.core.units import parse_memory
+    from lit_model.plan import plan_training
     plan = plan_training(Config.from_name("Llama-2-7b-hf"), args, trainable="lora", device_memory=parse_memory("24GB"))
     print(plan.to_text())          # or plan.to_json()
     if not plan.fits:
@@ -131,7 +132,7 @@ class Plan:
 
 
 # ---- overhead --------------------------------------------------------------------------------------------
-CPU_SAMPLE_NEW_TOKENS = 100  # the sample at the end of a run (session.sample_text): at most this many new tokens
+CPU_SAMPLE_NEW_TOKENS = 100  # the sample at the end of a run (recipes/common.py sample_text): at most this many new tokens
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
@@ -248,7 +249,7 @@ def cuda_step_fresh_bytes(spec: Run) -> int:
 
 def _sample_phase(spec: Run) -> dict[str, int]:
     """CPU: rank 0 reloads final/ in fp32 for the sample at the end, after the scripts dropped the trained model and
-    its optimizer state (session.sample_text): the tensors of generate/base.py's plan alone."""
+    its optimizer state (recipes/common.py sample_text): the tensors of generate/base.py's plan alone."""
     new_tokens = min(CPU_SAMPLE_NEW_TOKENS, spec.config.block_size // 2)  # prompt and new tokens within the context
     prompt = min(spec.seq_len, spec.config.block_size - new_tokens)
     generation = plan_generation(spec.config, max(prompt, 1), new_tokens, dtype=torch.float32,
@@ -497,7 +498,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
                   "sample": _sample_phase(spec)}
     phases, terms = _finish_phases(phases, spec, generation, transient_highs)
     by_phase = {name: sum(cats.values()) for name, cats in phases.items()}
-    if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # session.sample_text skips it
+    if device_memory is not None and by_phase.get("sample", 0) > device_memory:  # recipes/common.py sample_text skips it
         notes.append(f"The sample at the end of the run is skipped: reloading final/ in fp32 would take "
                      f"{format_bytes(by_phase.pop('sample'))}.")
         del phases["sample"]

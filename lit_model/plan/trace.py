@@ -25,34 +25,34 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _RefType, _TOTAL_KEY
-from torch.utils._pytree import tree_map_only
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import HalfPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModState, _RefType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_map_only
 
-from lit_model.methods.adapter import apply_adapter
 from lit_model.core.config import Config
 from lit_model.infer.generation import forward_last, sample, set_kv_cache
+from lit_model.kernels.ops import cuda_attention_kernel, take_paths_of
+from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import apply_lora
+from lit_model.model.gpt import GPT, default_dtype
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
-from lit_model.model.gpt import GPT, default_dtype
-from lit_model.kernels.ops import cuda_attention_kernel, take_paths_of
 from lit_model.run import Run
 from lit_model.train.fabric import configure_model, fsdp_mesh, shard_model
-from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
+from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
 
 try:
     from torch._guards import active_fake_mode
@@ -597,8 +597,6 @@ def depth_segments(run: Run) -> Optional[list[int]]:
 
 def with_segments(run: Run, lengths: list[int]) -> Run:
     """The same run on a model whose segments have these lengths."""
-    from lit_model.methods.adapter import AdapterConfig
-
     changes: dict[str, Any] = {"config": dataclasses.replace(run.config, n_layer=sum(lengths))}
     if run.trainable == "adapter":
         changes["adapter"] = AdapterConfig(run.adapter_prompt_length, lengths[0])

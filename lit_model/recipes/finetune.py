@@ -15,16 +15,20 @@ import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
 
-from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
+from lit_model.core.errors import UsageError
+from lit_model.core.units import format_bytes
 from lit_model.data.instruct import InstructData, PackedDataset, collate, load_instruct_data, padding_fraction
 from lit_model.data.sources import parse_fields
+from lit_model.infer.generation import load_model as load_checkpoint_model
 from lit_model.io.download import resolve_checkpoint
-from lit_model.core.errors import UsageError
-from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
-from lit_model.core.units import format_bytes
-from lit_model.model.gpt import GPT
 from lit_model.io.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.io.tokenizer import Tokenizer
+from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
+from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
+from lit_model.methods.quantize import check_quantize
+from lit_model.model.gpt import GPT
+from lit_model.plan.oom_report import out_of_memory_report
+from lit_model.recipes import common
 from lit_model.run import Run, Trainable, resolve_run
 from lit_model.train import session
 from lit_model.train.args import TrainArgs
@@ -106,8 +110,6 @@ class Setup:
 def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     """The run, resolved once in the script's main: every flag checked against the checkpoint and the device
     before any process starts (a plan reads the architecture only)."""
-    from lit_model.methods.quantize import check_quantize
-
     if args.freeze_layers is not None and method != "full":
         raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
                          "only its own parameters. Drop --freeze_layers.")
@@ -141,7 +143,7 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
 
 def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
-    run = session.choose_loss_chunk_size(fabric, session.choose_micro_batch_size(fabric, run, args), args)
+    run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     checkpoint_dir = run.checkpoint_dir
     tokenizer = Tokenizer(checkpoint_dir)
     if args.prompt_style is not None:
@@ -170,8 +172,6 @@ def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
 def load_model(fabric: Fabric, run: Run, setup: Setup) -> GPT:
     """The checkpoint's model in the precision's dtype, frozen, in train mode: on this process's device (each
     part quantized there as it is read), or on the CPU for FSDP, which shards it from there."""
-    from lit_model.infer.generation import load_model as load_checkpoint_model
-
     device = torch.device("cpu") if run.strategy == "fsdp" else fabric.device
     model = load_checkpoint_model(setup.checkpoint_dir, [device], run.param_dtype, run.quantize, max_seq_length=run.seq_len)
     for module in model.modules():
@@ -224,7 +224,7 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
         f"{run.world_size} process(es), {run.precision})"
     )
     rehearsal_batch = session.longest_batch(fabric, data.train, run, pad, data.train.lengths)
-    return fit(fabric, run, model, optimizer, train_batches, val_batches, args, max_steps, progress,
+    return fit(fabric, run, model, optimizer, train_batches, val_batches, args, max_steps, progress, out_of_memory_report,
                save_filter=save_filter, rehearsal_batch=rehearsal_batch)
 
 
@@ -257,7 +257,7 @@ def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress:
     """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
     what = run.trainable if run.quantize is None or run.trainable != "lora" else f"qlora ({run.quantize})"
     what += " + DoRA" if run.lora is not None and run.lora.dora else ""
-    answer = session.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
+    answer = common.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
     summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})
     fabric.print(

@@ -26,13 +26,10 @@ import netrc
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 from urllib.parse import urlsplit
 
 from lit_model.core.errors import UsageError, UserError
-
-if TYPE_CHECKING:  # args.py checks --logger with this module
-    from lit_model.train.args import TrainArgs
 
 PROJECT = "lit-model"
 # --logger name -> (the module it imports, what pip installs); csv needs nothing
@@ -107,9 +104,10 @@ def finalize(name: str, logger: Any, status: str) -> None:
 
 
 @contextlib.contextmanager
-def open_loggers(args: TrainArgs, enabled: bool, resume_step: int) -> Iterator[Callable[[dict[str, Any]], None]]:
+def open_loggers(args: Any, enabled: bool, resume_step: int) -> Iterator[Callable[[dict[str, Any]], None]]:
     """Inside: a function that sends a metrics row (as MetricsWriter gets it) to every ``--logger`` backend but csv.
-    ``enabled``: this is rank 0 (elsewhere the function does nothing). The loggers get the run's flags first."""
+    ``args``: the parsed TrainArgs; ``enabled``: this is rank 0 (elsewhere the function does nothing). The loggers get
+    the run's flags first."""
     names = [name for name in dict.fromkeys(logger_names(args.logger)) if name != "csv"] if enabled else []
     logs, run_name = Path(args.out_dir) / "logs", Path(args.out_dir).resolve().name
     hyperparams = {f.name: flag_value(getattr(args, f.name)) for f in fields(args)}

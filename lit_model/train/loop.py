@@ -28,11 +28,12 @@ from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
 from lit_model.core.files import atomic_open, atomic_write
 from lit_model.core.units import format_bytes, peak_rss_bytes
+from lit_model.io.checkpoint import save_checkpoint_dir
 from lit_model.kernels.ops import onednn_fp32_linear
 from lit_model.run import Run
 from lit_model.train.args import TrainArgs
 from lit_model.train.loggers import open_loggers
-from lit_model.train.oom_report import out_of_memory_report, start_memory_history
+from lit_model.train.snapshot import start_memory_history
 from lit_model.train.optimizers import lr_at, paused_in_backward, set_group_values, set_lr
 from lit_model.train.recovery import any_rank
 from lit_model.train.resumable import CHECKPOINTS, save_resumable, write_state
@@ -157,6 +158,11 @@ def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, .
 
 
 # ---- the loop ------------------------------------------------------------------------------------
+# (the run with the micro batch that failed, the parsed arguments, the device, where, the error's message) -> the
+# paragraph a run that ran out of memory ends with
+OutOfMemoryReport = Callable[[Run, Any, torch.device, str, str], str]
+
+
 def fit(
     fabric: Fabric,
     run: Run,
@@ -167,11 +173,14 @@ def fit(
     args: TrainArgs,
     max_steps: int,
     progress: Progress,
+    oom_report: OutOfMemoryReport,
     save_filter: Optional[dict[str, Any]] = None,
     rehearsal_batch: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> tuple[Progress, Run]:
     """Train ``run`` until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
-    ``save_filter`` selects what the resumable checkpoints hold (see ``save_resumable``). With ``--rehearse``,
+    ``oom_report`` writes the paragraph a step that ran out of memory ends with (the recipes hand in the planner's,
+    ``lit_model.plan.oom_report``). ``save_filter`` selects what the resumable checkpoints hold (see
+    ``save_resumable``). With ``--rehearse``,
     ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. Returns the progress and the
     run as it ended: with the smaller micro batch that out-of-memory recovery fell back to, if it did.
 
@@ -185,7 +194,7 @@ def fit(
     start_memory_history(fabric.device)
 
     def report(micro_batch_size: int, where: str, message: str) -> str:
-        return out_of_memory_report(run.replace(micro_batch_size=micro_batch_size), args, fabric.device, where, message)
+        return oom_report(run.replace(micro_batch_size=micro_batch_size), args, fabric.device, where, message)
 
     train_step = TrainStep(fabric, model, optimizer, run.micro_batch_size, args.oom_recovery, report)
     # The data position is progress.step: the sampler is a pure function of the step, so it needs no state.
@@ -342,7 +351,6 @@ def save_final(fabric: Fabric, model: nn.Module, config: Config, final_dir: Path
     what ``write_extra(tmp_dir)`` adds. It replaces out_dir/final: check_out_dir let this run own out_dir."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from lit_model.io.checkpoint import save_checkpoint_dir
 
     module = getattr(model, "module", model)
     if isinstance(fabric.strategy, ModelParallelStrategy):  # FSDP

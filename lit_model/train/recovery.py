@@ -1,7 +1,7 @@
 """Out-of-memory handling inside the training step (step.py): splitting a step's samples into smaller micro
 batches, the agreement of all ranks on an out-of-memory error, and an injectable memory cap that lets the CPU tests
 cause a real ``torch.OutOfMemoryError`` at a chosen size. What the user is told when nothing is left to split is
-oom_report.py's.
+lit_model/plan/oom_report.py's.
 
 The simulated cap: with ``LIT_MODEL_SIMULATED_MEMORY_CAP=4MB`` every training forward counts the bytes of the
 step's tensors -- parameters, gradients and optimizer state held at that moment, plus the activations the forward
@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from lightning.fabric import Fabric
 
+from lit_model.core.units import parse_memory
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.train.optimizers import state_tensors
 
@@ -49,7 +50,6 @@ def simulated_memory_cap(model: torch.nn.Module, optimizer: Any) -> Iterator[Non
     if not cap:
         yield
         return
-    from lit_model.core.units import parse_memory
 
     limit = parse_memory(cap)
     held = step_tensors(model, optimizer)

@@ -1,9 +1,9 @@
-"""Setup steps every training script runs in the same order: Fabric, model placement, optimizer, data
-loaders, resume, and a clean end of the processes."""
+"""Setup steps every training script runs in the same order: model placement, optimizer, data loaders, resume,
+and a clean end of the processes. What needs the planner (--plan, the auto choices, the end-of-run sample) is the
+recipes' (lit_model/recipes/common.py): training imports no planner."""
 
 from __future__ import annotations
 
-import gc
 import heapq
 import os
 import pickle
@@ -18,73 +18,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_model.core.config import Config
 from lit_model.core.errors import UserError
+from lit_model.data.instruct import LengthGroupedSampler
+from lit_model.data.text import GlobalBatchSampler
 from lit_model.model.gpt import GPT
 from lit_model.train.args import TrainArgs
 from lit_model.run import Run
 from lit_model.train.fabric import configure_model
 from lit_model.train.loop import Progress
 from lit_model.train.resumable import STATE_NAME, start_lineage
-from lit_model.train.step import freeze_layers, release_cached_memory
+from lit_model.train.step import freeze_layers
 from lit_model.train.optimizers import build_optimizer
-
-
-def print_plan(run: Run, args: TrainArgs) -> None:
-    """``--plan``: the predicted peak memory of this exact run, without starting Fabric or loading weights;
-    ``--plan_plot`` also draws it. Exit status 1 when it does not fit and no suggestion makes it fit."""
-    from lit_model.plan import check_plan_fits, plan_run, plot_plan
-
-    plan = plan_run(run, args.device_memory)
-    print(plan.to_json() if args.plan == "json" else plan.to_text())
-    if args.plan_plot is not None:
-        print(f"Plot: {plot_plan(plan, args.plan_plot)}", file=sys.stderr)
-    check_plan_fits(plan)
-
-
-def memory_budget(fabric: Fabric, run: Run, args: TrainArgs) -> int:
-    """The memory one process of this run may plan with: --device_memory, else this device's (on the CPU, a share)."""
-    from lit_model.plan import detect_device_memory, parse_memory
-
-    if args.device_memory:
-        return parse_memory(args.device_memory)
-    budget = detect_device_memory(run.device_type, fabric.device.index or 0)
-    return budget // run.devices if run.device_type == "cpu" else budget  # the processes on one machine share it
-
-
-def choose_loss_chunk_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
-    """``--loss_chunk_size auto``: the run with the largest loss chunk whose logits fit what the rest of the step
-    leaves (memory.plan.max_loss_chunk_size); every rank takes the smallest any rank found."""
-    if not run.loss_chunk_auto:
-        return run
-    from lit_model.plan import max_loss_chunk_size
-
-    found = max_loss_chunk_size(run, memory_budget(fabric, run, args))
-    if run.world_size > 1:
-        found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item())
-    fabric.print(f"--loss_chunk_size auto: {found} tokens per cross-entropy chunk")
-    return run.replace(loss_chunk_size=found, loss_chunk_auto=False)
-
-
-def choose_micro_batch_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
-    """``--micro_batch_size auto``: the run with the largest micro batch that divides the per-rank batch and whose
-    predicted peak fits this device with a 10 % margin, so gradient accumulation keeps the global batch. Every
-    rank takes the smallest any rank found; the rehearsal then confirms it with a real step on the longest batch."""
-    if not run.micro_batch_auto:
-        return run
-    from lit_model.plan import format_bytes, max_micro_batch_size
-
-    budget = memory_budget(fabric, run, args)
-    fabric.print(f"--micro_batch_size auto: planning micro batches for {format_bytes(budget)} per process...", flush=True)
-    found = max_micro_batch_size(run, budget)
-    found = int(fabric.all_reduce(torch.tensor(found, device=fabric.device), reduce_op="min").item()) if run.world_size > 1 else found
-    if found == 0:
-        raise UserError(
-            f"--micro_batch_size auto: not even a micro batch of 1 is predicted to fit in {format_bytes(budget)} per "
-            "process. Run the same command with --plan text to see what takes the memory and which flag changes "
-            "make it fit."
-        )
-    fabric.print(f"--micro_batch_size auto: {found} (the largest predicted to fit {format_bytes(budget)} with a 10 % margin; "
-                 f"global batch {run.global_batch_size})")
-    return run.replace(micro_batch_size=found, micro_batch_auto=False)
 
 
 def finish(fabric: Fabric) -> None:
@@ -164,9 +107,6 @@ def train_batches(
 ) -> Iterator[Any]:
     """An endless iterator of this rank's micro batches, starting at optimizer step ``start_step``.
     With ``lengths`` (samples of different lengths) each step's samples are grouped by length."""
-    from lit_model.data.instruct import LengthGroupedSampler
-    from lit_model.data.text import GlobalBatchSampler
-
     settings = (run.global_batch_size, run.micro_batch_size, fabric.global_rank, run.world_size)
     if lengths is None:
         sampler = GlobalBatchSampler(len(dataset), *settings, seed=args.seed, start_step=start_step)
@@ -208,34 +148,3 @@ def longest_batch(fabric: Fabric, dataset: Dataset, run: Run, collate_fn: Option
     count = min(run.micro_batch_size, len(dataset))
     chosen = range(count) if lengths is None else heapq.nlargest(count, range(len(dataset)), key=lengths.__getitem__)
     return _collate([dataset[i] for i in chosen], collate_fn, fabric.device)
-
-
-def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, max_new_tokens: int = 60) -> str:
-    """A short sample from the saved model, on rank 0 (a separate CPU copy, so FSDP shards don't matter); a note
-    instead when the planner says the copy would not fit the memory free now (the run is saved: no OOM at the end)."""
-    from lit_model.infer.generation import generate
-    from lit_model.plan import detect_device_memory, format_bytes, plan_generation
-
-    if fabric.global_rank != 0:
-        return ""
-    config = Config.from_checkpoint(final_dir)
-    prompt_ids = tokenizer.encode(prompt)[-(config.block_size // 2) :]
-    new_tokens = min(max_new_tokens, config.block_size - len(prompt_ids))
-    need = plan_generation(config, len(prompt_ids), new_tokens, dtype=torch.float32, device_type="cpu",
-                           detect=False).tensor_peak_bytes
-    # The scripts have dropped the trained model and its optimizer (their reference cycles go with gc.collect), and
-    # glibc keeps the heap the run freed (activations, a LoRA merge's copy of the base weights): give it back
-    # first, or the fp32 copy comes on top of it (measured: +2.2 GB for a 1.1B QLoRA run)
-    gc.collect()
-    release_cached_memory(torch.device("cpu"))
-    free = detect_device_memory("cpu")
-    if need > free:
-        return (f"[no sample: generating from {final_dir} in fp32 takes about {format_bytes(need)} and "
-                f"{format_bytes(free)} is free; `python generate/base.py --checkpoint_dir {final_dir} --precision "
-                "bf16-true` (or --quantize bnb.nf4) samples it in less]")
-    model = GPT.from_checkpoint(final_dir, device="cpu", dtype=torch.float32)
-    result = generate(
-        model, prompt_ids, new_tokens, temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
-        generator=torch.Generator().manual_seed(0),
-    )
-    return tokenizer.decode(result.tokens[0])

@@ -1,40 +1,24 @@
 """The report of a run that ran out of memory with nothing left to split: what the planner says took the memory,
 the cheapest flag changes that fit, a memory snapshot on a GPU, and how to continue from the newest checkpoint.
+The recipes hand ``out_of_memory_report`` to the fit loop (training imports no planner).
 """
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from lit_model.core.units import detect_device_memory, format_bytes, parse_memory
 from lit_model.run import Run
+from lit_model.plan.planner import SUGGESTION_MARGIN, plan_run, suggest_changes
 from lit_model.train.resumable import lineage
-
-
-def start_memory_history(device: torch.device) -> None:
-    """On a GPU, record allocations so that an out-of-memory report can write a snapshot."""
-    if device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
-
-
-def write_snapshot(device: torch.device, out_dir: Path) -> Optional[Path]:
-    if device.type != "cuda":
-        return None
-    path = out_dir / f"oom_snapshot_{int(time.time())}.pickle"
-    torch.cuda.memory._dump_snapshot(str(path))
-    return path
+from lit_model.train.snapshot import write_snapshot
 
 
 def out_of_memory_report(run: Run, args: Any, device: torch.device, where: str, message: str) -> str:
     """What took the memory (the planner's categories for ``run``, the micro batch that failed), the three
     cheapest fixes with their predicted peaks, and a memory snapshot on GPU: one paragraph."""
-    # at call time: a training process loads the planner (5 MiB, 75 ms) only when it writes this report
-    from lit_model.plan.planner import SUGGESTION_MARGIN, plan_run, suggest_changes
-
     out_dir, micro_batch_size = args.out_dir, run.micro_batch_size
     plan = plan_run(run, suggest=False, detect=False)
     memory = parse_memory(args.device_memory) if args.device_memory else detect_device_memory(run.device_type, device.index or 0)
