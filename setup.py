@@ -15,8 +15,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["lit_model", "lit_model.*"]),
-    package_data={"lit_model": ["configs/*.yaml"]},
-    # `lit-model COMMAND` runs the scripts of the source checkout (pretrain/, finetune/, generate/): pip install -e .
+    package_data={"lit_model.core": ["configs/*.yaml"]},
+    # `lit-model COMMAND` runs the recipes (lit_model/recipes/), so a wheel or `pip install .` has every command
     entry_points={"console_scripts": ["lit-model = lit_model.entry:main"]},
     install_requires=[
         "torch>=2.5",

@@ -5,84 +5,11 @@
     python generate/base.py --model_name Llama-2-7b-hf --device_memory 8GB --plan text   # will it fit?
 """
 
-from __future__ import annotations
-
 import signal
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C during the imports: a quiet exit, no traceback (run_cli then takes over)
 
-import math
-import sys
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
-
-from lit_model.cli import parse
-from lit_model.core.errors import UsageError, run_cli
-from lit_model.infer.generation import (
-    GenerationArgs, TextStream, check_lengths, generate, out_of_memory_hint, prepare_generation, set_kv_cache,
-    stats_line, stdout_writer,
-)
-
-CHARACTERS_PER_TOKEN = 4  # --plan without a tokenizer to count the prompt: a usual ratio for English text
-
-
-@dataclass
-class BaseArgs(GenerationArgs):
-    """Generate a continuation of a prompt.
-
-    Args:
-        prompt: the text to continue
-        max_new_tokens: how many tokens to generate at most; the KV cache holds prompt + this many positions
-        num_samples: samples generated together in one batch
-        prompt_length: with --plan: the prompt's length in tokens; default: the tokenizer's count of the prompt,
-            or where there is no tokenizer (--model_name) a quarter of its characters in the prompt style
-    """
-
-    prompt: str = "What food do llamas eat?"
-    max_new_tokens: int = 50
-    num_samples: int = 1
-    prompt_length: Optional[int] = None
-
-
-def main(args: BaseArgs) -> None:
-    setup = prepare_generation(args)  # checks every flag first (check_generation_args)
-    if args.plan is not None and (args.prompt_length is not None or setup.tokenizer is None):
-        length = args.prompt_length or math.ceil(len(setup.style.apply(args.prompt)) / CHARACTERS_PER_TOKEN)
-    else:
-        prompt_ids = setup.tokenizer.encode(setup.style.apply(args.prompt))
-        if len(prompt_ids) == 0:
-            if setup.tokenizer.bos_id is None:
-                raise UsageError("--prompt is empty and the tokenizer has no bos token to start from. Pass a prompt.")
-            prompt_ids = torch.tensor([setup.tokenizer.bos_id])
-        length = len(prompt_ids)
-    total = check_lengths(length, args.max_new_tokens, setup.config)
-    if args.plan is not None:
-        from lit_model.plan import print_generation_plan  # the planner imports the training code: only for --plan
-
-        return print_generation_plan(setup, length, args.max_new_tokens, args.num_samples)
-
-    model = setup.load(max_seq_length=total)
-    with out_of_memory_hint("allocating the KV cache"):
-        set_kv_cache(model, args.num_samples, total, setup.precision.compute_dtype)
-    stop_strings = [*setup.style.stop_strings, *setup.stop]
-    write = stdout_writer if args.num_samples == 1 else None
-    context = prompt_ids[-4:].tolist()
-    streams = [TextStream(setup.tokenizer, stop_strings, context, write) for _ in range(args.num_samples)]
-    with setup.generating():
-        result = generate(
-            model, prompt_ids, args.max_new_tokens, eos_ids=setup.tokenizer.eos_ids,
-            stop_sequences=setup.style.stop_tokens(setup.tokenizer), num_samples=args.num_samples,
-            on_token=lambda row, token: streams[row].add(token), **setup.sampling(model),
-        )
-    texts = [stream.finish() for stream in streams]
-    if args.num_samples == 1:
-        stdout_writer("\n")
-    else:
-        stdout_writer("".join(f"--- sample {i + 1} ---\n{text}\n" for i, text in enumerate(texts)))
-    print(stats_line(result, setup.devices), file=sys.stderr, flush=True)
-
+from lit_model.recipes.generate import BaseArgs, cli, main  # noqa: E402,F401  (the recipe: lit_model/recipes/generate.py)
 
 if __name__ == "__main__":
-    run_cli(lambda: main(parse(BaseArgs, sys.argv[1:])))
+    cli()

@@ -6,7 +6,7 @@
 
 from typing import Optional
 
-from lit_model.cli import main as cli_main
+from lit_model.recipes.cli import main as cli_main
 from lit_model.io.convert import COMMANDS
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 from jsonargparse import CLI
 
-from lit_model.cli import bare_bool_flags
+from lit_model.recipes.cli import bare_bool_flags
 from lit_model.core.errors import run_cli
 from lit_model.io.download import download
 

@@ -2,38 +2,39 @@
 
     lit-model pretrain | finetune lora|full|adapter | generate | chat | plan COMMAND | download | convert | merge | config
 
-Each command runs exactly what its script runs: the training and generation commands execute the script file
-itself (``pretrain/main.py`` ...) as ``__main__`` with the same arguments, so flags, ``--config`` files, ``--help``,
-errors and multi-process launches are the script's own; the others call the module behind
-``python -m lit_model.download / convert / lora merge / config``.
+Each command runs exactly what its script runs: the training and generation commands call the recipe the script
+is a shim over (``lit_model/recipes/pretrain.py`` ...) with the same arguments, so flags, ``--config`` files,
+``--help`` and errors are the script's own; the others call the module behind ``python -m lit_model.download /
+convert / lora merge / config``. Nothing is read from a source checkout: an installed wheel runs every command.
+Fabric starts the other processes of ``--devices N`` by running this process's command line again (``sys.argv``),
+which is ``lit-model COMMAND ...`` itself.
 """
 
 from __future__ import annotations
 
 import difflib
-import runpy
 import sys
-from pathlib import Path
+from functools import partial
 from typing import Callable, Optional
 
 import yaml
 
 from lit_model.convert import main as convert_main
 from lit_model.core.config import CONFIG_DIR, Config
-from lit_model.core.errors import UsageError, UserError, run_cli
+from lit_model.core.errors import UsageError, run_cli
 from lit_model.download import main as download_main
 from lit_model.methods.lora import cli as lora_cli
+from lit_model.recipes import chat, finetune_adapter, finetune_full, finetune_lora, generate, pretrain
 from lit_model.plan.analytic import param_counts
 
-# The scripts live beside the package in a source checkout (installed with `pip install -e .`).
-SCRIPT_ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {
-    "pretrain": "pretrain/main.py",
-    "finetune lora": "finetune/lora.py",
-    "finetune full": "finetune/full.py",
-    "finetune adapter": "finetune/adapter.py",
-    "generate": "generate/base.py",
-    "chat": "generate/chat.py",
+# command -> (the script users know, the recipe's command line that the script runs)
+SCRIPTS: dict[str, tuple[str, Callable[..., None]]] = {
+    "pretrain": ("pretrain/main.py", pretrain.cli),
+    "finetune lora": ("finetune/lora.py", finetune_lora.cli),
+    "finetune full": ("finetune/full.py", finetune_full.cli),
+    "finetune adapter": ("finetune/adapter.py", finetune_adapter.cli),
+    "generate": ("generate/base.py", generate.cli),
+    "chat": ("generate/chat.py", chat.cli),
 }
 FINETUNE_METHODS = ("lora", "full", "adapter")
 HELP = {
@@ -72,10 +73,10 @@ def dispatch(argv: list[str]) -> None:
     if command == "plan":
         script, rest = _script_for(rest, "lit-model plan")
         asks = any(arg in ("--plan", "-h", "--help") or arg.startswith("--plan=") for arg in rest)
-        return _run_script(script, rest if asks else [*rest, "--plan", "text"])
+        return script(rest if asks else [*rest, "--plan", "text"])
     if command in ("pretrain", "finetune", "generate", "chat"):
         script, rest = _script_for(argv, "lit-model")
-        return _run_script(script, rest)
+        return script(rest)
     modules: dict[str, Callable[[list[str]], None]] = {
         "download": _download, "convert": _convert, "merge": _merge, "config": _config,
     }
@@ -86,7 +87,7 @@ def dispatch(argv: list[str]) -> None:
     modules[command](rest)
 
 
-def _script_for(argv: list[str], prog: str) -> tuple[str, list[str]]:
+def _script_for(argv: list[str], prog: str) -> tuple[Callable[[list[str]], None], list[str]]:
     """The script a command line names, and the arguments left for it."""
     if not argv:
         raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter, generate or chat.")
@@ -104,24 +105,8 @@ def _script_for(argv: list[str], prog: str) -> tuple[str, list[str]]:
         command, rest = f"finetune {rest[0]}", rest[1:]
     if command not in SCRIPTS:
         raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter, generate or chat.")
-    return SCRIPTS[command], rest
-
-
-def _run_script(relative: str, args: list[str]) -> None:
-    """Run a script file as ``__main__``, as ``python SCRIPT args`` does (its path as ``sys.argv[0]``, so the
-    processes Fabric launches for ``--devices N`` run the same script)."""
-    path = SCRIPT_ROOT / relative
-    if not path.is_file():
-        raise UserError(
-            f"lit-model runs the scripts of its source checkout, but {path} is missing. Install lit-model from a "
-            "clone of its repository with `pip install -e .`."
-        )
-    saved = sys.argv, list(sys.path)
-    sys.argv, sys.path[:0] = [str(path), *args], [str(path.parent)]  # as the interpreter sets them for a script
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = saved
+    script, cli = SCRIPTS[command]
+    return partial(cli, prog=script.split("/")[-1]), rest  # --help and usage name the script, as it does
 
 
 def _download(argv: list[str]) -> None:

@@ -37,7 +37,7 @@ STRATEGIES = ("single", "ddp", "fsdp")
 DEFAULT_OPTIMIZER_RANK = 128  # GaLore's paper: 128 for the 60M-130M models, 256-512 above
 
 
-# --optimizer names (matched case-insensitively; training/optimizers.py builds them)
+# --optimizer names (matched case-insensitively; train/optimizers.py builds them)
 OPTIMIZERS = ("AdamW", "SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit", "PagedAdamW8bit", "GaLore", "APOLLO",
               "AdamMini", "AdaLomo", "AdamW4bit", "AdamWFp8")
 # Optimizers built from the model itself (its parameter names, heads, hooks): never one per parameter
@@ -165,7 +165,7 @@ class Run:
 
 
 # The CUDA caching allocator's settings: the user's own when set (either name), else expandable segments (fewer
-# fragmentation gaps: memory/calibration.py), which PyTorch supports with CUDA on Linux.
+# fragmentation gaps: plan/calibration.py), which PyTorch supports with CUDA on Linux.
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
 

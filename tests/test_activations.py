@@ -15,7 +15,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lit_model.model.activations import ActivationOffloading
-from lit_model.cli import parse
+from lit_model.recipes.cli import parse
 from lit_model.core.errors import UsageError
 from lit_model.plan import plan_run
 from lit_model.run import CPU_HEAP_TOP_PAD, changed_flags, render_flags, resolve_run

@@ -252,7 +252,7 @@ def load_script(method: str):
 
 
 def run_in_process(method: str, argv: list[str], capsys) -> tuple[int, str]:
-    from lit_model.cli import parse
+    from lit_model.recipes.cli import parse
     from lit_model.core.errors import run_cli
 
     module = load_script(method)
@@ -298,7 +298,7 @@ def test_bad_input_is_one_clear_message(ft, tmp_path, capsys, method, extra, cod
 
 @pytest.mark.parametrize("method", ["full", "lora", "adapter"])
 def test_plan_from_the_checkpoint_or_a_model_name(ft, capsys, method):
-    from lit_model.cli import parse
+    from lit_model.recipes.cli import parse
 
     module = load_script(method)
     args_cls = getattr(module, {"lora": "LoRAArgs", "full": "FullArgs", "adapter": "AdapterArgs"}[method])
@@ -341,7 +341,7 @@ def test_int8_with_fsdp_says_what_works_instead(ft, tmp_path):
 
 
 def test_config_hub_yamls_parse_into_flags():
-    from lit_model.cli import parse
+    from lit_model.recipes.cli import parse
 
     for method, name in (("full", "FullArgs"), ("lora", "LoRAArgs"), ("adapter", "AdapterArgs")):
         args_cls = getattr(load_script(method), name)
@@ -370,7 +370,7 @@ def test_the_sample_at_the_end_runs_after_the_trained_model_and_optimizer_are_go
     """The sample reloads final/ in fp32; the plan's sample phase holds that copy alone (test_memory_plan), so the
     scripts must have dropped the model they trained and its optimizer state by then."""
     from lit_model import GPT
-    from lit_model.cli import parse
+    from lit_model.recipes.cli import parse
     from lit_model.recipes import common
 
     # what earlier tests left (the planner's fake models among them) may be collected during the run: count only

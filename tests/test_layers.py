@@ -14,9 +14,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lit_model"
 # flag parser, `lit-model`, and the `python -m lit_model.X` modules users know.
 LAYERS = (
     ("core",), ("kernels",), ("model",), ("io", "data"), ("methods",), ("parallel",), ("run",), ("infer",),
-    ("train",), ("plan",), ("recipes",), ("cli", "entry", "__main__", "config", "convert", "download", "lora"),
+    ("train",), ("plan",), ("recipes",), ("entry", "__main__", "config", "convert", "download", "lora"),
 )
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
+# The one import left inside functions, on purpose: the planner imports the training stack (lightning), which would
+# add 2.4 s to every start of generate and chat; only their --plan loads it. It goes once the planner's generation
+# part stands apart from the training trace.
+LATE = {("recipes/generate.py", "lit_model.plan"), ("recipes/chat.py", "lit_model.plan")}
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -62,7 +66,7 @@ def violations() -> set[tuple[str, str, str]]:
         for imported, in_function in lit_model_imports(path):
             if imported == "lit_model":
                 continue
-            if in_function:
+            if in_function and (relative, imported) not in LATE:
                 found.add((relative, imported, "in a function"))
             if layer_of(imported) > level:
                 found.add((relative, imported, "upward"))

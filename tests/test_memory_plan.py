@@ -353,7 +353,7 @@ def test_prediction_orders():
 
 @pytest.mark.parametrize("engine", ["analytic", "trace"])
 def test_ddp_gradients_are_one_copy_in_its_buckets(engine):
-    """DDP runs with gradient_as_bucket_view (training/fabric.py): the buckets, allocated when DDP wraps the model,
+    """DDP runs with gradient_as_bucket_view (train/fabric.py): the buckets, allocated when DDP wraps the model,
     hold the gradients in every phase, and no second copy exists while they are reduced."""
     config = tiny(block_size=512)
     base = dict(precision="32-true", micro_batch_size=4, global_batch_size=16, override_max_seq_length=512)

@@ -199,7 +199,7 @@ def test_config_hub_yamls_parse_into_flags():
     finally:
         sys.path.pop(0)
     from lit_model import Config
-    from lit_model.cli import parse
+    from lit_model.recipes.cli import parse
 
     for path in sorted((ROOT / "config_hub" / "pretrain").glob("*.yaml")):
         args = parse(PretrainArgs, ["--config", str(path)])

@@ -3,7 +3,7 @@ attention outputs, recompute the element-wise ops), activation offloading (saved
 or to files until backward needs them) and the tiled MLP (the MLP computed, and recomputed, a sequence tile at
 a time).
 
-The model (``model.py``) applies them from its attributes, which ``training/fabric.py: configure_model`` sets
+The model (``model/gpt.py``) applies them from its attributes, which ``train/fabric.py: configure_model`` sets
 from the run, so the memory planner's trace runs exactly this code. Under the trace the tensors are fake:
 offloading then only drops the device tensor and remembers its bytes (``_Dropped``), which is what the trace
 must see (device memory falls, host memory rises); the real destinations write nothing for fake tensors.

@@ -55,7 +55,7 @@ class GPT(nn.Module):
         self.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE
         # Set by optimizers that differentiate the gradients again (Sophia's Hessian): the fused loss cannot.
         self.loss_differentiable_twice = False
-        # Recompute every k-th block's activations in backward (0: off, 1: every block); see training/fabric.py.
+        # Recompute every k-th block's activations in backward (0: off, 1: every block); see train/fabric.py.
         self.activation_checkpointing_interval = 0
         # With the above: recompute only the element-wise ops, keep the matmul and attention outputs (activations.py).
         self.activation_checkpointing_selective = False

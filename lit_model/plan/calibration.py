@@ -40,7 +40,7 @@ class Overhead:
     # blocks it keeps), as a fraction of a phase's tensor bytes other than the weights (loaded once, they pack
     # without gaps; gradients, optimizer state, activations, logits and the KV cache come and go). With expandable
     # segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the training scripts' default on CUDA,
-    # training/fabric.py; a segment grows in 2 MiB pages instead of a new cudaMalloc per size that does not fit,
+    # train/fabric.py; a segment grows in 2 MiB pages instead of a new cudaMalloc per size that does not fit,
     # pytorch/pytorch#96995) the H200 runs reserved 2-22 % of those bytes beyond their allocated peak (pretraining,
     # full, LoRA, QLoRA and adapter runs; as a share of the activations alone it ranged 2-74 %): 0.12, which with
     # the two terms above leaves no run under-planned (benchmarks/results/plan_accuracy_gpu.md). Without expandable

@@ -740,7 +740,7 @@ def _options(run: Run) -> list[_Option]:
                                _speed("activation_checkpointing_selective", dev),
                                note="keeps the matmul and attention outputs, recomputes the element-wise ops"))
     # offloading: to host memory from a GPU, to files from the CPU's RAM (not with Sophia's second backward or
-    # torch.compile, see training/args.py)
+    # torch.compile, see train/args.py)
     if run.activation_offloading is None and run.optimizer != "Sophia" and not run.compile:
         target = "cpu" if dev == "cuda" else "disk"
         options.append(_Option("activation_offloading", {"activation_offloading": target},

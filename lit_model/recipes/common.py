@@ -16,7 +16,14 @@ from lit_model.core.errors import UserError
 from lit_model.core.units import detect_device_memory, format_bytes, parse_memory
 from lit_model.infer.generation import generate
 from lit_model.methods.load import load_gpt
-from lit_model.plan import check_plan_fits, max_loss_chunk_size, max_micro_batch_size, plan_generation, plan_run, plot_plan
+from lit_model.plan import (
+    check_plan_fits,
+    max_loss_chunk_size,
+    max_micro_batch_size,
+    plan_generation,
+    plan_run,
+    plot_plan,
+)
 from lit_model.run import Run
 from lit_model.train.args import TrainArgs
 from lit_model.train.step import release_cached_memory
@@ -42,7 +49,7 @@ def memory_budget(fabric: Fabric, run: Run, args: TrainArgs) -> int:
 
 def choose_loss_chunk_size(fabric: Fabric, run: Run, args: TrainArgs) -> Run:
     """``--loss_chunk_size auto``: the run with the largest loss chunk whose logits fit what the rest of the step
-    leaves (memory.plan.max_loss_chunk_size); every rank takes the smallest any rank found."""
+    leaves (plan.planner.max_loss_chunk_size); every rank takes the smallest any rank found."""
     if not run.loss_chunk_auto:
         return run
     found = max_loss_chunk_size(run, memory_budget(fabric, run, args))

@@ -1,6 +1,6 @@
 """The flags every training script shares (../shared/cli.md), as one dataclass each script extends.
 
-``lit_model.cli.parse`` turns a dataclass into flat flags (``--micro_batch_size``, not
+``lit_model.recipes.cli.parse`` turns a dataclass into flat flags (``--micro_batch_size``, not
 ``--train.micro_batch_size``) that also load from ``--config file.yaml``.
 """
 

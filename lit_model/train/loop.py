@@ -305,7 +305,8 @@ def stop_run(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs, max_
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command that started this process, with ``--resume auto`` in place of any --resume."""
+    """The command that started this process, with ``--resume auto`` in place of any --resume: ``python SCRIPT ...``
+    for a script, ``lit-model COMMAND ...`` for the installed command."""
     kept, skip = [], False
     for arg in argv[1:]:
         if skip:
@@ -314,7 +315,8 @@ def resume_command(argv: list[str]) -> str:
             skip = True
         elif not arg.startswith("--resume="):
             kept.append(arg)
-    return shlex.join(["python", argv[0], *kept, "--resume", "auto"])
+    start = ["python", argv[0]] if argv[0].endswith(".py") else [Path(argv[0]).name]
+    return shlex.join([*start, *kept, "--resume", "auto"])
 
 
 def write_summary(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs, extra: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The training step: forward and backward over a step's samples in micro batches (redone in smaller ones when
 the device runs out of memory, see recovery.py), the optimizer update, evaluation, and freezing layers. This is the
-code the planner traces on fake tensors (memory/trace.py), so it imports nothing of the planner or the fit loop.
+code the planner traces on fake tensors (plan/trace.py), so it imports nothing of the planner or the fit loop.
 """
 
 from __future__ import annotations

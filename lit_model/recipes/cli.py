@@ -38,9 +38,10 @@ def main(entry: Callable[..., Any] | dict[str, Callable[..., Any]], argv: Option
     return run_cli(run)
 
 
-def parse(args_cls: type, argv: Optional[list[str]] = None) -> Any:
-    """Flat flags for the fields of dataclass ``args_cls`` (plus ``--config``); returns an instance."""
-    parser = ArgumentParser(description=(args_cls.__doc__ or "").split("\n")[0], exit_on_error=False)
+def parse(args_cls: type, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> Any:
+    """Flat flags for the fields of dataclass ``args_cls`` (plus ``--config``); returns an instance. ``prog``: the
+    command's name in --help (default: this process's, ``sys.argv[0]``)."""
+    parser = ArgumentParser(prog=prog, description=(args_cls.__doc__ or "").split("\n")[0], exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags; the command line overrides it")
     parser.add_class_arguments(args_cls, nested_key=None, as_group=False)
     hints = typing.get_type_hints(args_cls)

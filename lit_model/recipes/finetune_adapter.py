@@ -1,0 +1,96 @@
+"""Fine-tune with a LLaMA-Adapter prefix (frozen base, learned gated prefixes in the upper blocks):
+setup -> fit -> save the base weights with the adapter beside them.
+
+    python finetune/adapter.py                                # out/pretrain/final on stdlib instructions
+    python finetune/adapter.py --quantize bnb.nf4             # the frozen base weights in 4 bits
+    python finetune/adapter.py --config config_hub/finetune/llama-3.2-1b/adapter.yaml --checkpoint_dir DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from lightning.fabric import Fabric
+from safetensors.torch import save_file
+
+from lit_model.recipes.cli import parse
+from lit_model.core.errors import run_cli
+from lit_model.io.checkpoint import derive_checkpoint_dir
+from lit_model.methods.adapter import ADAPTER_WEIGHTS, AdapterAttention, apply_adapter
+from lit_model.recipes import common, finetune
+from lit_model.run import Run
+from lit_model.train import session
+from lit_model.train.args import check_args
+from lit_model.train.fabric import launch, setup_fabric
+from lit_model.train.resumable import check_out_dir
+
+
+@dataclass
+class AdapterArgs(finetune.FinetuneArgs):
+    """Fine-tune a checkpoint with a LLaMA-Adapter prefix on instruction data.
+
+    Args:
+        adapter_prompt_length: learned prefix vectors per adapted block
+        adapter_start_layer: first block with a prefix (default: the upper half of the blocks)
+    """
+
+    out_dir: Path = Path("out/finetune/adapter")
+    adapter_prompt_length: int = 10
+    adapter_start_layer: Optional[int] = None
+    learning_rate: float = 3e-3
+    min_lr: float = 3e-4
+
+
+def main(args: AdapterArgs) -> None:
+    check_args(args)
+    run = finetune.resolve(args, "adapter")
+    if args.plan is not None:
+        return common.print_plan(run, args)
+    check_out_dir(args.out_dir, args)
+    fabric = setup_fabric(run)
+    launch(fabric, run, train, run, args)
+    session.finish(fabric)
+
+
+def train(fabric: Fabric, run: Run, args: AdapterArgs) -> None:
+    run, setup = finetune.prepare(fabric, run, args)
+    fabric.seed_everything(args.seed)  # the same prefixes on every rank
+    model = finetune.load_model(fabric, run, setup)
+    adapter = run.adapter
+    if any(isinstance(block.attn, AdapterAttention) for block in model.blocks):  # continue a saved adapter
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.endswith((".adapter_prefix", ".adapter_gate")))
+    else:
+        apply_adapter(model, adapter)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fabric.print(f"Adapter: {adapter.prompt_length} prefix vectors in blocks {adapter.start_layer}.."
+                 f"{run.config.n_layer - 1}: {trainable:,} trainable parameters")
+    model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
+    progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=True)
+    if progress.stopped:  # saved and summarized by fit: no final/, no answer
+        return
+
+    final_dir = args.out_dir / "final"
+    adapter_weights = finetune.gather_trainable(model)
+
+    def write_adapter(directory: Path) -> None:
+        save_file({k: v.contiguous() for k, v in adapter_weights.items()}, str(directory / ADAPTER_WEIGHTS))
+        adapter.save(directory)
+        setup.style.save(directory)
+
+    if fabric.global_rank == 0:  # the untouched base weights, copied, with the adapter beside them
+        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES,
+                              overwrite=True)  # this run's own final/ (check_out_dir)
+    fabric.barrier()
+    del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
+    finetune.finish(fabric, run, args, setup, progress, final_dir)
+
+
+
+def cli(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    """The command line: flags (or --config YAML) -> AdapterArgs -> main; one paragraph and an exit status on bad input.
+    ``prog``: the name --help shows (lit-model shows the script's)."""
+    run_cli(lambda: main(parse(AdapterArgs, sys.argv[1:] if argv is None else list(argv), prog)))
