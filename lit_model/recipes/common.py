@@ -1,12 +1,13 @@
-"""What the training recipes share that needs the planner: ``--plan``, the ``auto`` choices of the micro batch and
-the loss chunk, and the sample at the end of a run (skipped when the planner says it would not fit)."""
+"""What the training recipes share: starting a run or printing its plan (``--plan``), the ``auto`` choices of the
+micro batch and the loss chunk, and the sample at the end of a run (skipped when the planner says it would not
+fit): the planner's uses, which training itself does not import."""
 
 from __future__ import annotations
 
 import gc
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.fabric import Fabric
@@ -25,8 +26,22 @@ from lit_model.plan import (
     plot_plan,
 )
 from lit_model.run import Run
+from lit_model.train import session
 from lit_model.train.args import TrainArgs
+from lit_model.train.fabric import launch, setup_fabric
+from lit_model.train.resumable import check_out_dir
 from lit_model.train.step import release_cached_memory
+
+
+def plan_or_train(run: Run, args: TrainArgs, train: Callable[[Fabric, Run, Any], None]) -> None:
+    """What every training recipe does with its resolved run: ``--plan`` prints the plan; otherwise the output
+    directory is checked, the processes start and each runs ``train(fabric, run, args)``."""
+    if args.plan is not None:
+        return print_plan(run, args)
+    check_out_dir(args.out_dir, args)
+    fabric = setup_fabric(run)
+    launch(fabric, run, train, run, args)
+    session.finish(fabric)
 
 
 def print_plan(run: Run, args: TrainArgs) -> None:

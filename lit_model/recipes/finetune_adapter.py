@@ -24,8 +24,6 @@ from lit_model.recipes import common, finetune
 from lit_model.run import Run
 from lit_model.train import session
 from lit_model.train.args import check_args
-from lit_model.train.fabric import launch, setup_fabric
-from lit_model.train.resumable import check_out_dir
 
 
 @dataclass
@@ -47,12 +45,7 @@ class AdapterArgs(finetune.FinetuneArgs):
 def main(args: AdapterArgs) -> None:
     check_args(args)
     run = finetune.resolve(args, "adapter")
-    if args.plan is not None:
-        return common.print_plan(run, args)
-    check_out_dir(args.out_dir, args)
-    fabric = setup_fabric(run)
-    launch(fabric, run, train, run, args)
-    session.finish(fabric)
+    common.plan_or_train(run, args, train)
 
 
 def train(fabric: Fabric, run: Run, args: AdapterArgs) -> None:

@@ -20,9 +20,7 @@ from lit_model.recipes import common, finetune
 from lit_model.run import Run
 from lit_model.train import session
 from lit_model.train.args import check_args
-from lit_model.train.fabric import launch, setup_fabric
 from lit_model.train.loop import save_final
-from lit_model.train.resumable import check_out_dir
 
 
 @dataclass
@@ -43,12 +41,7 @@ def main(args: FullArgs) -> None:
             f"finetune/lora.py --quantize {args.quantize} (QLoRA), or drop --quantize."
         )
     run = finetune.resolve(args, "full")
-    if args.plan is not None:
-        return common.print_plan(run, args)
-    check_out_dir(args.out_dir, args)
-    fabric = setup_fabric(run)
-    launch(fabric, run, train, run, args)
-    session.finish(fabric)
+    common.plan_or_train(run, args, train)
 
 
 def train(fabric: Fabric, run: Run, args: FullArgs) -> None:

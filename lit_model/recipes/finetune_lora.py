@@ -21,8 +21,6 @@ from lit_model.recipes import common, finetune
 from lit_model.run import Run
 from lit_model.train import session
 from lit_model.train.args import check_args
-from lit_model.train.fabric import launch, setup_fabric
-from lit_model.train.resumable import check_out_dir
 
 
 @dataclass
@@ -61,12 +59,7 @@ class LoRAArgs(finetune.FinetuneArgs):
 def main(args: LoRAArgs) -> None:
     check_args(args)
     run = finetune.resolve(args, "lora")  # bad LoRA flags fail before any process starts
-    if args.plan is not None:
-        return common.print_plan(run, args)
-    check_out_dir(args.out_dir, args)
-    fabric = setup_fabric(run)
-    launch(fabric, run, train, run, args)
-    session.finish(fabric)
+    common.plan_or_train(run, args, train)
 
 
 def train(fabric: Fabric, run: Run, args: LoRAArgs) -> None:

@@ -26,9 +26,7 @@ from lit_model.recipes import common
 from lit_model.run import Run, resolve_run
 from lit_model.train import session
 from lit_model.train.args import TrainArgs, check_args
-from lit_model.train.fabric import launch, setup_fabric
 from lit_model.train.loop import Progress, fit, save_final, write_summary
-from lit_model.train.resumable import check_out_dir
 
 
 @dataclass
@@ -61,13 +59,7 @@ def main(args: PretrainArgs) -> None:
     check_args(args)
     # a bad --model_name or --model_config stops before any process starts; the run is resolved here, once
     run = resolve_run(args, model_config(args))
-    if args.plan is not None:
-        common.print_plan(run, args)
-        return
-    check_out_dir(args.out_dir, args)
-    fabric = setup_fabric(run)
-    launch(fabric, run, train, run, args)
-    session.finish(fabric)
+    common.plan_or_train(run, args, train)
 
 
 def model_config(args: PretrainArgs) -> Config:
