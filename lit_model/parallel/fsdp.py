@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lit_model.parallel.dims import ParallelDims
 
@@ -25,8 +26,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, device_t
                 backward_prefetch: bool) -> nn.Module:
     """FSDP2 over ``mesh`` (``fsdp_mesh``): one shard group per transformer block, then the root (embedding, final
     norm, head)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     kwargs = {"mesh": mesh, "reshard_after_forward": dims.reshards_after_forward}
     if dims.cpu_offload:
         # Pinned host memory needs a GPU; without one plain pageable memory still works (tests on CPU).

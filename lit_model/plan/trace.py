@@ -47,9 +47,9 @@ from lit_model.kernels.ops import cuda_attention_kernel, take_paths_of
 from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import apply_lora
 from lit_model.model.gpt import GPT, default_dtype
+from lit_model.parallel.fsdp import fsdp_mesh, shard_model
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
-from lit_model.parallel.fsdp import fsdp_mesh, shard_model
 from lit_model.run import Run
 from lit_model.train.fabric import configure_model
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer

@@ -351,7 +351,6 @@ def save_final(fabric: Fabric, model: nn.Module, config: Config, final_dir: Path
     what ``write_extra(tmp_dir)`` adds. It replaces out_dir/final: check_out_dir let this run own out_dir."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-
     module = getattr(model, "module", model)
     if isinstance(module, FSDPModule):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
