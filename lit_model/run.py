@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -30,10 +31,10 @@ from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
 from lit_model.methods.quantize import QUANTIZE_MODES
+from lit_model.parallel.dims import ParallelDims, resolve_parallel_dims
 
 Trainable = Literal["full", "lora", "adapter"]
 TRAINABLE = ("full", "lora", "adapter")
-STRATEGIES = ("single", "ddp", "fsdp")
 DEFAULT_OPTIMIZER_RANK = 128  # GaLore's paper: 128 for the 60M-130M models, 256-512 above
 
 
@@ -56,12 +57,10 @@ class Run:
     device_type: str  # "cuda" or "cpu"
     devices: int  # processes per node
     num_nodes: int
-    strategy: str  # single | ddp | fsdp
+    parallel: ParallelDims  # how the processes share the model (resolve_parallel_dims)
     micro_batch_size: int  # with micro_batch_auto: 1 until the processes run and pick it
     global_batch_size: int
     seq_len: int  # the longest sequence a step sees
-    sharding_strategy: str = "FULL_SHARD"
-    cpu_offload: bool = False
     forward_prefetch: bool = True
     backward_prefetch: bool = True
     timeout: float = 1800.0
@@ -221,27 +220,6 @@ def resolve_devices(devices: Union[int, str], device_type: str, present: bool = 
     return devices
 
 
-def resolve_strategy(strategy: str, world_size: int, cpu_offload: bool, sharding_strategy: str, num_nodes: int) -> str:
-    if strategy == "auto":
-        # Offload needs FSDP's machinery even on one device; several processes replicate with DDP.
-        strategy = "fsdp" if cpu_offload else ("ddp" if world_size > 1 else "single")
-    if strategy == "ddp" and world_size == 1:
-        strategy = "single"
-    if strategy not in STRATEGIES:
-        raise UsageError(f"Unknown --strategy {strategy!r}: use auto, ddp or fsdp.")
-    if cpu_offload and strategy != "fsdp":
-        raise UsageError(
-            f"--cpu_offload works through FSDP, not --strategy {strategy}. Use --strategy fsdp (or auto) "
-            "with --cpu_offload, or drop --cpu_offload."
-        )
-    if sharding_strategy == "HYBRID_SHARD" and num_nodes < 2:
-        raise UsageError(
-            "--sharding_strategy HYBRID_SHARD shards within a node and replicates across nodes, so it needs "
-            "--num_nodes >= 2. Use FULL_SHARD or SHARD_GRAD_OP on one node."
-        )
-    return strategy
-
-
 # Optimizers that need whole matrices (projections, per-head blocks, their own hooks): not FSDP's shards
 WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
 # Their kernels take plain tensors only (a two-process FSDP run: "got mixed torch.Tensor and DTensor")
@@ -252,17 +230,17 @@ def check_optimizer_run(run: "Run") -> None:
     """What an optimizer that steps inside backward (--optimizer_in_backward, AdaLomo) or needs whole matrices
     cannot serve in this run (the flag-level combinations are refused by the training flags' check). For every
     resolved run, and for each run the planner's suggestion search considers."""
-    if run.optimizer in WHOLE_MATRIX_OPTIMIZERS and run.strategy == "fsdp":
+    if run.optimizer in WHOLE_MATRIX_OPTIMIZERS and run.parallel.fsdp:
         raise UsageError(f"--optimizer {run.optimizer} works on whole matrices, and FSDP gives each process a shard "
                          "(--strategy fsdp, or --cpu_offload): use DDP or one device, or AdamW4bit with FSDP.")
-    if run.optimizer in BITSANDBYTES_OPTIMIZERS and run.strategy == "fsdp":
+    if run.optimizer in BITSANDBYTES_OPTIMIZERS and run.parallel.fsdp:
         raise UsageError(f"--optimizer {run.optimizer} (bitsandbytes) steps plain tensors, and FSDP's parameters are "
                          "sharded DTensors (--strategy fsdp, or --cpu_offload), which its kernel refuses: use --optimizer "
                          "AdamW4bit (torchao, whose state is sharded with the parameters), or DDP or one device.")
     if not run.steps_in_backward:
         return
     what = "--optimizer_in_backward" if run.optimizer_in_backward else "--optimizer AdaLomo"
-    if run.world_size > 1 or run.strategy == "fsdp":
+    if run.world_size > 1 or run.parallel.fsdp:
         raise UsageError(f"{what} steps each parameter during backward, before DDP or FSDP has averaged (or sharded) its "
                          "gradient: run on one device (--devices 1, no --strategy fsdp or --cpu_offload), or drop it.")
     if run.micro_batch_auto or run.accumulation > 1:
@@ -308,7 +286,7 @@ def resolve_run(
     num_nodes = int(args.num_nodes)
     if world_size is not None:  # a what-if for another number of processes, on one node
         devices, num_nodes = world_size, 1
-    strategy = resolve_strategy(args.strategy, devices * num_nodes, args.cpu_offload, args.sharding_strategy, num_nodes)
+    parallel = resolve_parallel_dims(args.strategy, devices, num_nodes, args.cpu_offload, args.sharding_strategy)
     auto = args.micro_batch_size == "auto"
     micro = 1 if auto else int(args.micro_batch_size)
     check_batch_sizes(args.global_batch_size, micro, devices * num_nodes)  # what the sampler would refuse
@@ -338,12 +316,10 @@ def resolve_run(
         device_type=device_type,
         devices=devices,
         num_nodes=num_nodes,
-        strategy=strategy,
+        parallel=parallel,
         micro_batch_size=micro,
         global_batch_size=int(args.global_batch_size),
         seq_len=sequence_length(config, args.override_max_seq_length),
-        sharding_strategy=args.sharding_strategy,
-        cpu_offload=bool(args.cpu_offload),
         forward_prefetch=bool(args.forward_prefetch),
         backward_prefetch=bool(args.backward_prefetch),
         timeout=float(args.timeout),
@@ -375,11 +351,12 @@ def resolve_run(
     return run
 
 
-# Run field -> how the user says it; fields not here are not flags of their own
+# Run attribute (a dotted path) -> how the user says it; attributes not here are not flags of their own
 FLAG_OF = {
     "precision": "precision", "micro_batch_size": "micro_batch_size", "global_batch_size": "global_batch_size",
-    "cpu_offload": "cpu_offload", "optimizer": "optimizer", "quantize": "quantize", "loss_chunk_size": "loss_chunk_size",
-    "sharding_strategy": "sharding_strategy", "activation_offloading": "activation_offloading", "mlp_tiles": "mlp_tiles",
+    "parallel.cpu_offload": "cpu_offload", "optimizer": "optimizer", "quantize": "quantize",
+    "loss_chunk_size": "loss_chunk_size", "parallel.sharding_strategy": "sharding_strategy",
+    "activation_offloading": "activation_offloading", "mlp_tiles": "mlp_tiles",
     "optimizer_in_backward": "optimizer_in_backward", "grad_clip": "grad_clip",
 }
 
@@ -387,9 +364,10 @@ FLAG_OF = {
 def changed_flags(old: Run, new: Run) -> dict[str, Any]:
     """The flags that turn ``old`` into ``new`` (the one rendering of a run's difference as flags)."""
     flags: dict[str, Any] = {}
-    for field, flag in FLAG_OF.items():
-        if getattr(new, field) != getattr(old, field):
-            flags[flag] = getattr(new, field)
+    for attribute, flag in FLAG_OF.items():
+        value = attrgetter(attribute)(new)
+        if value != attrgetter(attribute)(old):
+            flags[flag] = value
     if new.ac_interval != old.ac_interval or new.ac_selective != old.ac_selective:
         flags["activation_checkpointing"] = ("selective" if new.ac_selective else True) if new.ac_interval else False
         if new.ac_interval > 1 or old.ac_interval > 1:
@@ -398,8 +376,10 @@ def changed_flags(old: Run, new: Run) -> dict[str, Any]:
         flags["devices"] = new.devices
         if new.num_nodes != old.num_nodes:
             flags["num_nodes"] = new.num_nodes
-    if new.strategy != old.strategy and not (new.strategy == "fsdp" and new.cpu_offload and not old.cpu_offload):
-        flags["strategy"] = new.strategy if new.strategy != "single" else "auto"
+    strategy, old_strategy = new.parallel.strategy_name, old.parallel.strategy_name
+    # --cpu_offload alone turns on FSDP (auto)
+    if strategy != old_strategy and not (new.parallel.fsdp and new.parallel.cpu_offload and not old.parallel.cpu_offload):
+        flags["strategy"] = strategy if strategy != "single" else "auto"
     if new.seq_len != old.seq_len:
         flags["override_max_seq_length"] = new.seq_len
     return flags

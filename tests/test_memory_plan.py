@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -1021,7 +1022,7 @@ def test_fsdp_cpu_offload_is_traced_with_shards_gradients_and_optimizer_state_in
     flags = dict(devices=4, strategy="fsdp", global_batch_size=4, micro_batch_size=1, override_max_seq_length=16,
                  activation_checkpointing=True)
     base = resolved(config, args(**flags), "full")
-    plain, offload = trace_training(base), trace_training(base.replace(cpu_offload=True))
+    plain, offload = trace_training(base), trace_training(base.replace(parallel=dataclasses.replace(base.parallel, cpu_offload=True)))
     shards = plain.phases["checkpoint_save"]["parameters"] - offload.phases["checkpoint_save"]["parameters"]
     assert shards == pytest.approx(param_counts(config).total * 2 / 4, rel=0.01)  # bf16, a quarter each
     state = plain.phases["checkpoint_save"]["optimizer_state"]

@@ -676,11 +676,7 @@ def _max_phase(candidates: list[dict[str, float]]) -> dict[str, int]:
 
 def _sharding(spec: Run) -> int:
     """How many ranks share one copy of the parameters/gradients/optimizer state."""
-    if spec.strategy != "fsdp":
-        return 1
-    if spec.sharding_strategy == "HYBRID_SHARD":
-        return max(1, spec.world_size // max(spec.num_nodes, 1))
-    return spec.world_size
+    return spec.parallel.dp_shard
 
 
 def training_phases(spec: Run) -> dict[str, dict[str, int]]:
@@ -707,21 +703,21 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     optimizer = float(opt)
     gathered = 0.0  # FSDP: unsharded parameters alive on top of the shards
     gathered_end = 0.0
-    if spec.strategy == "fsdp":
+    if spec.parallel.fsdp:
         params, quant_state, optimizer = params / shards, quant_state / shards, optimizer / shards
         grads_persist, grads_all = grads_persist / shards, grads_all / shards
         head_grad = head_grad / shards
         # FSDP2 keeps the root group (embedding, final norm, head) gathered through forward and backward, and
         # gathers the current and the prefetched block; SHARD_GRAD_OP keeps every block gathered after forward.
-        blocks_gathered = config.n_layer if spec.sharding_strategy == "SHARD_GRAD_OP" else 2
+        blocks_gathered = 2 if spec.parallel.reshards_after_forward else config.n_layer
         gathered = mb.root_params + blocks_gathered * mb.block_params
         gathered_end = mb.root_params + 2 * mb.block_params
         if spec.trainable == "full":
             gathered += mb.block_params  # a block's unsharded gradients before their reduce-scatter
-        if spec.cpu_offload:
+        if spec.parallel.cpu_offload:
             # shards, gradients and optimizer state live in CPU memory; the device holds gathered parameters
             params, quant_state, optimizer, grads_persist, grads_all, head_grad = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    elif spec.strategy == "ddp":
+    elif spec.parallel.ddp:
         # DDP's all-reduce buckets, allocated when it wraps the model; the gradients are views into them
         buckets = float(grad_bytes)
         grads_persist = buckets
@@ -770,7 +766,7 @@ def training_phases(spec: Run) -> dict[str, dict[str, int]]:
     # evaluation: a no-grad forward of eval_batch (gradients were freed by zero_grad)
     ev = activations(spec, batch=spec.eval_batch)
     eb_tokens = spec.eval_batch * spec.seq_len
-    eval_params = params + (mb.root_params + 2 * mb.block_params if spec.strategy == "fsdp" else 0)
+    eval_params = params + (mb.root_params + 2 * mb.block_params if spec.parallel.fsdp else 0)
     e = _empty()
     e["parameters"] = eval_params
     e["quantization"] = quant_state + dequant
@@ -800,11 +796,11 @@ def checkpoint_gather_bytes(spec: Run) -> int:
     """What saving adds to a rank's resident state (both engines): under FSDP the root group (embedding, final norm,
     head) gathered (without cpu_offload; measured: LoRA pythia-160m, 2 processes, plan_accuracy.md), the full state
     dict gathering one parameter at a time (the largest), and on the CPU rank 0's whole gathered copy of the weights."""
-    if spec.strategy != "fsdp":
+    if not spec.parallel.fsdp:
         return 0
     counts = param_counts(spec.config)
     largest = max([counts.embed, counts.head] + [i * o for i, o, _ in counts.block_linear.values()])
-    root = 0 if spec.cpu_offload else counts.embed + counts.head + counts.norm_f
+    root = 0 if spec.parallel.cpu_offload else counts.embed + counts.head + counts.norm_f
     return (root + largest + (counts.total if spec.device_type == "cpu" else 0)) * spec.param_bytes
 
 

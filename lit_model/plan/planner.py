@@ -35,6 +35,7 @@ from lit_model.plan.analytic import CATEGORIES
 from lit_model.plan.calibration import (DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes,
                                          quantized_step_bytes)
 from lit_model.core.precision import PRECISION_DTYPES, resolve_precision
+from lit_model.parallel.dims import ParallelDims, resolve_parallel_dims
 from lit_model.run import (CPU_HEAP_TOP_PAD, Run, canonical_name, changed_flags, check_optimizer_run, render_flags,
                            resolve_cpu_heap, resolve_run)
 from lit_model.plan.trace import (
@@ -213,7 +214,7 @@ def dequantized_bytes(spec: Run) -> int:
 def gathered_bytes(spec: Run) -> int:
     """What FSDP's all-gathers allocate and free on a rank in one pass through the model (calibration.py):
     ``cpu_fsdp_gather_copies`` x the unsharded parameters."""
-    if spec.strategy != "fsdp":
+    if not spec.parallel.fsdp:
         return 0
     return int(OVERHEAD.cpu_fsdp_gather_copies * analytic.param_counts(spec.config).total * spec.param_bytes)
 
@@ -242,7 +243,7 @@ def cuda_step_fresh_bytes(spec: Run) -> int:
     if spec.device_type != "cuda":
         return 0
     largest = max(analytic.model_bytes(spec).trainable_tensors, default=0)
-    if spec.strategy == "fsdp":
+    if spec.parallel.fsdp:
         largest = math.ceil(largest / spec.world_size)
     return int(OVERHEAD.cuda_step_fresh_copies * quantized_step_bytes(spec.optimizer, largest, spec.param_bytes, "cuda"))
 
@@ -259,7 +260,7 @@ def _sample_phase(spec: Run) -> dict[str, int]:
 
 def _gradients_in_buckets(spec: Run) -> bool:
     """DDP's gradients are views into its buckets, allocated once when it wraps the model (they persist)."""
-    return spec.strategy == "ddp"
+    return spec.parallel.ddp
 
 
 def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
@@ -376,7 +377,7 @@ def _trace_tensors(spec: Run) -> Optional[TraceResult]:
 def _needs_fresh_process(spec: Run) -> bool:
     """The trace shards an FSDP run over a fake process group of its own, which a process that already belongs to a
     process group (the ranks of a run planning --micro_batch_size auto, or an OOM report) cannot make."""
-    return spec.strategy == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized()
+    return spec.parallel.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _trace_in_fresh_process(spec: Run) -> Optional[TraceResult]:
@@ -457,9 +458,9 @@ def _run_summary(spec: Run) -> dict[str, Any]:
         "accumulation_steps": spec.accumulation,
         "seq_length": spec.seq_len,
         "world_size": spec.world_size,
-        "strategy": spec.strategy,
-        "sharding_strategy": spec.sharding_strategy if spec.strategy == "fsdp" else None,
-        "cpu_offload": spec.cpu_offload,
+        "strategy": spec.parallel.strategy_name,
+        "sharding_strategy": spec.parallel.sharding_strategy if spec.parallel.fsdp else None,
+        "cpu_offload": spec.parallel.cpu_offload,
         "activation_checkpointing_interval": spec.ac_interval,
         "activation_checkpointing_selective": spec.ac_selective,
         "activation_offloading": spec.activation_offloading,
@@ -617,7 +618,7 @@ def plan_run(
         terms = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.overhead_terms.items())
         plan.notes.append(f"CPU overhead per process: {terms} (measured on whole runs here and rounded up; the data term "
                           "is an estimate for the default data, the allocator's for glibc's default settings).")
-    if run.strategy == "fsdp" and run.device_type == "cuda":
+    if run.parallel.fsdp and run.device_type == "cuda":
         plan.notes.append(
             f"The final checkpoint gathers the full weights into rank 0's CPU memory: "
             f"{format_bytes(plan.host_bytes.get('checkpoint_save_rank0', 0))} of host RAM."
@@ -719,10 +720,24 @@ def max_loss_chunk_size(run: Run, budget_bytes: Union[int, str, None] = None, ma
 @dataclass
 class _Option:
     key: str  # one option per key in a combination
-    changes: dict[str, Any]  # Run fields -> new values
+    changes: dict[str, Any]  # Run fields -> new values, or the LAYOUT_FLAGS (see _changed_run)
     speed: float
     penalty: float = 1.0
     note: str = ""
+
+
+# Option changes that are flags of the parallel layout, not Run fields; an option with one names "strategy" too
+LAYOUT_FLAGS = ("strategy", "cpu_offload")
+
+
+def _changed_run(run: Run, changes: dict[str, Any]) -> Run:
+    """``run`` with an option combination's ``changes``: the layout flags among them lay out its devices anew."""
+    changed = run.replace(**{name: value for name, value in changes.items() if name not in LAYOUT_FLAGS})
+    if "strategy" not in changes:
+        return changed
+    return changed.replace(parallel=resolve_parallel_dims(
+        changes["strategy"], changed.devices, changed.num_nodes, changes.get("cpu_offload", run.parallel.cpu_offload),
+        run.parallel.sharding_strategy))
 
 
 def _speed(name: str, device_type: str) -> float:
@@ -782,10 +797,10 @@ def _options(run: Run) -> list[_Option]:
         options.append(_Option("loss_chunk_size", {"loss_chunk_size": DEFAULT_LOSS_CHUNK_SIZE}, 1.0,
                                note=f"the default: logits of {DEFAULT_LOSS_CHUNK_SIZE} tokens at a time"))
     if dev == "cuda":  # on the CPU, "offloading" and more processes use the same RAM
-        if not run.cpu_offload:
+        if not run.parallel.cpu_offload:
             options.append(_Option("cpu_offload", {"cpu_offload": True, "strategy": "fsdp"}, _speed("cpu_offload", dev),
                                    note="parameters, gradients and optimizer state in CPU memory (FSDP)"))
-        if run.world_size > 1 and run.strategy != "fsdp":
+        if run.world_size > 1 and not run.parallel.fsdp:
             options.append(_Option("strategy", {"strategy": "fsdp"}, _speed("fsdp_per_doubling", dev),
                                    note=f"parameters, gradients and optimizer state sharded over the {run.world_size} GPUs"))
         for n in DEVICE_COUNTS:  # GPUs per node
@@ -826,7 +841,7 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                 speed *= options[i].speed
                 penalty *= options[i].penalty
             try:
-                plan = plan_spec(run.replace(**changes), device_memory, "analytic")
+                plan = plan_spec(_changed_run(run, changes), device_memory, "analytic")
             except UsageError:
                 continue
             if plan.peak_bytes <= screen:
@@ -919,7 +934,8 @@ def plan_generation(
             phases, fullest, fullest_bytes = stage_phases, stage, stage_bytes
     B = batch_size
     kv = sum(part["kv_cache"] for part in traced.resident.values())
-    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1, strategy="single",
+    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1,
+               parallel=ParallelDims(dp_replicate=1, dp_shard=1),
                micro_batch_size=B, global_batch_size=B, seq_len=total, compile=compile,
                cpu_heap=resolve_cpu_heap(device_type, sets_heap=False))
     memory = _resolve_memory(device_memory, device_type, detect)

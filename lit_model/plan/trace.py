@@ -47,10 +47,11 @@ from lit_model.kernels.ops import cuda_attention_kernel, take_paths_of
 from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import apply_lora
 from lit_model.model.gpt import GPT, default_dtype
+from lit_model.parallel.fsdp import fsdp_mesh, shard_model
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
 from lit_model.run import Run
-from lit_model.train.fabric import configure_model, fsdp_mesh, shard_model
+from lit_model.train.fabric import configure_model
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
 from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
 
@@ -449,7 +450,7 @@ def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
     scripts shard over (``fsdp_mesh`` of Fabric's mesh; HYBRID_SHARD's is two-dimensional), so that this one
     process holds exactly one rank's shards; None for the other strategies. Made before the fake tensors: a mesh
     reads its ranks from a real tensor."""
-    if run.strategy != "fsdp":
+    if not run.parallel.fsdp:
         yield None
         return
     if dist.is_initialized():  # plan._trace_tensors traces such a run in a fresh process
@@ -457,7 +458,7 @@ def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
     dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (run.world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        yield fsdp_mesh(mesh, run.replace(device_type="cpu"))
+        yield fsdp_mesh(mesh, run.parallel, "cpu")
     finally:
         dist.destroy_process_group()
 
@@ -507,11 +508,12 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         offloading = model.activation_offloading  # the fake tensors it drops: their bytes are host memory
         quant_state = _quant_state_bytes(model)  # a buffer: FSDP does not shard it
         if mesh is not None:
-            model = shard_model(model, mesh, run.replace(device_type="cpu"))  # where the fake shards live
+            model = shard_model(model, mesh, run.parallel, "cpu", run.forward_prefetch,  # "cpu": where the fake shards live
+                                run.backward_prefetch)
         # FSDP's cpu_offload: the shards (and their gradients and the optimizer state) live in host memory, where
         # the optimizer steps; the fake tensors all live on the CPU, so their bytes are taken off the device's below
         shards = grad_shards = 0
-        if run.cpu_offload:
+        if run.parallel.cpu_offload:
             trained = [p for p in model.parameters() if p.requires_grad]
             shards, grad_shards = _local_bytes(model.parameters()), _local_bytes(trained)
             tracker.keep_gradients_on_host(trained)
@@ -555,7 +557,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
                     regions["evaluation"] = _map_regions(tracker, quant_state)
             except Exception as error:  # the evaluation's own ops (its loss sums) can fail where the step's did not
                 raise TraceFailed("evaluation", error) from error
-    if run.cpu_offload:
+    if run.parallel.cpu_offload:
         # Taking the resident shards and optimizer state off every moment's total bounds the device's peak from
         # above (the optimizer's temporaries stay counted); the gradient shards were filed as host memory as they came.
         for categories in [*results.values(), *(c for stretch in regions.values() for c in stretch.values())]:
@@ -623,7 +625,7 @@ def trace_by_layers(run: Run, phases: tuple[str, ...] = ("train_step", "evaluati
     # periods at least so that the first and the last block of a segment differ, as in the deep model. Under FSDP
     # three: a middle block's backward also holds the previous block's reduce-scatter buffer (FSDP2 keeps one in
     # flight), which neither end block does; from two blocks that buffer would be extrapolated once per period.
-    periods_kept = 3 if run.strategy == "fsdp" else 2
+    periods_kept = 3 if run.parallel.fsdp else 2
     base = [min(length, length % period + periods_kept * period) for length in segments]
     start = time.perf_counter()
     reference = trace_training(with_segments(run, base), phases)

@@ -128,7 +128,7 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
         )
     run = resolve_run(args, config, method, checkpoint_dir=checkpoint_dir)
     check_quantize(run.quantize, run.device_type, run.param_dtype, run.autocast_dtype is not None)
-    if run.quantize == "bnb.int8" and run.strategy == "fsdp":
+    if run.quantize == "bnb.int8" and run.parallel.fsdp:
         raise UsageError(
             "--quantize bnb.int8 cannot be sharded: bitsandbytes keeps LLM.int8()'s row scales on the weight object, "
             "which FSDP replaces with its shards. With --strategy fsdp use a 4-bit mode (bnb.nf4, bnb.nf4-dq, "
@@ -172,7 +172,7 @@ def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
 def load_model(fabric: Fabric, run: Run, setup: Setup) -> GPT:
     """The checkpoint's model in the precision's dtype, frozen, in train mode: on this process's device (each
     part quantized there as it is read), or on the CPU for FSDP, which shards it from there."""
-    device = torch.device("cpu") if run.strategy == "fsdp" else fabric.device
+    device = torch.device("cpu") if run.parallel.fsdp else fabric.device
     model = load_checkpoint_model(setup.checkpoint_dir, [device], run.param_dtype, run.quantize, max_seq_length=run.seq_len)
     for module in model.modules():
         if getattr(module, "support_avx512bf16_for_cpu", False):
@@ -203,7 +203,7 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
     sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
     data, progress = setup.data, Progress()
     save_filter, check = None, None
-    if trainable_only and run.strategy != "fsdp":
+    if trainable_only and not run.parallel.fsdp:
         names = trainable_names(model)
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
         check = partial(check_resumable, model=model, names=names)

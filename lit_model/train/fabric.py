@@ -15,18 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-import torch.nn as nn
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_model.model.activations import ActivationOffloading
 from lit_model.core.errors import STOPS, UserError
 from lit_model.model.gpt import GPT
+from lit_model.parallel.backend import fabric_strategy
 from lit_model.run import ALLOC_CONF_VARIABLES, CPU_HEAP, Run
-
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 
 
 @dataclass
@@ -91,32 +87,18 @@ def setup_fabric(run: Run) -> Fabric:
     """Build (not launch) the Fabric for this run."""
     set_cuda_allocator(run)
     set_cpu_heap(run)
-    backend = "nccl" if run.device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=run.timeout)
     if run.device_type == "cpu" and run.devices > 1 and "OMP_NUM_THREADS" not in os.environ:
         # The processes share the cores: more threads than cores makes every step many times slower.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // run.devices))
-    if run.strategy == "single":
-        strategy = SingleDeviceStrategy(device=torch.device("cuda:0" if run.device_type == "cuda" else "cpu"))
-    elif run.strategy == "ddp":
-        # gradients as views into DDP's all-reduce buckets: one copy of them instead of two (PyTorch's
-        # DistributedDataParallel docs, gradient_as_bucket_view); the optimizer and clipping read them as usual
-        strategy = DDPStrategy(process_group_backend=backend, timeout=timeout, gradient_as_bucket_view=True)
-    else:
-        strategy = ModelParallelStrategy(
-            parallelize_fn=lambda model, mesh: shard_model(model, fsdp_mesh(mesh, run), run),
-            data_parallel_size=run.world_size,
-            tensor_parallel_size=1,
-            process_group_backend=backend,
-            timeout=timeout,
-        )
+    strategy = fabric_strategy(run.parallel, run.device_type, timeout, run.forward_prefetch, run.backward_prefetch)
     return Fabric(
         accelerator=run.device_type,
         devices=run.devices,
         num_nodes=run.num_nodes,
         strategy=strategy,
         precision=run.precision,
-        plugins=[] if run.strategy == "fsdp" else [StateIO()],  # FSDP writes and reads its shards with DCP
+        plugins=[] if run.parallel.fsdp else [StateIO()],  # FSDP writes and reads its shards with DCP
     )
 
 
@@ -155,48 +137,6 @@ def launch(fabric: Fabric, run: Run, function: Callable[..., Any], *args: Any) -
             "stopped), then continue from the newest checkpoint with --resume auto; raise --timeout if a rank "
             "legitimately needs longer (e.g. writing a large checkpoint)."
         ) from None
-
-
-def fsdp_mesh(mesh: DeviceMesh, run: Run) -> DeviceMesh:
-    """The mesh FSDP shards over: Fabric's data-parallel dimension, or for HYBRID_SHARD a two-dimensional mesh
-    (replicas across the nodes, shards within a node)."""
-    if run.sharding_strategy == "HYBRID_SHARD":
-        per_node = mesh.size() // run.num_nodes
-        return init_device_mesh(run.device_type, (run.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
-    return mesh["data_parallel"]
-
-
-def shard_model(model: nn.Module, mesh: DeviceMesh, run: Run) -> nn.Module:
-    """FSDP2 over ``mesh`` (``fsdp_mesh``): one shard group per transformer block, then the root (embedding, final
-    norm, head)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    accelerator = run.device_type
-    kwargs = {
-        "mesh": mesh,
-        # SHARD_GRAD_OP keeps gathered parameters between forward and backward: less communication, more memory.
-        "reshard_after_forward": run.sharding_strategy != "SHARD_GRAD_OP",
-    }
-    if run.cpu_offload:
-        # Pinned host memory needs a GPU; without one plain pageable memory still works (tests on CPU).
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator == "cuda")
-    blocks = list(model.blocks)
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    # FSDP shards bitsandbytes' packed 4-bit weights like any tensor, but their quantization statistics live on the
-    # module, outside the parameters it moves: put them where the gathered weights will be used
-    device = torch.device(accelerator, torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
-    for module in model.modules():
-        if getattr(module, "quant_state", None) is not None:
-            module.quant_state.to(device)
-    if run.forward_prefetch or run.backward_prefetch:
-        for current, following in zip(blocks, blocks[1:]):
-            if run.forward_prefetch:
-                current.set_modules_to_forward_prefetch([following])
-            if run.backward_prefetch:
-                following.set_modules_to_backward_prefetch([current])
-    return model
 
 
 def configure_model(model: GPT, run: Run) -> GPT:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule
 
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
@@ -336,7 +336,7 @@ def write_summary(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs,
         "global_batch_size": run.global_batch_size,
         "precision": run.precision,
         "devices": run.world_size,
-        "strategy": run.strategy,
+        "strategy": run.parallel.strategy_name,
         **extra,
     }
     if run.device_type == "cpu":  # which kernel ran the fp32 linear maps (LIT_MODEL_FP32_LINEAR): runs compare by it
@@ -353,9 +353,8 @@ def save_final(fabric: Fabric, model: nn.Module, config: Config, final_dir: Path
     what ``write_extra(tmp_dir)`` adds. It replaces out_dir/final: check_out_dir let this run own out_dir."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-
     module = getattr(model, "module", model)
-    if isinstance(fabric.strategy, ModelParallelStrategy):  # FSDP
+    if isinstance(module, FSDPModule):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state_dict = get_model_state_dict(module, options=options)
     else:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -133,7 +132,7 @@ class TrainStep:
         # the others at the step's agreement point): any on one process; under DDP any but the first, whose forward
         # may broadcast buffers or rebuild gradient buckets (the later no-sync forwards and backwards, and the last
         # forward, start no collective); under FSDP none, since every forward gathers parameters from all ranks.
-        alone = fabric.world_size == 1 or isinstance(fabric.strategy, DDPStrategy)
+        alone = fabric.world_size == 1 or not isinstance(unwrap(model), FSDPModule)  # one process or DDP
         self.first_skippable = (0 if fabric.world_size == 1 else 1) if alone else None
         # FSDP reduce-scatters every micro batch's gradients into the shards, as torchtune's distributed recipes
         # do: skipping it until the last one would keep every gradient unsharded in between (a Llama-2-7B on 8
