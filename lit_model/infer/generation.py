@@ -25,6 +25,7 @@ from lit_model.core.errors import UsageError, UserError
 from lit_model.core.units import format_bytes
 from lit_model.model.gpt import GPT, KVCache, plain_linear
 from lit_model.kernels.ops import decoding_column_major
+from lit_model.kernels.policy import kernel_policy
 from lit_model.core.precision import PRECISIONS, param_dtype, resolve_precision
 from lit_model.io.prompts import PromptStyle
 from lit_model.run import resolve_devices as run_devices
@@ -156,6 +157,7 @@ def load_model(
     load_weights(model, checkpoint_dir, dtype, parts, quantize, column_major=column_major)
     load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
     model.reset_rope_cache(devices[0])
+    model.set_kernel_policy(kernel_policy(torch.device(devices[0]).type))
     return model.eval().requires_grad_(False)
 
 
