@@ -81,7 +81,7 @@ def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss():
     assert sum(p.nbytes for p in bf16.parameters()) * 2 == sum(p.nbytes for p in make_model().parameters())
     assert bf16_loss.dtype == torch.float32  # the loss is always computed in fp32
     assert bf16_loss.item() == pytest.approx(fp32_loss.item(), abs=0.05)
-    # On the CPU, bf16 attention in blocks (ops.attends_in_blocks) keeps each head's probabilities and the key/value
+    # On the CPU, bf16 attention in blocks (KernelPolicy.attends_in_blocks) keeps each head's probabilities and the key/value
     # heads copied to every query head, not the flash kernel's fp32 logsumexp; with the flash kernel bf16 keeps
     # under 0.7x what fp32 keeps.
     bf16.set_kernel_policy(replace(bf16.kernel_policy, bf16_attention_in_blocks=False))

@@ -366,7 +366,7 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
     y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
     attention_dtype, masked = spec.autocast_dtype or spec.param_dtype, sliding or spec.packing
-    # k and v as attention takes them: copied to every query head where model.attend does (CUDA, else math)
+    # k and v as attention takes them: copied to every query head where kernels.attention does (CUDA, else math)
     policy = kernel_policy(spec.device_type)
     Hkv_attended = Hq if Hkv < Hq and policy.expands_shared_heads(attention_dtype, hs, masked, T) else Hkv
     in_blocks = (attn_rg and not masked and T > 1 and config.attention_logit_softcapping is None
