@@ -9,13 +9,13 @@
    on queries as attention makes them (4 x 512 tokens, 4 heads of 64, a transposed view), fp32 and bf16.
 3. Causal attention: ``ops.causal_attention_in_halves`` vs one causal ``F.scaled_dot_product_attention`` call,
    2048 tokens a batch (batch = 2048 / T), 4 query heads over 2 key/value heads of 64, fp32 and bf16, for T
-   from 128 to 1024. The model takes the halves for 384 <= T <= 512 (``ops.attends_in_halves``), where this table
+   from 128 to 1024. The model takes the halves for 384 <= T <= 512 (``KernelPolicy.attends_in_halves``), where this table
    shows them faster in both dtypes.
    ``python benchmarks/ops.py --ops blocks --threads 0 --report ops_attention_blocks``: causal attention by query
    blocks (``ops.causal_attention_in_blocks``: fp32 scores and softmax per block of 128 queries, the probabilities
    kept) vs PyTorch's flash kernel, as many key/value heads as query heads, from vs_peers.py's model (4 heads of 64)
    to TinyLlama's 32 heads, bf16 and fp32, default threads (as the scripts run). The model takes the blocks in bf16
-   on the CPU (``ops.attends_in_blocks``), within a bound on the probabilities it keeps.
+   on the CPU (``KernelPolicy.attends_in_blocks``), within a bound on the probabilities it keeps.
 4. fp32 linear maps: ``ops.linear`` on oneDNN (``LIT_MODEL_FP32_LINEAR=onednn``) vs ``F.linear`` on PyTorch's BLAS
    (MKL), forward + backward, on the shapes of benchmarks/vs_peers.py's model: 8 x 256 tokens through its 256 -> 256,
    256 -> 688, 688 -> 256 and 256 -> 4096 (head) maps, and forward only for one token (a decoding step).
@@ -50,10 +50,12 @@ from lit_model.model.gpt import rope_cache  # noqa: E402
 from lit_model.core.config import Config  # noqa: E402
 from lit_model.kernels import ops  # noqa: E402
 from lit_model.kernels.ops import causal_attention_in_halves, linear, rms_norm, rotate, upcast_rms_norm  # noqa: E402
+from lit_model.kernels.policy import kernel_policy  # noqa: E402
 from lit_model.core.files import atomic_write
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_ONEDNN_LINEAR_MIN_MACS = ops.ONEDNN_LINEAR_MIN_MACS  # linear_rows lowers it to time the raw kernels
+CPU = kernel_policy("cpu")  # the kernels a model on this CPU takes
 
 
 def compare(ours: Callable[[], None], theirs: Callable[[], None], rounds: int = 5, calls: int = 10) -> tuple[float, float]:
@@ -81,7 +83,7 @@ def rms_norm_rows() -> list[dict]:
                 reference = lambda: F.rms_norm(x, (width,), weight, 1e-5).backward(grad)  # noqa: E731
             else:  # what HF's and litgpt's RMSNorm compute, and lit-model's for a few rows or on a GPU
                 reference = lambda: upcast_rms_norm(x, weight, 1e-5).backward(grad)  # noqa: E731
-            ours, theirs = compare(lambda: rms_norm(x, weight, 1e-5).backward(grad), reference)
+            ours, theirs = compare(lambda: rms_norm(x, weight, 1e-5, CPU.norms_by_hand(x.numel())).backward(grad), reference)
             rows.append({"op": "rms_norm fwd+bwd", "shape": f"4x512x{width}", "dtype": str(dtype).removeprefix("torch."),
                          "lit_model_ms": round(ours, 3), "pytorch_ms": round(theirs, 3), "speedup": round(theirs / ours, 3)})
     return rows
@@ -166,10 +168,10 @@ def linear_rows() -> list[dict]:
         weight = torch.randn(n_out, n_in, requires_grad=backward)
         grad = torch.randn(tokens, n_out)
         if backward:
-            ours, theirs = compare(lambda: linear(x, weight).backward(grad), lambda: F.linear(x, weight).backward(grad))
+            ours, theirs = compare(lambda: linear(x, weight, None, onednn=True).backward(grad), lambda: F.linear(x, weight).backward(grad))
         else:
             with torch.no_grad():
-                ours, theirs = compare(lambda: linear(x, weight), lambda: F.linear(x, weight), calls=200 if n_in < 4096 else 20)
+                ours, theirs = compare(lambda: linear(x, weight, None, onednn=True), lambda: F.linear(x, weight), calls=200 if n_in < 4096 else 20)
         rows.append({"op": "linear fwd+bwd" if backward else "linear fwd", "shape": f"{tokens}x{n_in} -> {n_out}",
                      "dtype": "float32", "multiply_adds": tokens * n_in * n_out, "lit_model_ms": round(ours, 4),
                      "pytorch_ms": round(theirs, 4), "speedup": round(theirs / ours, 3)})
@@ -201,7 +203,8 @@ def decoding_rows() -> list[dict]:
         inputs = {n_in: torch.randn(1, 1, n_in) for n_in, _ in shapes}
 
         def step(matrices: list[torch.Tensor]) -> Callable[[], None]:
-            return lambda: [linear(inputs[w.size(1)], w) for w in matrices]
+            onednn = kernel_policy("cpu").onednn_fp32_linear  # as generation on the CPU
+            return lambda: [linear(inputs[w.size(1)], w, None, onednn) for w in matrices]
 
         with torch.no_grad():
             ours, theirs = compare(step(laid_out), step(weights), calls=20)

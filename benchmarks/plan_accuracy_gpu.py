@@ -169,7 +169,7 @@ NOTES = [
     "disk). The fp32 SmolLM2-360M run was measured on 2026-11-26 at 11.43 GB "
     "allocated, when CUDA ran its attention with the math kernel (every head's T x T probabilities: with grouped "
     "queries in fp32 no fused kernel applies; planned then 16.8 % under); the model now copies k and v to every query "
-    "head there (ops.expands_shared_heads) and the memory-efficient kernel runs: 9.37 GB. Its plan is 16 % over: "
+    "head there (KernelPolicy.expands_shared_heads) and the memory-efficient kernel runs: 9.37 GB. Its plan is 16 % over: "
     "the allocator-reserve term (12 % of the tensors other than the weights) counts the fp32 gradients and optimizer "
     "state, which are allocated once and leave little reserve (measured 0.07 GB).",
     "torchtune's Llama-2-7B LoRA settings (activation checkpointing, whole-sequence logits) reserved 0.61 GB above "

@@ -117,6 +117,7 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
     """base(x) + scaling * B(A(dropout(x))): on the CPU the dropout's 1/(1-p) rides on the scale and the sum is one
     addmm. Against the formula in float64 with F.dropout's mask (the same random draws), its values and gradients
     are as close as the formula's own in ``dtype``."""
+    from lit_model.kernels.policy import kernel_policy
     from lit_model.methods.lora import _lora_class
 
     F = torch.nn.functional
@@ -124,6 +125,7 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
     config = LoRAConfig(r=4, alpha=8, dropout=0.25)
     layer = _lora_class(torch.nn.Linear)(16, 24, dtype=dtype)
     layer._init_lora(config, dtype)
+    layer.kernel_policy = kernel_policy("cpu")  # as apply_lora hands it the model's
     torch.nn.init.normal_(layer.lora_B)
     x = torch.randn(3, 5, 16, dtype=dtype)
 
@@ -153,20 +155,20 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
 
 
 def test_dropout_before_linear_keeps_f_dropouts_mask_on_the_cpu_and_is_f_dropout_elsewhere():
-    from lit_model.kernels.ops import dropout_before_linear, take_paths_of
+    from lit_model.kernels.ops import dropout_before_linear
 
     x = torch.randn(64, 256) + 3  # no zeros of its own
     torch.manual_seed(0)
-    dropped, factor = dropout_before_linear(x, 0.1)
+    dropped, factor = dropout_before_linear(x, 0.1, unscaled=True)
     torch.manual_seed(0)
     expected = torch.nn.functional.dropout(x, 0.1, training=True)
     assert factor == pytest.approx(1 / 0.9) and torch.equal(dropped == 0, expected == 0)
     torch.testing.assert_close(dropped * factor, expected)
     assert 0.05 < (dropped == 0).float().mean().item() < 0.15
-    assert dropout_before_linear(x, 0.0) == (x, 1.0)
-    with take_paths_of("cuda"):  # CUDA's fused kernel (a boolean mask for backward): F.dropout itself
-        torch.manual_seed(0)
-        dropped, factor = dropout_before_linear(x, 0.1)
+    assert dropout_before_linear(x, 0.0, unscaled=True) == (x, 1.0)
+    # CUDA's policy: its fused kernel (a boolean mask for backward), F.dropout itself
+    torch.manual_seed(0)
+    dropped, factor = dropout_before_linear(x, 0.1, unscaled=False)
     assert factor == 1.0 and torch.equal(dropped, expected)
 
 

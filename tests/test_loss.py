@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
+from lit_model.kernels.policy import kernel_policy
 from lit_model.model.loss import linear_cross_entropy
+
+CPU = kernel_policy("cpu")
 from lit_model.methods.lora import LoRAConfig, apply_lora
 
 
@@ -39,20 +42,20 @@ def gradients(loss, tensors):
 def test_equals_cross_entropy_on_full_logits(chunk_size, bias, softcap):
     x, weight, b, targets = inputs(bias=bias)
     expected = reference_loss(x, weight, b, targets, softcap)
-    loss = linear_cross_entropy(x, weight, b, targets, chunk_size, softcap)
+    loss = linear_cross_entropy(x, weight, b, targets, chunk_size, softcap, onednn=CPU.onednn_fp32_linear)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
     scale = 0.37  # backward scales the gradients made in forward by the incoming gradient
     for got, want in zip(gradients(scale * loss, (x, weight, b)), gradients(scale * expected, (x, weight, b))):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
-        torch.testing.assert_close(linear_cross_entropy(x, weight, b, targets, chunk_size, softcap), expected,
+        torch.testing.assert_close(linear_cross_entropy(x, weight, b, targets, chunk_size, softcap, onednn=CPU.onednn_fp32_linear), expected,
                                    rtol=1e-5, atol=1e-4)
 
 
 def test_autocast_keeps_fp32_weight_gradients():
     x, weight, b, targets = inputs(bias=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = linear_cross_entropy(x, weight, b, targets, 32)
+        loss = linear_cross_entropy(x, weight, b, targets, 32, onednn=CPU.onednn_fp32_linear)
         expected = F.cross_entropy(F.linear(x, weight.to(torch.bfloat16), b.to(torch.bfloat16)).float(), targets,
                                    reduction="sum")
     assert loss.dtype == torch.float32
@@ -67,7 +70,7 @@ def test_bf16_is_close_to_fp32():
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # as Fabric's bf16-true sets it around the forward
     try:
-        loss = linear_cross_entropy(x, weight, None, targets, 32)
+        loss = linear_cross_entropy(x, weight, None, targets, 32, onednn=CPU.onednn_fp32_linear)
     finally:
         torch.set_default_dtype(default)
     assert loss.dtype == torch.float32
@@ -80,7 +83,7 @@ def test_bf16_is_close_to_fp32():
 
 def test_a_second_backward_is_refused():
     x, weight, _, targets = inputs()
-    loss = linear_cross_entropy(x, weight, None, targets, 32)
+    loss = linear_cross_entropy(x, weight, None, targets, 32, onednn=CPU.onednn_fp32_linear)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once"):
         loss.backward()

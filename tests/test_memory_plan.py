@@ -239,7 +239,7 @@ def test_lora_suggestions_include_quantization_and_offload_on_gpu():
         (dict(mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", parallel_residual=True, bias=True,
               rotary_percentage=0.25, tie_embeddings=False), dict(precision="32-true"), dict(trainable="full")),
         (dict(sliding_window_size=64, vocab_size=4096), dict(), dict(trainable="lora")),
-        # bf16 over 4 x 400 tokens: attention in blocks on the CPU (ops.attends_in_blocks), kept and recomputed
+        # bf16 over 4 x 400 tokens: attention in blocks on the CPU (KernelPolicy.attends_in_blocks), kept and recomputed
         (dict(block_size=512), dict(override_max_seq_length=400, micro_batch_size=4), dict(trainable="full")),
         (dict(block_size=512), dict(override_max_seq_length=400, micro_batch_size=4, activation_checkpointing=True),
          dict(trainable="lora")),
@@ -380,7 +380,7 @@ def test_cuda_attention_kernel_is_the_one_pytorch_dispatches_to():
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_a_cuda_plan_holds_what_cudas_attention_kernel_keeps(precision):
     """fp32 with grouped queries: no fused CUDA kernel takes the shared heads. Over queries longer than twice the
-    head size the model copies k and v to every head for the memory-efficient kernel (ops.expands_shared_heads);
+    head size the model copies k and v to every head for the memory-efficient kernel (KernelPolicy.expands_shared_heads);
     shorter ones take the math kernel, which keeps every head's T x T probabilities (measured on an H200:
     SmolLM2-360M 32-true, 1.9 GB above a fused-kernel trace). bf16 takes flash: the CPU's bytes."""
     B, n_layer, n_head, hs = 2, 2, 4, 32

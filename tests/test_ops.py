@@ -8,8 +8,8 @@ kernel caches capped (a process running products of ever new shapes stays bounde
 
 from __future__ import annotations
 
-import contextlib
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -21,9 +21,25 @@ from lit_model import GPT, Config
 from lit_model.model.gpt import RMSNorm, rope_cache
 from lit_model.kernels import ops
 from lit_model.core.errors import UsageError
-from lit_model.kernels.ops import (FP32_LINEAR_ENV, _RMSNorm, attends_in_blocks, block_scores, causal_attention_in_blocks,
-                           causal_attention_in_halves, expands_shared_heads, linear, rms_norm, rotate, take_paths_of,
-                           upcast_rms_norm)
+from lit_model.kernels import attention as attention_module
+from lit_model.kernels.ops import (FP32_LINEAR_ENV, _RMSNorm, block_scores, causal_attention_in_blocks,
+                                   causal_attention_in_halves, rotate, upcast_rms_norm)
+from lit_model.kernels.policy import KernelPolicy, kernel_policy
+
+# the CPU's and CUDA's policies, as the code that places a model hands them in (flash_attn, if installed, does not
+# run on CPU tensors)
+CPU = kernel_policy("cpu")
+CUDA = replace(kernel_policy("cuda"), flash_attn=False)
+
+
+def rms_norm(x, weight, eps, policy=CPU):
+    """``ops.rms_norm`` as a model with ``policy`` takes it."""
+    return ops.rms_norm(x, weight, eps, policy.norms_by_hand(x.numel()))
+
+
+def linear(x, weight, bias=None, device_type="cpu"):
+    """``ops.linear`` as a model on ``device_type`` takes it, with the policy chosen now (after ``kernel``)."""
+    return ops.linear(x, weight, bias, kernel_policy(device_type).onednn_fp32_linear)
 
 
 def hand_written(x, weight, eps):
@@ -58,8 +74,8 @@ def test_rms_norm_takes_the_hand_written_backward_for_activations_only():
     decoding = torch.randn(1, 1, 256, requires_grad=True)
     assert type(rms_norm(activations, weight, 1e-6).grad_fn).__name__ == "_RMSNormBackward"
     assert type(rms_norm(decoding, weight, 1e-6).grad_fn).__name__ != "_RMSNormBackward"
-    with take_paths_of("cuda"):  # the planner tracing a GPU run: PyTorch's kernel there
-        assert type(rms_norm(activations, weight, 1e-6).grad_fn).__name__ != "_RMSNormBackward"
+    # the planner tracing a GPU run hands in CUDA's policy: PyTorch's kernel there
+    assert type(rms_norm(activations, weight, 1e-6, CUDA).grad_fn).__name__ != "_RMSNormBackward"
 
 
 def test_rms_norm_gives_the_same_numbers_without_autograd():
@@ -99,6 +115,7 @@ def test_rms_norm_of_16_bit_activations_is_the_upcast_formula_computed_in_fewer_
 
 def test_a_16_bit_model_takes_the_hand_written_norm_for_activations_only():
     norm = RMSNorm(64).to(torch.bfloat16)
+    norm.kernel_policy = CPU
     activations = torch.randn(4, 512, 64, dtype=torch.bfloat16, requires_grad=True)
     decoding = torch.randn(1, 1, 64, dtype=torch.bfloat16, requires_grad=True)
     assert type(norm(activations).grad_fn).__name__ == "_RMSNormBackward"
@@ -157,19 +174,18 @@ def test_attention_in_halves_equals_causal_attention(n_head, n_kv, length):
 
 @pytest.mark.parametrize("length, halves, planned_for", [(400, True, None), (300, False, None), (400, False, "cuda")])
 def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves, planned_for):
-    import lit_model.model.gpt as model_module
-
     calls = []
-    monkeypatch.setattr(model_module, "causal_attention_in_halves",
+    monkeypatch.setattr(attention_module, "causal_attention_in_halves",
                         lambda *args: calls.append(args) or causal_attention_in_halves(*args))
     config = Config(name="t", block_size=512, vocab_size=64, padded_vocab_size=64, n_layer=1, n_embd=16, n_head=2,
                     n_query_groups=1, intermediate_size=32)
     torch.manual_seed(0)
     model = GPT(config)
     idx = torch.randint(0, 64, (1, length))
-    # The memory planner traces a GPU run on the CPU: it must take the GPU's paths (one attention call).
-    with take_paths_of(planned_for) if planned_for else contextlib.nullcontext():
-        logits = model(idx)
+    # The memory planner traces a GPU run on the CPU: it hands in the GPU's policy (one attention call).
+    if planned_for:
+        model.set_kernel_policy(CUDA)
+    logits = model(idx)
     assert bool(calls) is halves
     # Causality holds either way: a later token does not change earlier logits.
     changed = idx.clone()
@@ -177,10 +193,9 @@ def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves,
     torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1], rtol=1e-5, atol=1e-5)
 
 
-def test_attention_in_halves_keeps_only_the_mask_more(monkeypatch):
+def test_attention_in_halves_keeps_only_the_mask_more():
     """The projection keeps views of what attention keeps, not a concatenated copy: a training forward saves the
     same tensors either way, plus the second half's mask (which SDPA keeps converted to fp32)."""
-    import lit_model.model.gpt as model_module
 
     def saved_bytes(model: GPT, idx: torch.Tensor) -> int:
         storages = {}
@@ -199,26 +214,25 @@ def test_attention_in_halves_keeps_only_the_mask_more(monkeypatch):
     model = GPT(config)
     idx = torch.randint(0, 64, (2, 400))
     in_halves = saved_bytes(model, idx)
-    monkeypatch.setattr(model_module, "attends_in_halves", lambda device_type, length: False)
+    model.set_kernel_policy(replace(CPU, halves_lengths=None))
     assert in_halves - saved_bytes(model, idx) == 200 * 400 * 4
 
 
 def test_grouped_heads_are_copied_where_cuda_would_take_the_math_kernel():
     fp32, bf16 = torch.float32, torch.bfloat16
-    assert expands_shared_heads("cuda", fp32, 64, masked=False, query_length=2048)  # SmolLM2 in 32-true
-    assert expands_shared_heads("cuda", bf16, 64, masked=True, query_length=2048)  # packing's document masks
-    assert not expands_shared_heads("cuda", bf16, 64, masked=False, query_length=2048)  # flash takes them
-    assert not expands_shared_heads("cuda", fp32, 64, masked=False, query_length=128)  # probabilities smaller
-    assert not expands_shared_heads("cpu", fp32, 64, masked=False, query_length=2048)  # the CPU kernel takes them
+    assert CUDA.expands_shared_heads(fp32, 64, masked=False, query_length=2048)  # SmolLM2 in 32-true
+    assert CUDA.expands_shared_heads(bf16, 64, masked=True, query_length=2048)  # packing's document masks
+    assert not CUDA.expands_shared_heads(bf16, 64, masked=False, query_length=2048)  # flash takes them
+    assert not CUDA.expands_shared_heads(fp32, 64, masked=False, query_length=128)  # probabilities smaller
+    assert not CPU.expands_shared_heads(fp32, 64, masked=False, query_length=2048)  # the CPU kernel takes them
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_copied_heads_give_the_same_numbers(monkeypatch, packed):
     """The model on CUDA's paths (here on the CPU) copies k and v for SDPA; values and gradients are the CPU's."""
-    import lit_model.model.gpt as model_module
-
     calls = []
-    monkeypatch.setattr(model_module, "expands_shared_heads",
+    expands_shared_heads = KernelPolicy.expands_shared_heads
+    monkeypatch.setattr(KernelPolicy, "expands_shared_heads",
                         lambda *args: calls.append(expands_shared_heads(*args)) or calls[-1])
     config = Config(name="t", block_size=64, vocab_size=64, padded_vocab_size=64, n_layer=2, n_embd=32, n_head=4,
                     n_query_groups=2, intermediate_size=48)
@@ -229,8 +243,8 @@ def test_copied_heads_give_the_same_numbers(monkeypatch, packed):
 
     def run(device_type: str):
         model.zero_grad()
-        with take_paths_of(device_type):
-            logits = model(idx, input_pos=None, positions=positions) if packed else model(idx)
+        model.set_kernel_policy(CUDA if device_type == "cuda" else CPU)
+        logits = model(idx, input_pos=None, positions=positions) if packed else model(idx)
         logits.float().square().mean().backward()
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -315,8 +329,8 @@ def test_only_large_enough_fp32_products_outside_autocast_take_onednn(kernel, mo
     assert "OneDNN" not in linear(transposed, weight).grad_fn.name()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert linear(x, weight).dtype == torch.bfloat16  # autocast's product, as F.linear's
-    with take_paths_of("cuda"):  # the planner tracing a GPU run takes the GPU's path
-        assert "OneDNN" not in linear(x, weight).grad_fn.name()
+    # the planner tracing a GPU run hands in the GPU's policy
+    assert "OneDNN" not in linear(x, weight, device_type="cuda").grad_fn.name()
     monkeypatch.setattr(ops, "ONEDNN_LINEAR_MIN_MACS", x.numel() * weight.size(0))  # small products: BLAS
     assert "OneDNN" not in linear(x, weight).grad_fn.name()
     assert linear(torch.cat([x, x]), weight).grad_fn.name().endswith("_OneDNNLinearBackward")
@@ -475,13 +489,13 @@ def test_block_scores_count_each_block_against_the_keys_up_to_its_last_query():
 
 def test_attention_in_blocks_only_in_bf16_on_the_cpu_within_its_bounds():
     bf16 = torch.bfloat16
-    assert attends_in_blocks("cpu", bf16, batch=1, heads=4, length=1024, width=256)  # vs_peers.py's model
-    assert attends_in_blocks("cpu", bf16, batch=8, heads=4, length=256, width=256)
-    assert not attends_in_blocks("cpu", bf16, batch=1, heads=4, length=256, width=256)  # flash's one call as fast
-    assert attends_in_blocks("cpu", bf16, batch=1, heads=32, length=1024, width=2048)  # TinyLlama
-    assert not attends_in_blocks("cpu", bf16, batch=1, heads=32, length=2048, width=2048)  # 17 values of its width
-    assert not attends_in_blocks("cpu", torch.float32, batch=8, heads=4, length=256, width=256)
-    assert not attends_in_blocks("cuda", bf16, batch=8, heads=4, length=256, width=256)
+    assert CPU.attends_in_blocks(bf16, batch=1, heads=4, length=1024, width=256)  # vs_peers.py's model
+    assert CPU.attends_in_blocks(bf16, batch=8, heads=4, length=256, width=256)
+    assert not CPU.attends_in_blocks(bf16, batch=1, heads=4, length=256, width=256)  # flash's one call as fast
+    assert CPU.attends_in_blocks(bf16, batch=1, heads=32, length=1024, width=2048)  # TinyLlama
+    assert not CPU.attends_in_blocks(bf16, batch=1, heads=32, length=2048, width=2048)  # 17 values of its width
+    assert not CPU.attends_in_blocks(torch.float32, batch=8, heads=4, length=256, width=256)
+    assert not CUDA.attends_in_blocks(bf16, batch=8, heads=4, length=256, width=256)
 
 
 def test_attention_in_blocks_takes_groups_of_heads_whose_tiles_fit(monkeypatch):
@@ -516,14 +530,14 @@ def _tiny_bf16_model(n_query_groups: int = 2) -> GPT:
 def test_model_attends_in_blocks_in_training_steps_on_the_cpu(monkeypatch, planned_for, grad, blocks):
     """A training forward in bf16 on the CPU takes the blocks; evaluation (no gradients) and generation keep the
     flash kernel, and the planner tracing a GPU run takes the GPU's path."""
-    import lit_model.model.gpt as model_module
-
     calls = []
-    monkeypatch.setattr(model_module, "causal_attention_in_blocks",
+    monkeypatch.setattr(attention_module, "causal_attention_in_blocks",
                         lambda *args: calls.append(args) or causal_attention_in_blocks(*args))
     model = _tiny_bf16_model()
     idx = torch.randint(0, 64, (8, 200))  # 8 samples of 4 heads: over ops.MIN_BLOCK_SCORES
-    with take_paths_of(planned_for) if planned_for else contextlib.nullcontext(), torch.set_grad_enabled(grad):
+    if planned_for:
+        model.set_kernel_policy(CUDA)
+    with torch.set_grad_enabled(grad):
         model(idx, targets=idx)
     assert len(calls) == (2 if blocks else 0)
     calls.clear()
@@ -532,10 +546,9 @@ def test_model_attends_in_blocks_in_training_steps_on_the_cpu(monkeypatch, plann
 
 
 @pytest.mark.parametrize("n_query_groups", [4, 2])
-def test_model_in_blocks_trains_as_with_the_flash_kernel(monkeypatch, n_query_groups):
+def test_model_in_blocks_trains_as_with_the_flash_kernel(n_query_groups):
     """The same loss and gradients (to bf16's precision) with grouped key/value heads or not; and a selective
     checkpoint, which redoes the score tiles in backward, gives exactly the gradients of the blocks without it."""
-    import lit_model.model.gpt as model_module
 
     idx = torch.randint(0, 64, (3, 300), generator=torch.Generator().manual_seed(1))  # over ops.MIN_BLOCK_SCORES
 
@@ -549,7 +562,7 @@ def test_model_in_blocks_trains_as_with_the_flash_kernel(monkeypatch, n_query_gr
     for a, b in zip(loss_and_grads(model), in_blocks):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     model.activation_checkpointing_interval = 0
-    monkeypatch.setattr(model_module, "attends_in_blocks", lambda *args: False)
+    model.set_kernel_policy(replace(CPU, bf16_attention_in_blocks=False))
     flash = loss_and_grads(model)
     torch.testing.assert_close(in_blocks[0], flash[0], rtol=1e-2, atol=1e-2)
     for a, b in zip(in_blocks[1:], flash[1:]):

@@ -138,7 +138,7 @@ def test_plan_counts_the_document_masks(engine):
     assert 0.8 * mask < packed.tensor_peak_bytes - plain.tensor_peak_bytes < 1.3 * mask
     assert packed.by_phase["evaluation"] > plain.by_phase["evaluation"]
     # grouped queries with a mask: no fused CUDA kernel takes both; the model copies k and v to every head for the
-    # memory-efficient kernel (ops.expands_shared_heads), instead of the math kernel's probabilities of every head
+    # memory-efficient kernel (KernelPolicy.expands_shared_heads), instead of the math kernel's probabilities of every head
     grouped_config = plan_config(block_size=512)
     grouped = run.replace(config=grouped_config)
     plain = plan_run(grouped, engine=engine, suggest=False, detect=False)

@@ -4,6 +4,8 @@ weights fixed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -71,9 +73,7 @@ def test_activation_checkpointing_saves_less_and_gives_the_same_loss_and_gradien
             torch.testing.assert_close(gradients(checkpointed)[name], grad, rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss(monkeypatch):
-    import lit_model.model.gpt as model_module
-
+def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss():
     inputs, targets = batch()
     fp32_bytes, fp32_loss = saved_for_backward_bytes(make_model(), inputs, targets)
     bf16 = make_model(torch.bfloat16)
@@ -81,10 +81,10 @@ def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss(monkey
     assert sum(p.nbytes for p in bf16.parameters()) * 2 == sum(p.nbytes for p in make_model().parameters())
     assert bf16_loss.dtype == torch.float32  # the loss is always computed in fp32
     assert bf16_loss.item() == pytest.approx(fp32_loss.item(), abs=0.05)
-    # On the CPU, bf16 attention in blocks (ops.attends_in_blocks) keeps each head's probabilities and the key/value
+    # On the CPU, bf16 attention in blocks (KernelPolicy.attends_in_blocks) keeps each head's probabilities and the key/value
     # heads copied to every query head, not the flash kernel's fp32 logsumexp; with the flash kernel bf16 keeps
     # under 0.7x what fp32 keeps.
-    monkeypatch.setattr(model_module, "attends_in_blocks", lambda *args: False)
+    bf16.set_kernel_policy(replace(bf16.kernel_policy, bf16_attention_in_blocks=False))
     bf16_bytes, flash_loss = saved_for_backward_bytes(bf16, inputs, targets)
     assert bf16_bytes < 0.7 * fp32_bytes
     assert flash_loss.item() == pytest.approx(bf16_loss.item(), abs=0.02)

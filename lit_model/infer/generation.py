@@ -27,6 +27,7 @@ from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.kernels.ops import decoding_column_major
+from lit_model.kernels.policy import kernel_policy
 from lit_model.methods.adapter import load_saved_adapter
 from lit_model.methods.quantize import QUANTIZE_MODES, check_quantize, load_weights
 from lit_model.model.gpt import GPT, KVCache, plain_linear
@@ -153,6 +154,7 @@ def load_model(
     load_weights(model, checkpoint_dir, dtype, parts, quantize, column_major=column_major)
     load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
     model.reset_rope_cache(devices[0])
+    model.set_kernel_policy(kernel_policy(torch.device(devices[0]).type))
     return model.eval().requires_grad_(False)
 
 

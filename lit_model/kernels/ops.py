@@ -7,11 +7,9 @@ Intel's). Against PyTorch's: benchmarks/results/ops.md, ops_attention_blocks.md 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,26 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from lit_model.core.errors import UsageError
-
-# Set by the memory planner, which traces a GPU run with fake tensors on the CPU and must take the GPU's paths.
-_planned_device: Optional[str] = None
-
-
-@contextlib.contextmanager
-def take_paths_of(device_type: str) -> Iterator[None]:
-    """Within this block, the model takes ``device_type``'s code paths whatever device its tensors are on."""
-    global _planned_device
-    previous, _planned_device = _planned_device, device_type
-    try:
-        yield
-    finally:
-        _planned_device = previous
-
-
-def path_device(x: torch.Tensor) -> str:
-    """The device type whose code path the model takes for ``x``."""
-    return _planned_device or x.device.type
-
 
 # ---- fp32 linear maps on the CPU ----------------------------------------------------------------------------
 FP32_LINEAR_ENV = "LIT_MODEL_FP32_LINEAR"  # "auto" (default), "onednn" or "blas": which kernel runs fp32 x @ W.T
@@ -117,15 +95,15 @@ def configure_cpu_kernels() -> None:
 ONEDNN_LINEAR_MIN_MACS = 2**21
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; in fp32 on the CPU on oneDNN where ``onednn_fp32_linear`` says so, for
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], onednn: bool) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; in fp32 on oneDNN where ``onednn`` (the policy's ``onednn_fp32_linear``), for
     products of more than ``ONEDNN_LINEAR_MIN_MACS`` (outside autocast, which casts the product to 16 bits; for a
     contiguous ``x``, which oneDNN would copy otherwise; not inside torch.compile, which chooses its own kernels). It
     keeps the same tensors for backward as F.linear, and its backward is differentiable (Sophia)."""
     # the size first: every product of a decoding step is below it, so one cheap test decides (dozens a token)
     if (x.numel() * weight.size(0) > ONEDNN_LINEAR_MIN_MACS and x.dtype is torch.float32 and weight.dtype is torch.float32
-            and path_device(x) == "cpu" and x.is_contiguous() and (bias is None or bias.dtype is torch.float32)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and onednn_fp32_linear()):
+            and onednn and x.is_contiguous() and (bias is None or bias.dtype is torch.float32)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -143,7 +121,7 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = linear(grad, weight.t())  # grad @ W; oneDNN reads the transposed weight in place
+            grad_x = linear(grad, weight.t(), None, onednn=True)  # grad @ W; oneDNN reads the transposed weight in place
         rows = grad.reshape(-1, grad.size(-1))
         if ctx.needs_input_grad[1]:
             grad_weight = _weight_gradient(rows, x.reshape(-1, x.size(-1)))
@@ -159,8 +137,8 @@ def _weight_gradient(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     <-> 688 (copying the wider, or letting oneDNN copy, gained little on one of the two shapes). The copy, rows x
     min(out, in), is this code's tensor, which the planner's trace counts; oneDNN allocates nothing that large."""
     if x.size(1) >= grad.size(1):
-        return linear(grad.t().contiguous(), x.t())
-    return linear(x.t().contiguous(), grad.t()).t().contiguous()
+        return linear(grad.t().contiguous(), x.t(), None, onednn=True)
+    return linear(x.t().contiguous(), grad.t(), None, onednn=True).t().contiguous()
 
 
 def decoding_column_major(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> bool:
@@ -179,22 +157,22 @@ def decoding_column_major(shape: Sequence[int], dtype: torch.dtype, device: torc
     return math.prod(shape) <= ONEDNN_LINEAR_MIN_MACS or not onednn_fp32_linear()
 
 
-def dropout_before_linear(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+def dropout_before_linear(x: torch.Tensor, p: float, unscaled: bool) -> tuple[torch.Tensor, float]:
     """Dropout (training) of an input that a linear map takes next: ``(dropped, factor)`` such that ``factor`` times
     the map of ``dropped`` is the map of ``F.dropout(x, p)``. Each value is kept with probability ``1 - p``, as
-    F.dropout keeps it. On the CPU the kept values are not divided by ``1 - p``: ``factor`` carries it to the map's
+    F.dropout keeps it. Where ``unscaled`` (the policy's, on the CPU) the kept values are not divided by ``1 - p``: ``factor`` carries it to the map's
     scale, so the input is read once where F.dropout reads it twice (for the same mask memory, a 0/1 tensor of x's
     dtype where F.dropout keeps a scaled one). Elsewhere F.dropout (CUDA's fused kernel keeps a boolean mask), and
     under torch.compile, where the in-place ``bernoulli_`` on ``empty_like`` gave NaN (torch 2.13's CPU inductor: a
     LoRA fine-tune with --compile lost its first step) and inductor fuses F.dropout anyway."""
     if p == 0:
         return x, 1.0
-    if path_device(x) != "cpu" or torch.compiler.is_compiling():
+    if not unscaled or torch.compiler.is_compiling():
         return F.dropout(x, p, training=True), 1.0
     return x * torch.empty_like(x).bernoulli_(1 - p), 1 / (1 - p)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, by_hand: bool) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype. A
     16-bit ``x`` is normalised in fp32 and rounded to its dtype before the weight multiplies it (as Hugging Face's
     and litgpt's RMSNorm do).
@@ -203,9 +181,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     and backward; for activations of more than a few rows this one makes fewer passes over them (a one-pass
     ``vector_norm``, 16-bit values widened to fp32 once; in backward, one product shared by both gradients, which
     are computed in fp32 and rounded once). It saves only ``x`` (``1/rms`` is recomputed), and its backward is made
-    of differentiable operations, so a second backward (Sophia's Hessian) still works. Which one runs depends on
-    the size and device only, so the numbers are the same with and without autograd."""
-    if not norms_by_hand(path_device(x), x.numel()):
+    of differentiable operations, so a second backward (Sophia's Hessian) still works. Which one runs: ``by_hand``,
+    the policy's choice by size, so the numbers are the same with and without autograd."""
+    if not by_hand:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.size(-1),), weight, eps)
         return upcast_rms_norm(x, weight, eps)
@@ -223,13 +201,6 @@ def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offs
     if unit_offset:
         return (normed * (1.0 + weight.float())).to(x.dtype)
     return weight * normed.to(x.dtype)
-
-
-def norms_by_hand(device_type: str, numel: int) -> bool:
-    """Whether ``rms_norm`` takes its own path for an input of ``numel`` elements: on the CPU, above 64k elements.
-    A few rows (decoding) run faster in the fewest calls; on a GPU, PyTorch's own kernel (the upcast formula in 16
-    bits) runs."""
-    return device_type == "cpu" and numel > 2**16
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -314,13 +285,6 @@ class _Rotate(torch.autograd.Function):
         return rotate(grad, cos, -sin), None, None
 
 
-def attends_in_halves(device_type: str, length: int) -> bool:
-    """Whether causal attention without a mask over ``length`` tokens takes ``causal_attention_in_halves``:
-    on the CPU for 384 to 512 tokens, where benchmarks/results/ops.md measures the halves faster in fp32 and
-    bf16 (below, the halves are too short to gain; above, the kernel's own key blocks skip masked work)."""
-    return device_type == "cpu" and 384 <= length <= 512
-
-
 def cuda_attention_kernel(dtype: torch.dtype, head_size: int, masked: bool, shared_key_heads: bool) -> str:
     """The kernel a CUDA ``scaled_dot_product_attention`` of a training step runs, in PyTorch's order (sdp_utils):
     flash needs fp16/bf16, no explicit mask and a head size up to 256; memory-efficient takes fp32 and a mask but
@@ -331,16 +295,6 @@ def cuda_attention_kernel(dtype: torch.dtype, head_size: int, masked: bool, shar
     if dtype in (torch.float16, torch.bfloat16) and not masked and head_size <= 256:
         return "flash"
     return "math" if shared_key_heads else "efficient"
-
-
-def expands_shared_heads(device_type: str, dtype: torch.dtype, head_size: int, masked: bool, query_length: int) -> bool:
-    """Whether attention over grouped key/value heads first copies them to every query head: on CUDA where no fused
-    kernel takes the shared heads (``cuda_attention_kernel``: math), for queries longer than twice the head size.
-    The math kernel keeps each head's query x key probabilities for backward (SmolLM2-360M in 32-true at 4 x 512
-    tokens: 1.9 GB above a fused kernel, measured on an H200); the copies, which the memory-efficient kernel takes with fp32 and
-    masks, keep 2 x head_size values per key and head instead. litgpt copies them whenever the heads are grouped."""
-    return (device_type == "cuda" and query_length > 2 * head_size
-            and cuda_attention_kernel(dtype, head_size, masked, shared_key_heads=True) == "math")
 
 
 def causal_attention_in_halves(
@@ -387,19 +341,6 @@ def block_scores(length: int) -> int:
     tokens: each block of queries against every key up to its last query."""
     ends = [min(start + ATTENTION_BLOCK, length) for start in range(0, length, ATTENTION_BLOCK)]
     return sum((end - start) * end for start, end in zip(range(0, length, ATTENTION_BLOCK), ends))
-
-
-def attends_in_blocks(device_type: str, dtype: torch.dtype, batch: int, heads: int, length: int, width: int) -> bool:
-    """Whether causal self-attention that needs gradients takes ``causal_attention_in_blocks``: in bf16 on the
-    CPU, for at least MIN_BLOCK_SCORES scores, where keeping the probabilities stays within
-    KEPT_PROBABILITIES_PER_WIDTH values of the embedding width per token. PyTorch 2.13's CPU flash kernel computes
-    whole 512-key blocks of scores whatever the causal mask lets it skip; the blocks skip them and multiply on the
-    BLAS (benchmarks/results/ops_attention_blocks.md, forward and backward, 4 to 32 heads of 64 and 128, 256 to 2,048
-    tokens: 1.0-1.7x above MIN_BLOCK_SCORES). fp32 stays on the flash kernel: there the blocks would keep 4 bytes a
-    probability, and their gain (1.0-1.4x in that table) has not been measured in whole runs."""
-    scores = heads * block_scores(length)
-    return (device_type == "cpu" and dtype == torch.bfloat16 and batch * scores >= MIN_BLOCK_SCORES
-            and scores <= KEPT_PROBABILITIES_PER_WIDTH * width * length)
 
 
 def causal_attention_in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -37,7 +37,9 @@ import yaml
 from lit_model.core.errors import UsageError, UserError
 from lit_model.io.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
 from lit_model.kernels.ops import dropout_before_linear
+from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.quantize import dequantized_weight
+from lit_model.model.gpt import GPT
 
 LORA_WEIGHTS = "lora.safetensors"
 LORA_CONFIG = "lora.yaml"
@@ -115,6 +117,7 @@ class LoRALayer:
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     lora_magnitude: Optional[nn.Parameter]  # DoRA's, per output feature; None: plain LoRA
+    kernel_policy: KernelPolicy  # the model's (apply_lora; GPT.set_kernel_policy later)
 
     def _init_lora(self, config: LoRAConfig, dtype: torch.dtype) -> None:
         device = self.bias.device if self.bias is not None else self.weight.device
@@ -138,7 +141,7 @@ class LoRALayer:
         out = super().forward(x)  # type: ignore[misc]
         dropped, scaling = x, self.lora_scaling
         if self.training and isinstance(self.lora_dropout, nn.Dropout):
-            dropped, factor = dropout_before_linear(x, self.lora_dropout.p)
+            dropped, factor = dropout_before_linear(x, self.lora_dropout.p, self.kernel_policy.unscaled_dropout)
             scaling *= factor
         low = F.linear(dropped.to(self.lora_A.dtype), self.lora_A)
         if self.lora_magnitude is None and low.dtype == out.dtype:
@@ -181,11 +184,13 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
         )
     dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
     model.requires_grad_(False)
+    policy = model.kernel_policy if isinstance(model, GPT) else kernel_policy("cpu")  # unplaced: the CPU's, as GPT's
     names = []
     for name, module in model.named_modules():
         if is_linear(module) and config.targets(name):
             module.__class__ = _lora_class(type(module))
             module._init_lora(config, dtype)
+            module.kernel_policy = policy  # a bitsandbytes base holds none of its own
             if config.bias and module.bias is not None:
                 module.bias.requires_grad_(True)
             names.append(name)

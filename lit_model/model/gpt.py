@@ -21,13 +21,9 @@ from lit_model.model.activations import ActivationOffloading, checkpointed, tile
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
-from lit_model.kernels.ops import (attends_in_blocks, attends_in_halves, causal_attention_in_blocks, causal_attention_in_halves,
-                           expands_shared_heads, linear, path_device, rms_norm, rotate, upcast_rms_norm)
-
-try:  # optional: used on CUDA in fp16/bf16 when installed, SDPA otherwise
-    from flash_attn import flash_attn_func
-except ImportError:
-    flash_attn_func = None
+from lit_model.kernels.attention import attention, attention_dtype, softcap
+from lit_model.kernels.ops import linear, rms_norm, rotate, upcast_rms_norm
+from lit_model.kernels.policy import KernelPolicy, kernel_policy
 
 
 @contextlib.contextmanager
@@ -51,6 +47,8 @@ class GPT(nn.Module):
         self.lm_head = Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # the CPU's until the code that places the model hands in its device's (set_kernel_policy)
+        self.set_kernel_policy(kernel_policy("cpu"))
         # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
         self.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE
         # Set by optimizers that differentiate the gradients again (Sophia's Hessian): the fused loss cannot.
@@ -65,6 +63,13 @@ class GPT(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._max_seq_length = config.block_size
         self.reset_rope_cache()
+
+    def set_kernel_policy(self, policy: KernelPolicy) -> None:
+        """The kernels every layer takes from now on (those that hold a ``kernel_policy``, LoRA's included)."""
+        self.kernel_policy = policy
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm, CausalSelfAttention)) or hasattr(module, "kernel_policy"):
+                module.kernel_policy = policy
 
     @property
     def max_seq_length(self) -> int:
@@ -172,7 +177,7 @@ class GPT(nn.Module):
         chunk = self.loss_chunk_size if self.loss_chunk_size > 0 else x.size(0)
         if plain_linear(self.lm_head) and not self.loss_differentiable_twice:
             return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets, chunk,
-                                        self.config.final_logit_softcapping)
+                                        self.config.final_logit_softcapping, onednn=self.kernel_policy.onednn_fp32_linear)
         # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
         total = x.new_zeros((), dtype=torch.float32)
         for start in range(0, x.size(0), chunk):
@@ -274,6 +279,8 @@ class Block(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    kernel_policy: KernelPolicy  # set by GPT.set_kernel_policy
+
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.config = config
@@ -342,58 +349,12 @@ class CausalSelfAttention(nn.Module):
             return self.proj(pieces[0].reshape(B, T, n_head * hs))
         return torch.cat([self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in pieces], dim=1)
 
-    def attends_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Causal self-attention of a step that needs gradients, where ``ops.attends_in_blocks`` takes the blocks."""
-        T = q.size(2)
-        return (T == k.size(2) and T > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-                and attends_in_blocks(path_device(q), attention_dtype(q), q.size(0), q.size(1), T, self.config.n_embd))
-
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Returns the output as consecutive pieces along time, each (B, T_i, heads, head_size): usually one.
-        Without a mask: causal, except that one query sees every key (a decoding step over the cache)."""
-        softcapping = self.config.attention_logit_softcapping
-        if softcapping is not None:
-            # Soft-capping needs the scores themselves, so this path is explicit (Gemma 2).
-            k, v = copy_shared_heads(k, v, q.size(1))
-            scores = softcap((q @ k.transpose(-2, -1)) * self.scale, softcapping)
-            if mask is None:
-                T = q.size(2)
-                mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return [(probs @ v).transpose(1, 2)]
-        if (
-            flash_attn_func is not None
-            and q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16)
-            and mask is None
-        ):
-            out = flash_attn_func(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scale, causal=True
-            )
-            return [out]
-        enable_gqa = k.size(1) != q.size(1)
-        if mask is None and self.attends_in_blocks(q, k, v):
-            return [causal_attention_in_blocks(q, *copy_shared_heads(k, v, q.size(1)), self.scale).transpose(1, 2)]
-        if enable_gqa and expands_shared_heads(path_device(q), q.dtype, q.size(-1), mask is not None, q.size(2)):
-            k, v = copy_shared_heads(k, v, q.size(1))
-            enable_gqa = False
-        if mask is None and attends_in_halves(path_device(q), q.size(2)):
-            return causal_attention_in_halves(q, k, v, self.scale, enable_gqa)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=self.scale, enable_gqa=enable_gqa
-        )
-        return [y.transpose(1, 2)]
-
-
-def copy_shared_heads(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, heads, T, head_size) keys and values from grouped-query attention's shared heads: each query head its own
-    copy (autograd sums the copies' gradients back into the shared head)."""
-    if k.size(1) == heads:
-        return k, v
-    return k.repeat_interleave(heads // k.size(1), dim=1), v.repeat_interleave(heads // v.size(1), dim=1)
+        """The output as consecutive pieces along time, each (B, T_i, heads, head_size): ``kernels.attention``."""
+        return attention(q, k, v, mask, self.scale, self.config.attention_logit_softcapping, self.config.n_embd,
+                         self.kernel_policy)
 
 
 def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:
@@ -418,21 +379,13 @@ def document_mask(positions: torch.Tensor, sliding_window: Optional[int], dtype:
     return mask.unsqueeze(1)
 
 
-def attention_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes in for activations ``x``: autocast's where it is on."""
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-
-
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.tanh(x / cap) * cap
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict) whose product takes ``ops.linear``'s kernel choice."""
 
+    kernel_policy: KernelPolicy  # set by GPT.set_kernel_policy
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernel_policy.onednn_fp32_linear)
 
 
 def plain_linear(module: nn.Module) -> bool:
@@ -550,6 +503,8 @@ def _normal_in_fp32(weight: torch.Tensor, std: float) -> None:
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32; Gemma scales by (1 + weight)."""
 
+    kernel_policy: KernelPolicy  # set by GPT.set_kernel_policy
+
     def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
@@ -562,7 +517,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype and not self.unit_offset:
-            return rms_norm(x, self.weight, self.eps)  # on the CPU, fewer passes (ops.py)
+            return rms_norm(x, self.weight, self.eps, self.kernel_policy.norms_by_hand(x.numel()))
         return upcast_rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 

@@ -29,24 +29,26 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     chunk_size: int,
     softcap: Optional[float] = None,
+    *,
+    onednn: bool,
 ) -> torch.Tensor:
-    """Summed fp32 cross-entropy of ``softcap(x @ weight.T + bias)`` against ``targets`` (-100 = ignore).
+    """``onednn``: the kernel policy's ``onednn_fp32_linear``. Summed fp32 cross-entropy of ``softcap(x @ weight.T + bias)`` against ``targets`` (-100 = ignore).
     ``x``: (tokens, embedding); ``targets``: (tokens,). Under autocast the matmuls run in autocast's dtype and
     the weight's gradient still accumulates in the weight's own dtype."""
     device_type = x.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _LinearCrossEntropy.apply(x, weight, bias, targets, chunk_size, softcap, compute_dtype)
+        return _LinearCrossEntropy.apply(x, weight, bias, targets, chunk_size, softcap, compute_dtype, onednn)
     with torch.autocast(device_type, enabled=False):
-        return _loss_and_gradients(x, weight, bias, targets, chunk_size, softcap, compute_dtype, (False,) * 3)[0]
+        return _loss_and_gradients(x, weight, bias, targets, chunk_size, softcap, compute_dtype, onednn, (False,) * 3)[0]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, chunk_size, softcap, compute_dtype):  # type: ignore[no-untyped-def]
+    def forward(ctx, x, weight, bias, targets, chunk_size, softcap, compute_dtype, onednn):  # type: ignore[no-untyped-def]
         with torch.autocast(x.device.type, enabled=False):
             loss, *gradients = _loss_and_gradients(
-                x, weight, bias, targets, chunk_size, softcap, compute_dtype, ctx.needs_input_grad[:3]
+                x, weight, bias, targets, chunk_size, softcap, compute_dtype, onednn, ctx.needs_input_grad[:3]
             )
         # Saved (not kept on ctx) so that saved-tensor hooks, e.g. the simulated memory cap, see them.
         ctx.save_for_backward(*gradients)
@@ -60,7 +62,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("The fused cross-entropy can be backpropagated once; do not use retain_graph with it.")
         ctx.used = True
         gradients = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors]
-        return (*gradients, None, None, None, None)
+        return (*gradients, None, None, None, None, None)
 
 
 def _loss_and_gradients(
@@ -71,6 +73,7 @@ def _loss_and_gradients(
     chunk_size: int,
     softcap: Optional[float],
     compute_dtype: torch.dtype,
+    onednn: bool,
     wanted: tuple[bool, ...],
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     weight_c = weight.to(compute_dtype)
@@ -89,7 +92,7 @@ def _loss_and_gradients(
     for start in range(0, x.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
         total += _chunk(x[rows].to(compute_dtype), valid[rows], safe_targets[rows], row_mask[rows], weight_c, bias,
-                        softcap, None if grad_x is None else grad_x[rows], grad_weight, grad_bias,
+                        softcap, onednn, None if grad_x is None else grad_x[rows], grad_weight, grad_bias,
                         writes_weight and start == 0)
     return total, grad_x, grad_weight, grad_bias
 
@@ -102,6 +105,7 @@ def _chunk(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     softcap: Optional[float],
+    onednn: bool,
     grad_x: Optional[torch.Tensor],
     grad_weight: Optional[torch.Tensor],
     grad_bias: Optional[torch.Tensor],
@@ -110,7 +114,7 @@ def _chunk(
     """One chunk's summed loss; writes its rows of ``grad_x`` and adds to ``grad_weight`` (``first``: writes it)
     and ``grad_bias``. A function of its own so that its (chunk x vocab) blocks are freed before the next chunk's
     are made."""
-    logits = linear(x, weight).float()
+    logits = linear(x, weight, None, onednn).float()
     if bias is not None:
         logits += bias
     if softcap is not None:
@@ -132,7 +136,7 @@ def _chunk(
         grad_bias += (valid.to(grad.dtype) @ grad).to(grad_bias.dtype)
     grad = grad.to(x.dtype)
     if grad_x is not None:
-        grad_x.copy_(linear(grad, weight.t()).mul_(row_mask))
+        grad_x.copy_(linear(grad, weight.t(), None, onednn).mul_(row_mask))
     if grad_weight is not None:
         if first:
             torch.mm(grad.t(), x * row_mask, out=grad_weight)

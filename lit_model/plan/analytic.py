@@ -25,8 +25,8 @@ from lit_model.core.config import Config
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import lora_target_names, quantized_weight_bytes
 from lit_model.run import Run
-from lit_model.kernels.ops import (ATTENTION_BLOCK, attends_in_blocks, attends_in_halves, block_scores, cuda_attention_kernel,
-                           expands_shared_heads, norms_by_hand)
+from lit_model.kernels.ops import ATTENTION_BLOCK, block_scores, cuda_attention_kernel
+from lit_model.kernels.policy import kernel_policy
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -282,7 +282,7 @@ def _norm(spec: Run, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bo
         return 0.0, False
     if config.norm_class_name == "LayerNorm":
         return (0 if shared_input else d * C) + 8 * rows, True  # input + mean + rstd (fp32)
-    if not config.norm_unit_offset and norms_by_hand(spec.device_type, spec.micro_batch_size * spec.seq_len * C):
+    if not config.norm_unit_offset and kernel_policy(spec.device_type).norms_by_hand(spec.micro_batch_size * spec.seq_len * C):
         return d * C, True  # input and weight of one dtype: ops.rms_norm's own path keeps only its input
     kept = 0.0
     if x_rg:
@@ -366,10 +366,11 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
     partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
     y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
     attention_dtype, masked = spec.autocast_dtype or spec.param_dtype, sliding or spec.packing
-    # k and v as attention takes them: copied to every query head where model.attend does (CUDA, else math)
-    Hkv_attended = Hq if Hkv < Hq and expands_shared_heads(spec.device_type, attention_dtype, hs, masked, T) else Hkv
+    # k and v as attention takes them: copied to every query head where kernels.attention does (CUDA, else math)
+    policy = kernel_policy(spec.device_type)
+    Hkv_attended = Hq if Hkv < Hq and policy.expands_shared_heads(attention_dtype, hs, masked, T) else Hkv
     in_blocks = (attn_rg and not masked and T > 1 and config.attention_logit_softcapping is None
-                 and attends_in_blocks(spec.device_type, attention_dtype, batch, config.n_head, T, C))
+                 and policy.attends_in_blocks(attention_dtype, batch, config.n_head, T, C))
     attention_math = attn_rg and spec.device_type == "cuda" and cuda_attention_kernel(
         attention_dtype, hs, masked, Hkv_attended < Hq) == "math"
     if config.attention_logit_softcapping is not None:
@@ -393,7 +394,7 @@ def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, 
         per_token += (Hq + 2 * Hkv_attended) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
         if sliding:
             per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
-        elif attends_in_halves(spec.device_type, T):
+        elif policy.attends_in_halves(T):
             per_layer += (T - T // 2) * T * dm  # attention in halves (ops.py): the second half's mask, converted
     if adapter:
         # LLaMA-Adapter: every query also attends to the trainable prefix (SDPA keeping q, its output and

@@ -8,7 +8,7 @@ scripts' own ``shard_model`` over PyTorch's fake process group, so this process 
 and cpu_offload included). The model carries no switch for the planner.
 
 Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
-in autograd), so ``ops.take_paths_of`` makes the model take the planned device's kernels; the model is built in
+in autograd), so the model is handed the planned device's ``KernelPolicy`` (``traced_policy``); the model is built in
 its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` cannot swap fake parameters); at least two
 steps run (the first has no optimizer state). What the trace cannot see is added by ``plan.py``: the process's
 runtime and allocator overhead, DDP buckets, the full state dict FSDP gathers when saving.
@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_map_only
 
 from lit_model.core.config import Config
 from lit_model.infer.generation import forward_last, sample, set_kv_cache
-from lit_model.kernels.ops import cuda_attention_kernel, take_paths_of
+from lit_model.kernels.ops import cuda_attention_kernel
+from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import apply_lora
 from lit_model.model.gpt import GPT, default_dtype
@@ -491,20 +492,26 @@ def trace_training(run: Run, phases: tuple[str, ...] = ("train_step", "evaluatio
         return _trace(run, phases, mesh)
 
 
+def traced_policy(device_type: str) -> KernelPolicy:
+    """The planned device's kernels, which the model takes on the CPU's fake tensors; SDPA stands for flash_attn,
+    whose kernel does not run on fake tensors."""
+    return replace(kernel_policy(device_type), flash_attn=False)
+
+
 def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> TraceResult:
     start = time.perf_counter()
     notes: list[str] = []
     config = run.config
     B, T = run.micro_batch_size, run.seq_len
     fabric = _trace_fabric(run)
-    # take_paths_of: the fake tensors live on the CPU; the model must take the planned device's code paths
-    with FakeTensorMode(), take_paths_of(run.device_type):
+    with FakeTensorMode():
         with default_dtype(run.param_dtype):
             model = GPT(config)
             model.max_seq_length = T
         tracker = _Tracker(vocab_size=config.padded_vocab_size, tied_shapes=_tied_shapes(model))
         _adapt(model, run, tracker)
         configure_model(model, run)
+        model.set_kernel_policy(traced_policy(run.device_type))
         offloading = model.activation_offloading  # the fake tensors it drops: their bytes are host memory
         quant_state = _quant_state_bytes(model)  # a buffer: FSDP does not shard it
         if mesh is not None:
@@ -704,10 +711,11 @@ def trace_generation(config: Config, prompt_length: int, max_new_tokens: int, ba
     autocast where ``compute_dtype`` is not ``dtype`` (bf16's on the CPU, which keeps fp16's bytes)."""
     start = time.perf_counter()
     total = prompt_length + max_new_tokens
-    with FakeTensorMode(), take_paths_of(device_type):
+    with FakeTensorMode():
         with default_dtype(dtype):
             model = GPT(config)
             model.max_seq_length = total
+        model.set_kernel_policy(traced_policy(device_type))
         tracker = _Tracker(vocab_size=config.padded_vocab_size)
         if quantize is not None:
             quantize_model_sim(model, quantize, tracker)

@@ -20,6 +20,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 from lit_model.model.activations import ActivationOffloading
 from lit_model.core.errors import STOPS, UserError
+from lit_model.kernels.policy import kernel_policy
 from lit_model.model.gpt import GPT
 from lit_model.parallel.backend import fabric_strategy
 from lit_model.run import ALLOC_CONF_VARIABLES, CPU_HEAP, Run
@@ -149,4 +150,5 @@ def configure_model(model: GPT, run: Run) -> GPT:
     for block in model.blocks:
         block.mlp_tiles = run.mlp_tiles
     model.loss_chunk_size = run.loss_chunk_size
+    model.set_kernel_policy(kernel_policy(run.device_type))  # after LoRA's layers, which take it too
     return model
