@@ -25,6 +25,9 @@ from lit_model.kernels.attention import attention, attention_dtype, softcap
 from lit_model.kernels.ops import linear, rms_norm, rotate, upcast_rms_norm
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 
+# a layer built on its own (a test's, a bare MoE block) takes the CPU's kernels until a policy is handed in
+CPU_KERNEL_POLICY = kernel_policy("cpu")
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
@@ -279,7 +282,7 @@ class Block(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    kernel_policy: KernelPolicy  # set by GPT.set_kernel_policy
+    kernel_policy: KernelPolicy = CPU_KERNEL_POLICY  # GPT.set_kernel_policy hands in the run's
 
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
@@ -382,7 +385,7 @@ def document_mask(positions: torch.Tensor, sliding_window: Optional[int], dtype:
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict) whose product takes ``ops.linear``'s kernel choice."""
 
-    kernel_policy: KernelPolicy  # set by GPT.set_kernel_policy
+    kernel_policy: KernelPolicy = CPU_KERNEL_POLICY  # GPT.set_kernel_policy hands in the run's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.kernel_policy.onednn_fp32_linear)
@@ -503,7 +506,7 @@ def _normal_in_fp32(weight: torch.Tensor, std: float) -> None:
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32; Gemma scales by (1 + weight)."""
 
-    kernel_policy: KernelPolicy  # set by GPT.set_kernel_policy
+    kernel_policy: KernelPolicy = CPU_KERNEL_POLICY  # GPT.set_kernel_policy hands in the run's
 
     def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
