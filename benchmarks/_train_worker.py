@@ -19,6 +19,7 @@ def build(impl: str):
     if impl == "lit_model":
         from lit_model import GPT, Config
         from lit_model.core.precision import param_dtype
+        from lit_model.methods.objective import CausalLM, mean_loss
         from lit_model.train.optimizers import build_optimizer
 
         model = GPT(Config(name="bench", **ARCH))
@@ -26,7 +27,7 @@ def build(impl: str):
         def optimizer(model, precision):  # as lit-model's scripts build it (fused AdamW where supported)
             return build_optimizer(model, "AdamW", **OPTIMIZER, device_type="cpu", param_dtype=param_dtype(precision))
 
-        return model, lambda idx, targets: model(idx, targets=targets), optimizer
+        return model, lambda idx, targets: mean_loss(CausalLM(), model, (idx, targets)), optimizer
     from litgpt import GPT, Config
     from litgpt.utils import chunked_cross_entropy, instantiate_torch_optimizer
 

@@ -38,6 +38,7 @@ from lit_model import GPT, Config
 from lit_model.core.files import atomic_write
 from lit_model.core.precision import param_dtype
 from lit_model.train.optimizers import build_optimizer
+from lit_model.methods.objective import CausalLM, mean_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = [(256, 1), (256, 8), (1024, 1), (1024, 8)]  # (block, micro batch)
@@ -54,7 +55,7 @@ def training_step(block: int, micro: int, precision: str):
     idx, targets = (torch.randint(0, ARCH["vocab_size"], (micro, block)) for _ in range(2))
 
     def step() -> None:
-        model(idx, targets=targets).backward()
+        mean_loss(CausalLM(), model, (idx, targets)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

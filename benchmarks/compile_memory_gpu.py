@@ -16,7 +16,9 @@ from typing import Callable
 import torch
 
 from lit_model.core.config import Config
+from lit_model.methods.objective import CausalLM, mean_loss
 from lit_model.model.gpt import GPT
+from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 
 VARIANTS = ("eager", "compiled", "compiled_one_chunk", "compiled_blocks")
 GiB = 2**30
@@ -24,15 +26,14 @@ GiB = 2**30
 
 def step_function(model: GPT, variant: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
     """The forward of this variant, returning the loss."""
-    if variant == "compiled_one_chunk":
-        model.loss_chunk_size = x.numel()
+    objective = CausalLM(x.numel() if variant == "compiled_one_chunk" else DEFAULT_LOSS_CHUNK_SIZE)
     if variant in ("compiled", "compiled_one_chunk"):
         compiled = torch.compile(model)
-        return lambda: compiled(x, targets=y)
+        return lambda: mean_loss(objective, compiled, (x, y))
     if variant == "compiled_blocks":
         for block in model.blocks:
             block.compile()
-    return lambda: model(x, targets=y)
+    return lambda: mean_loss(objective, model, (x, y))
 
 
 def measure(name: str, batch: int, seq: int, variant: str, device: str, iterations: int = 6) -> None:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_model.core.files import atomic_open, atomic_write
+from lit_model.methods.objective import CausalLM, mean_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -274,7 +275,7 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     times = []
     for _ in range(steps):  # as lit_model/train/step.py: forward with targets, backward, clip, step, zero_grad
         start = time.perf_counter()
-        loss = model(x, targets=y)
+        loss = mean_loss(CausalLM(), model, (x, y))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()

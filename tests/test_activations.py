@@ -20,6 +20,7 @@ from lit_model.core.errors import UsageError
 from lit_model.plan import plan_run
 from lit_model.run import CPU_HEAP_TOP_PAD, changed_flags, render_flags, resolve_run
 from lit_model.train.args import TrainArgs, check_args
+from lit_model.methods.objective import CausalLM, mean_loss
 from test_memory_plan import args as plan_args, resolved, tiny
 from test_training_levers import batch, gradients, make_model
 
@@ -35,7 +36,7 @@ def measured(setup) -> tuple[float, float, torch.Tensor, dict[str, torch.Tensor]
     tracker = MemTracker()
     tracker.track_external(model, inputs, targets)
     with tracker:
-        loss = model(inputs, targets=targets)
+        loss = mean_loss(CausalLM(), model, (inputs, targets))
         after_forward = tracker.get_tracker_snapshot()[CPU]["Total"]
         loss.backward()
     return after_forward, tracker.get_tracker_snapshot("peak")[CPU]["Total"], loss.detach(), gradients(model)
@@ -87,7 +88,7 @@ def test_disk_offloading_moves_saved_tensors_to_files_and_removes_them(tmp_path)
     # a step abandoned after its forward (an out-of-memory, a stop) leaves no file behind either
     model = make_model()
     model.activation_offloading = offloading
-    loss = model(*batch()[:1], targets=batch()[1])
+    loss = mean_loss(CausalLM(), model, batch())
     assert list(tmp_path.rglob("*.tmp"))
     del loss
     gc.collect()

@@ -14,6 +14,7 @@ from lit_model.methods.lora import LoRAConfig, apply_lora, merge_state_dict
 from lit_model.plan.planner import plan_run
 from lit_model.run import resolve_run
 import test_finetune
+from lit_model.methods.objective import CausalLM, mean_loss
 from test_finetune import finetune, losses
 from test_lora import tiny_model
 from test_memory_plan import args as plan_args, tiny as plan_config
@@ -27,7 +28,7 @@ def train_a_little(model, steps: int = 3) -> list[float]:
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     losses = []
     for _ in range(steps):
-        loss = model(idx, targets=idx)
+        loss = mean_loss(CausalLM(), model, (idx, idx))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -27,6 +27,7 @@ from lit_model.train.fabric import StateIO, setup_fabric
 from lit_model.train.loop import MetricsWriter, Progress
 from lit_model.train.resumable import CHECKPOINTS, LINEAGE_NAME, STATE_NAME, lineage, save_resumable, start_lineage
 from lit_model.methods.load import load_gpt
+from lit_model.methods.objective import CausalLM, mean_loss
 
 CONFIG = Config(name="faults", block_size=16, vocab_size=32, n_layer=1, n_embd=8, n_head=2)
 
@@ -47,7 +48,7 @@ def run(tmp_path):
     model = GPT(CONFIG)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.zeros(1, 4, dtype=torch.long), targets=torch.zeros(1, 4, dtype=torch.long)).backward()
+    mean_loss(CausalLM(), model, (torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))).backward()
     optimizer.step()
     progress = Progress()
     args = TrainArgs(out_dir=tmp_path / "out", keep_last=0, seed=7, global_batch_size=8)

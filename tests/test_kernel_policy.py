@@ -12,6 +12,7 @@ from lit_model import GPT, Config
 from lit_model.kernels import attention as attention_module
 from lit_model.kernels import ops
 from lit_model.kernels.policy import kernel_policy
+from lit_model.methods.objective import CausalLM, mean_loss
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -57,10 +58,10 @@ def test_a_model_handed_cudas_policy_takes_cudas_kernels_on_cpu_tensors(monkeypa
     torch.manual_seed(0)
     model = GPT(config).to(BF16)
     idx = torch.randint(0, 64, (8, 400), generator=torch.Generator().manual_seed(0))
-    model(idx, targets=idx)
+    mean_loss(CausalLM(), model, (idx, idx))
     assert "causal_attention_in_blocks" in taken and "norm" in taken
     taken.clear()
     model.set_kernel_policy(replace(kernel_policy("cuda"), flash_attn=False))
     assert all(m.kernel_policy is model.kernel_policy for m in model.modules() if hasattr(m, "kernel_policy"))
-    model(idx, targets=idx)
+    mean_loss(CausalLM(), model, (idx, idx))
     assert taken == []

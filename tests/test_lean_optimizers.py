@@ -17,7 +17,8 @@ from lit_model.plan import plan_training
 from lit_model.plan.analytic import model_bytes, optimizer_state_bytes as planned_state_bytes
 from lit_model.run import resolve_run
 from lit_model.train.args import TrainArgs, check_args
-from lit_model.train.optimizers import build_optimizer, lr_at, optimizer_state_bytes, set_lr
+from lit_model.train.optimizers import build_optimizer, lr_at, needs_create_graph, optimizer_state_bytes, set_lr
+from lit_model.methods.objective import CausalLM, mean_loss
 from test_pretrain import losses, pretrain
 
 TINY = dict(name="t", block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=128)
@@ -47,7 +48,7 @@ def train(model: GPT, optimizer, steps: range, repeat: bool = False) -> list[flo
     for step in steps:
         set_lr(optimizer, lr_at(step, 1e-2, 2, 10, 1e-3))
         ids, targets = batch(0 if repeat else step)
-        loss = model(ids, targets=targets)
+        loss = mean_loss(CausalLM(), model, (ids, targets))
         result.append(loss.item())
         loss.backward()
         optimizer.step()
@@ -184,7 +185,8 @@ def fabric_step(name: str, in_backward: bool):
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     model = tiny_model()
     model, optimizer = fabric.setup(model, build_optimizer(model, name, 1e-2, rank=RANK, in_backward=in_backward))
-    return fabric, model, optimizer, TrainStep(fabric, model, optimizer, 4, True, lambda *a: "report")
+    return fabric, model, optimizer, TrainStep(fabric, model, optimizer, CausalLM(differentiable_twice=needs_create_graph(optimizer)), 4,
+                                                True, lambda *a: "report")
 
 
 @pytest.mark.parametrize("name, in_backward", [("AdamW", True), ("GaLore", False), ("APOLLO", False),

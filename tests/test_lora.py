@@ -17,6 +17,7 @@ from lit_model.core.errors import UsageError, UserError
 from lit_model.methods.lora import LORA_WEIGHTS, LoRAConfig, apply_lora, merge
 from lit_model.recipes.finetune import gather_trainable
 from lit_model.methods.load import load_gpt
+from lit_model.methods.objective import CausalLM, mean_loss
 
 CONFIG = Config(name="unit", block_size=32, vocab_size=128, n_layer=2, n_embd=64, n_head=4, n_query_groups=2,
                 intermediate_size=128, bias=True)
@@ -49,7 +50,7 @@ def test_only_lora_parameters_train_and_the_start_is_exactly_the_base_model():
     assert torch.equal(model(idx), before)
     # names of the base weights do not change (checkpoints load into a LoRA model and back)
     assert "blocks.0.attn.query.weight" in model.state_dict() and "blocks.0.attn.query.lora_A" in model.state_dict()
-    model(idx, targets=idx).backward()
+    mean_loss(CausalLM(), model, (idx, idx)).backward()
     assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
 
 
@@ -98,7 +99,7 @@ def test_qlora_trains_only_the_adapter_over_a_quantized_base(mode):
     idx = torch.randint(0, 128, (2, 16))
     losses = []
     for _ in range(3):
-        loss = model(idx, targets=idx)
+        loss = mean_loss(CausalLM(), model, (idx, idx))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -183,7 +184,7 @@ def test_compiled_lora_blocks_with_dropout_train_to_finite_numbers():
     for block in model.blocks:
         block.compile()
     idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-    loss = model(idx, targets=idx)
+    loss = mean_loss(CausalLM(), model, (idx, idx))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads)
@@ -264,7 +265,7 @@ def test_prompt_tokens_are_masked_and_contribute_no_loss(tokenizer):
     logits = model(batch_ids)
     keep = batch_targets != -100
     manual = torch.nn.functional.cross_entropy(logits[keep], batch_targets[keep])
-    torch.testing.assert_close(model(batch_ids, targets=batch_targets), manual)
+    torch.testing.assert_close(mean_loss(CausalLM(), model, (batch_ids, batch_targets)), manual)
 
     unmasked, _, _ = build_dataset(records, tokenizer, style, seq_length=200, mask_prompt=False)
     assert (unmasked[0][1] != -100).all()

@@ -14,6 +14,7 @@ from lit_model.model.loss import linear_cross_entropy
 
 CPU = kernel_policy("cpu")
 from lit_model.methods.lora import LoRAConfig, apply_lora
+from lit_model.methods.objective import CausalLM, mean_loss
 
 
 def reference_loss(x, weight, bias, targets, softcap=None):
@@ -94,7 +95,6 @@ def tiny_model() -> GPT:
     model = GPT(Config(name="t", block_size=32, vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2,
                        intermediate_size=64, tie_embeddings=False))
     model.init_weights()
-    model.loss_chunk_size = 24
     return model
 
 
@@ -103,8 +103,9 @@ def test_double_backward_falls_back_to_checkpointed_chunks():
     path, with the same loss and gradients."""
     tokens = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0))
     fused, plain = tiny_model(), tiny_model()
-    plain.loss_differentiable_twice = True
-    losses = [model(tokens[:, :-1], targets=tokens[:, 1:]) for model in (fused, plain)]
+    objectives = (CausalLM(chunk_size=24), CausalLM(chunk_size=24, differentiable_twice=True))
+    losses = [mean_loss(objective, model, (tokens[:, :-1], tokens[:, 1:]))
+              for objective, model in zip(objectives, (fused, plain))]
     torch.testing.assert_close(losses[0], losses[1])
     grads = [torch.autograd.grad(loss, list(model.parameters()), create_graph=model is plain)
              for loss, model in zip(losses, (fused, plain))]
@@ -119,7 +120,7 @@ def test_lora_head_takes_the_checkpointed_path():
     tokens = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0))
     model = tiny_model()
     apply_lora(model, LoRAConfig(r=4, alpha=8, dropout=0.0, head=True))
-    loss = model(tokens[:, :-1], targets=tokens[:, 1:])
+    loss = mean_loss(CausalLM(chunk_size=24), model, (tokens[:, :-1], tokens[:, 1:]))
     with torch.no_grad():
         expected = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64).float(), tokens[:, 1:].reshape(-1))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)

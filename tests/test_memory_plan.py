@@ -27,6 +27,7 @@ from lit_model.run import Run, resolve_run
 from lit_model.train.args import TrainArgs
 from lit_model.train.optimizers import build_optimizer
 from lit_model.plan.trace import optimizer_state_bytes, trace_training
+from lit_model.methods.objective import CausalLM, mean_loss
 
 GB = 10**9
 ROOT = Path(__file__).resolve().parents[1]
@@ -937,7 +938,7 @@ def _real_optimizer_state_bytes(config: Config, optimizer: str) -> int:
     optim = build_optimizer(model, optimizer, learning_rate=1e-4, device_type="cpu", param_dtype=torch.bfloat16)
     for _ in range(2):
         idx = torch.randint(0, config.vocab_size, (2, 128))
-        model(idx, targets=idx).backward()
+        mean_loss(CausalLM(), model, (idx, idx)).backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
     return optimizer_state_bytes(optim)

@@ -12,6 +12,7 @@ import torch
 from conftest import read_metrics
 from lit_model import GPT, Config
 from lit_model.core.errors import UserError
+from lit_model.methods.objective import CausalLM
 from lit_model.train.recovery import SIMULATED_CAP_ENV
 from test_pretrain import pretrain
 
@@ -32,7 +33,7 @@ def fabric():
 
 def make_step(fabric, micro_batch_size: int, recover: bool = True, optimizer_name: str = "AdamW"):
     from lit_model.train.step import TrainStep
-    from lit_model.train.optimizers import build_optimizer
+    from lit_model.train.optimizers import build_optimizer, needs_create_graph
 
     torch.manual_seed(0)
     model = GPT(Config(**TINY))
@@ -44,7 +45,8 @@ def make_step(fabric, micro_batch_size: int, recover: bool = True, optimizer_nam
         reports.append((micro, where, message))
         return f"report {micro} {where}"
 
-    return model, optimizer, TrainStep(fabric, model, optimizer, micro_batch_size, recover, report), reports
+    return model, optimizer, TrainStep(fabric, model, optimizer, CausalLM(differentiable_twice=needs_create_graph(optimizer)),
+                                       micro_batch_size, recover, report), reports
 
 
 def step_batches(masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

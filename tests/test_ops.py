@@ -25,6 +25,7 @@ from lit_model.kernels import attention as attention_module
 from lit_model.kernels.ops import (FP32_LINEAR_ENV, _RMSNorm, block_scores, causal_attention_in_blocks,
                                    causal_attention_in_halves, rotate, upcast_rms_norm)
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
+from lit_model.methods.objective import CausalLM, mean_loss
 
 # the CPU's and CUDA's policies, as the code that places a model hands them in (flash_attn, if installed, does not
 # run on CPU tensors)
@@ -205,7 +206,7 @@ def test_attention_in_halves_keeps_only_the_mask_more():
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(idx, targets=idx)
+            mean_loss(CausalLM(), model, (idx, idx))
         return sum(storages.values())
 
     config = Config(name="t", block_size=512, vocab_size=64, padded_vocab_size=64, n_layer=1, n_embd=16, n_head=2,
@@ -381,7 +382,7 @@ def test_a_model_trains_alike_on_either_kernel(kernel):
         kernel(choice)
         torch.manual_seed(0)
         model = GPT.initialized(config)
-        loss = model(idx, targets=idx)
+        loss = mean_loss(CausalLM(), model, (idx, idx))
         loss.backward()
         losses.append(loss.detach())
         grads.append([p.grad for p in model.parameters()])
@@ -538,10 +539,10 @@ def test_model_attends_in_blocks_in_training_steps_on_the_cpu(monkeypatch, plann
     if planned_for:
         model.set_kernel_policy(CUDA)
     with torch.set_grad_enabled(grad):
-        model(idx, targets=idx)
+        mean_loss(CausalLM(), model, (idx, idx))
     assert len(calls) == (2 if blocks else 0)
     calls.clear()
-    model(idx, targets=idx, positions=torch.arange(200).repeat(8, 1))  # packed samples: masks, the flash kernel
+    mean_loss(CausalLM(), model, (idx, idx, torch.arange(200).repeat(8, 1)))  # packed samples: masks, the flash kernel
     assert not calls
 
 
@@ -553,7 +554,7 @@ def test_model_in_blocks_trains_as_with_the_flash_kernel(n_query_groups):
     idx = torch.randint(0, 64, (3, 300), generator=torch.Generator().manual_seed(1))  # over ops.MIN_BLOCK_SCORES
 
     def loss_and_grads(model: GPT):
-        loss = model(idx, targets=idx)
+        loss = mean_loss(CausalLM(), model, (idx, idx))
         return [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, list(model.parameters()))]
 
     model = _tiny_bf16_model(n_query_groups)

@@ -18,6 +18,7 @@ from lit_model.plan.planner import plan_run
 from lit_model.run import resolve_run
 from lit_model.train.recovery import SIMULATED_CAP_ENV
 import test_finetune
+from lit_model.methods.objective import CausalLM
 from test_finetune import finetune
 from test_memory_plan import args as plan_args, tiny as plan_config
 from test_oom import CAP, TINY, make_step
@@ -43,9 +44,8 @@ def instruct_dataset(lengths: list[int], seed: int = 0) -> InstructDataset:
 def summed_loss_and_gradients(model: GPT, batches: list[tuple[torch.Tensor, ...]]) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad()
     total = 0.0
-    for input_ids, targets, *positions in batches:
-        loss = model(input_ids, targets=targets, positions=positions[0] if positions else None)
-        loss = loss * (targets != IGNORE_INDEX).sum()
+    for batch in batches:
+        loss, _ = CausalLM().loss_sum(model, batch)
         loss.backward()
         total += loss.item()
     return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}

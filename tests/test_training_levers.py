@@ -13,6 +13,7 @@ from lit_model import GPT, Config
 from lit_model.core.errors import UsageError
 from lit_model.kernels.ops import block_scores
 from lit_model.train.step import freeze_layers
+from lit_model.methods.objective import CausalLM, mean_loss
 
 CONFIG = dict(name="levers", block_size=128, vocab_size=256, n_layer=4, n_embd=64, n_head=4, n_query_groups=2,
               intermediate_size=128)
@@ -31,8 +32,8 @@ def batch(batch_size: int = 8, length: int = 128) -> tuple[torch.Tensor, torch.T
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def saved_for_backward_bytes(model: GPT, inputs: torch.Tensor, targets: torch.Tensor,
-                             plain_head: bool = False) -> tuple[int, torch.Tensor]:
+def saved_for_backward_bytes(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, plain_head: bool = False,
+                             objective: CausalLM = CausalLM()) -> tuple[int, torch.Tensor]:
     """Bytes of the distinct storages autograd keeps for backward (what activation memory is made of).
     ``plain_head``: the loss as F.cross_entropy on the model's full logits instead of the model's fused loss."""
     storages: dict[int, int] = {}
@@ -49,7 +50,7 @@ def saved_for_backward_bytes(model: GPT, inputs: torch.Tensor, targets: torch.Te
             logits = model(inputs).float()
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         else:
-            loss = model(inputs, targets=targets)
+            loss = mean_loss(objective, model, (inputs, targets))
     return sum(storages.values()), loss
 
 
@@ -95,13 +96,12 @@ def test_bf16_true_halves_weights_and_saved_activations_with_a_close_loss():
 def test_chunked_cross_entropy_equals_the_full_one_and_keeps_no_logits():
     inputs, targets = batch(4, 128)
     reference, full, chunked = make_model(), make_model(), make_model()
-    full.loss_chunk_size, chunked.loss_chunk_size = 0, 64
     reference_bytes, reference_loss = saved_for_backward_bytes(reference, inputs, targets, plain_head=True)
     reference_loss.backward()
     logits_bytes = 4 * 128 * 256 * 4
     head_gradient_bytes = (4 * 128 + 256) * 64 * 4  # what the fused loss keeps instead: d(input), d(weight)
-    for model in (full, chunked):
-        saved, loss = saved_for_backward_bytes(model, inputs, targets)
+    for model, chunk_size in ((full, 0), (chunked, 64)):
+        saved, loss = saved_for_backward_bytes(model, inputs, targets, objective=CausalLM(chunk_size))
         loss.backward()
         assert loss.item() == pytest.approx(reference_loss.item(), abs=1e-5)
         assert saved <= reference_bytes - logits_bytes + head_gradient_bytes
@@ -117,16 +117,16 @@ def test_ignored_targets_do_not_count():
     with torch.no_grad():
         logits = model(inputs)
         expected = torch.nn.functional.cross_entropy(logits[:, 16:].reshape(-1, 256), targets[:, 16:].reshape(-1))
-        assert model(inputs, targets=masked).item() == pytest.approx(expected.item(), abs=1e-6)
+        assert mean_loss(CausalLM(), model, (inputs, masked)).item() == pytest.approx(expected.item(), abs=1e-6)
 
 
 def test_gradient_accumulation_equals_the_full_batch():
     inputs, targets = batch(8, 64)
     full, accumulated = make_model(), make_model()
-    full(inputs, targets=targets).backward()
+    mean_loss(CausalLM(), full, (inputs, targets)).backward()
     for part in range(4):
         rows = slice(2 * part, 2 * part + 2)
-        (accumulated(inputs[rows], targets=targets[rows]) / 4).backward()
+        (mean_loss(CausalLM(), accumulated, (inputs[rows], targets[rows])) / 4).backward()
     for name, grad in gradients(full).items():
         torch.testing.assert_close(gradients(accumulated)[name], grad, rtol=1e-4, atol=1e-6)
 
@@ -144,7 +144,7 @@ def test_freeze_layers_by_count_and_pattern():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     inputs, targets = batch(2, 32)
-    model(inputs, targets=targets).backward()
+    mean_loss(CausalLM(), model, (inputs, targets)).backward()
     optimizer.step()
     for name, parameter in model.named_parameters():
         changed = not torch.equal(before[name], parameter)

@@ -10,17 +10,15 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from lit_model.model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
-from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
 from lit_model.kernels.attention import attention, attention_dtype, softcap
 from lit_model.kernels.ops import linear, rms_norm, rotate, upcast_rms_norm
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
@@ -52,10 +50,6 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed.weight
         # the CPU's until the code that places the model hands in its device's (set_kernel_policy)
         self.set_kernel_policy(kernel_policy("cpu"))
-        # Tokens per cross-entropy chunk when the forward computes the loss; 0 computes all logits at once.
-        self.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE
-        # Set by optimizers that differentiate the gradients again (Sophia's Hessian): the fused loss cannot.
-        self.loss_differentiable_twice = False
         # Recompute every k-th block's activations in backward (0: off, 1: every block); see train/fabric.py.
         self.activation_checkpointing_interval = 0
         # With the above: recompute only the element-wise ops, keep the matmul and attention outputs (activations.py).
@@ -105,10 +99,12 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         input_pos: Optional[torch.Tensor] = None,
-        targets: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab); with ``targets`` (-100 = ignore) the mean loss instead.
+        readout: Optional[Callable[["GPT", torch.Tensor], Any]] = None,
+    ) -> Any:
+        """Logits of shape (batch, time, vocab); with ``readout`` what it makes of the model and the final hidden
+        states (batch, time, embedding) instead: an objective's loss (methods/objective.py), which runs inside the
+        forward so that whatever wraps the model (precision, FSDP's gathering) covers it too.
 
         ``input_pos`` (1-D, the positions of ``idx``'s tokens) switches to KV-cache decoding; see
         ``set_kv_cache``. ``positions`` (batch, time), for training on packed sequences: each token's RoPE
@@ -150,9 +146,7 @@ class GPT(nn.Module):
                 else:
                     x = block(x, cos, sin, input_pos, None, masks)
         x = self.norm_f(x)
-        if targets is None:
-            return self.head(x)
-        return self.chunked_loss(x, targets)
+        return self.head(x) if readout is None else readout(self, x)
 
     def document_masks(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[Optional[int], torch.Tensor]:
         """The additive attention masks of packed sequences, per sliding window (None: no window), built once per
@@ -168,31 +162,6 @@ class GPT(nn.Module):
         if self.config.final_logit_softcapping is not None:
             logits = softcap(logits, self.config.final_logit_softcapping)
         return logits
-
-    def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy in fp32, ``loss_chunk_size`` tokens at a time, so the (tokens x vocab) logits are
-        never all alive at once."""
-        x = x.reshape(-1, x.size(-1))
-        targets = targets.reshape(-1)
-        return self._loss_sum(x, targets) / (targets != -100).sum().clamp(min=1)
-
-    def _loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        chunk = self.loss_chunk_size if self.loss_chunk_size > 0 else x.size(0)
-        if plain_linear(self.lm_head) and not self.loss_differentiable_twice:
-            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets, chunk,
-                                        self.config.final_logit_softcapping, onednn=self.kernel_policy.onednn_fp32_linear)
-        # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
-        total = x.new_zeros((), dtype=torch.float32)
-        for start in range(0, x.size(0), chunk):
-            x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
-            if chunk < x.size(0) and torch.is_grad_enabled():
-                total = total + checkpoint(self._chunk_loss_sum, x_chunk, t_chunk, use_reentrant=False)
-            else:
-                total = total + self._chunk_loss_sum(x_chunk, t_chunk)
-        return total
-
-    def _chunk_loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(x).float(), targets, ignore_index=-100, reduction="sum")
 
     # ---- generation --------------------------------------------------------------------------
     def set_kv_cache(

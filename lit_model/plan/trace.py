@@ -54,6 +54,7 @@ from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
 from lit_model.run import Run
 from lit_model.train.fabric import configure_model
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
+from lit_model.train.session import causal_lm
 from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
 
 try:
@@ -530,7 +531,8 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             for moment in moments.values():
                 tracker._update_and_maybe_create_winfos(moment, _Ref.OPT)
         optimizer = fabric.setup_optimizers(inner)
-        step = TrainStep(fabric, model, optimizer, B, recover=False, report=lambda *_: "")
+        objective = causal_lm(run, optimizer)
+        step = TrainStep(fabric, model, optimizer, objective, B, recover=False, report=lambda *_: "")
         vocab = config.padded_vocab_size
         micro_steps = min(run.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
         samples = _batch(run, B * micro_steps, vocab)
@@ -559,7 +561,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             try:
                 with kernels(), tracker:
                     tracker.reset_mod_stats()
-                    evaluation_sums(fabric, model, [batch])
+                    evaluation_sums(fabric, model, objective, [batch])
                     results["evaluation"] = _map_categories(tracker.get_tracker_snapshot("peak")[CPU], quant_state)
                     regions["evaluation"] = _map_regions(tracker, quant_state)
             except Exception as error:  # the evaluation's own ops (its loss sums) can fail where the step's did not

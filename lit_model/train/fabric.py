@@ -142,13 +142,12 @@ def launch(fabric: Fabric, run: Run, function: Callable[..., Any], *args: Any) -
 
 def configure_model(model: GPT, run: Run) -> GPT:
     """Apply the per-model levers that are not Fabric's business (activation checkpointing and offloading, the
-    tiled MLP, the loss chunk). The memory planner's trace applies them with this too."""
+    tiled MLP). The memory planner's trace applies them with this too."""
     model.activation_checkpointing_interval = run.ac_interval
     model.activation_checkpointing_selective = run.ac_selective
     if run.activation_offloading is not None:
         model.activation_offloading = ActivationOffloading(run.activation_offloading, run.offload_dir)
     for block in model.blocks:
         block.mlp_tiles = run.mlp_tiles
-    model.loss_chunk_size = run.loss_chunk_size
     model.set_kernel_policy(kernel_policy(run.device_type))  # after LoRA's layers, which take it too
     return model

@@ -30,6 +30,7 @@ from lit_model.core.files import atomic_open, atomic_write
 from lit_model.core.units import format_bytes, peak_rss_bytes
 from lit_model.io.checkpoint import save_checkpoint_dir
 from lit_model.kernels.ops import onednn_fp32_linear
+from lit_model.methods.objective import Objective
 from lit_model.run import Run
 from lit_model.train.args import TrainArgs
 from lit_model.train.loggers import open_loggers
@@ -143,7 +144,7 @@ def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, .
         with paused_in_backward(inner):
             train_step([batch], "in the rehearsal step on the longest batch")
     optimizer.zero_grad(set_to_none=True)
-    evaluate(fabric, model, [max(val_batches, key=lambda b: b[0].numel())])
+    evaluate(fabric, model, train_step.objective, [max(val_batches, key=lambda b: b[0].numel())])
     tmp = out_dir / CHECKPOINTS / ".rehearsal.tmp"
     write_state(fabric, tmp, state, config, save_filter)
     if fabric.global_rank == 0:
@@ -168,6 +169,7 @@ def fit(
     run: Run,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    objective: Objective,
     train_batches: Iterator[Any],
     val_batches: list[Any],
     args: TrainArgs,
@@ -177,7 +179,8 @@ def fit(
     save_filter: Optional[dict[str, Any]] = None,
     rehearsal_batch: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> tuple[Progress, Run]:
-    """Train ``run`` until ``max_steps`` optimizer steps; evaluate, log, checkpoint and honour stop signals.
+    """Train ``run`` until ``max_steps`` optimizer steps of ``objective``; evaluate, log, checkpoint and honour stop
+    signals.
     ``oom_report`` writes the paragraph a step that ran out of memory ends with (the recipes hand in the planner's,
     ``lit_model.plan.oom_report``). ``save_filter`` selects what the resumable checkpoints hold (see
     ``save_resumable``). With ``--rehearse``,
@@ -196,7 +199,7 @@ def fit(
     def report(micro_batch_size: int, where: str, message: str) -> str:
         return oom_report(run.replace(micro_batch_size=micro_batch_size), args, fabric.device, where, message)
 
-    train_step = TrainStep(fabric, model, optimizer, run.micro_batch_size, args.oom_recovery, report)
+    train_step = TrainStep(fabric, model, optimizer, objective, run.micro_batch_size, args.oom_recovery, report)
     # The data position is progress.step: the sampler is a pure function of the step, so it needs no state.
     state = {"model": model, "optimizer": optimizer, "run": progress}
     if args.rehearse and rehearsal_batch is not None:
@@ -242,7 +245,7 @@ def fit(
             is_last = progress.step >= max_steps
             row: dict[str, Any] = {}
             if progress.step % args.eval_interval == 0 or is_last or progress.evaluation_due:
-                val_loss = evaluate(fabric, model, val_batches)
+                val_loss = evaluate(fabric, model, objective, val_batches)
                 progress.evaluation_due = val_loss is None
                 if progress.evaluation_due:
                     stopped = True

@@ -20,7 +20,6 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model.core.units import parse_memory
-from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.train.optimizers import state_tensors
 
 SIMULATED_CAP_ENV = "LIT_MODEL_SIMULATED_MEMORY_CAP"
@@ -100,6 +99,3 @@ def raise_if_any_rank_failed(fabric: Fabric, failures: list[str]) -> None:
     if any_rank(fabric, bool(failures)):
         raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
-
-def count_targets(targets: torch.Tensor) -> torch.Tensor:
-    return (targets != IGNORE_INDEX).sum()

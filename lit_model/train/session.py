@@ -20,6 +20,7 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UserError
 from lit_model.data.instruct import LengthGroupedSampler
 from lit_model.data.text import GlobalBatchSampler
+from lit_model.methods.objective import CausalLM
 from lit_model.model.gpt import GPT
 from lit_model.train.args import TrainArgs
 from lit_model.run import Run
@@ -27,7 +28,7 @@ from lit_model.train.fabric import configure_model
 from lit_model.train.loop import Progress
 from lit_model.train.resumable import STATE_NAME, start_lineage
 from lit_model.train.step import freeze_layers
-from lit_model.train.optimizers import build_optimizer
+from lit_model.train.optimizers import build_optimizer, needs_create_graph
 
 
 def finish(fabric: Fabric) -> None:
@@ -63,6 +64,12 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, run: Run, args: TrainA
         in_backward=run.optimizer_in_backward,
     )
     return model, fabric.setup_optimizers(optimizer)
+
+
+def causal_lm(run: Run, optimizer: Any) -> CausalLM:
+    """The language-model objective of the run: its loss chunk, and a loss that the optimizer can differentiate
+    again where it needs to (Sophia's Hessian)."""
+    return CausalLM(run.loss_chunk_size, needs_create_graph(optimizer))
 
 
 def resume_if_asked(

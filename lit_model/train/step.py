@@ -20,9 +20,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_model.core.errors import STOPS, UsageError, UserError
+from lit_model.methods.objective import Objective
 from lit_model.train.optimizers import hessian_step, needs_create_graph, steps_in_backward
 from lit_model.train.recovery import (
-    StepOutOfMemory, any_rank, catch_out_of_memory, count_targets, raise_if_any_rank_failed, simulated_memory_cap,
+    StepOutOfMemory, any_rank, catch_out_of_memory, raise_if_any_rank_failed, simulated_memory_cap,
     split_batches,
 )
 
@@ -75,33 +76,26 @@ def stop_requested() -> bool:
     return STOPS.requested is not None
 
 
-def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The model's mean loss on ``(input_ids, targets)``, or on packed samples ``(input_ids, targets, positions)``."""
-    input_ids, targets, *positions = batch
-    return model(input_ids, targets=targets, positions=positions[0] if positions else None)
-
-
 # ---- evaluation ----------------------------------------------------------------------------------
-def evaluate(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[float]:
+def evaluate(fabric: Fabric, model: nn.Module, objective: Objective, batches: list[Any]) -> Optional[float]:
     """Mean loss over the same number of batches on every rank (no rank waits for another), or None when a stop
     request cut it short. Before each batch the ranks agree on stopping (one 4-byte all-reduce with several
     processes: evaluation is not the hot path, and under FSDP a rank cannot skip a forward alone)."""
-    sums = evaluation_sums(fabric, model, batches)
+    sums = evaluation_sums(fabric, model, objective, batches)
     return None if sums is None else (sums[0] / sums[1].clamp(min=1)).item()
 
 
 @torch.no_grad()
-def evaluation_sums(fabric: Fabric, model: nn.Module, batches: list[Any]) -> Optional[torch.Tensor]:
-    """The summed token loss and the token count over ``batches`` on all ranks (None: a stop cut it short)."""
+def evaluation_sums(fabric: Fabric, model: nn.Module, objective: Objective, batches: list[Any]) -> Optional[torch.Tensor]:
+    """The objective's summed loss and count over ``batches`` on all ranks (None: a stop cut it short)."""
     model.eval()
     total = torch.zeros(2, device=fabric.device)
     try:
         for batch in batches:
             if any_rank(fabric, stop_requested()):
                 return None
-            loss = batch_loss(model, batch)
-            count = count_targets(batch[1])
-            total += torch.stack([loss.float() * count, count.float()])
+            loss, count = objective.loss_sum(model, batch)
+            total += torch.stack([loss.float(), count.float()])
     finally:
         model.train()
     return fabric.all_reduce(total, reduce_op="sum")
@@ -119,15 +113,16 @@ class TrainStep:
     The loss is the mean over every target token of the step on all ranks, so the gradients do not depend on
     how the samples are split (up to float summation order)."""
 
-    def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, micro_batch_size: int, recover: bool,
-                 report: Callable[[int, str, str], str]) -> None:
-        self.fabric, self.model, self.optimizer = fabric, model, optimizer
+    def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, objective: Objective, micro_batch_size: int,
+                 recover: bool, report: Callable[[int, str, str], str]) -> None:
+        self.fabric, self.model, self.optimizer, self.objective = fabric, model, optimizer, objective
         # An optimizer that steps in backward has stepped part of the parameters when backward runs out of memory:
         # the step cannot be redone in smaller micro batches (nor could they be accumulated)
         recover = recover and not steps_in_backward(optimizer)
         self.micro_batch_size, self.recover, self.report = micro_batch_size, recover, report
         self.create_graph = needs_create_graph(optimizer)
-        unwrap(model).loss_differentiable_twice = self.create_graph
+        if self.create_graph and not objective.differentiable_twice:
+            raise ValueError("this optimizer differentiates the gradients again: hand in an objective built for it")
         # The first micro batch of a step from which a rank asked to stop may skip the rest alone (then waits for
         # the others at the step's agreement point): any on one process; under DDP any but the first, whose forward
         # may broadcast buffers or rebuild gradient buckets (the later no-sync forwards and backwards, and the last
@@ -165,7 +160,8 @@ class TrainStep:
             raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
     def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over ``batches``; returns this rank's summed token loss and its token count.
+        """Forward and backward over ``batches``; returns this rank's summed loss and its count (the objective's:
+        target tokens for a language model).
         The ranks agree on out-of-memory and stop requests before each backward that syncs gradients (DDP: the last
         micro batch's all-reduce, the accumulation micro batches start no collective, so a rank that fails there, or
         is asked to stop where it may skip alone, goes there early and waits; FSDP: every micro batch's
@@ -173,20 +169,20 @@ class TrainStep:
         micro batches it is a local check."""
         fabric = self.fabric
         chunks = split_batches(batches, self.micro_batch_size)
-        counts = [count_targets(chunk[1]) for chunk in chunks]
+        counts = [self.objective.count(chunk) for chunk in chunks]
         local_tokens = sum(counts)
         all_tokens = fabric.all_reduce(local_tokens.float(), reduce_op="sum") if fabric.world_size > 1 else local_tokens.float()
         scale = fabric.world_size / all_tokens.clamp(min=1)  # the ranks average their gradients
         loss_sum = torch.zeros((), device=fabric.device)
         failures: list[str] = []
         last = len(chunks) - 1
-        for index, (chunk, count) in enumerate(zip(chunks, counts)):
+        for index, chunk in enumerate(chunks):
             sync = index == last or self.syncs_every_micro_batch
             if self.first_skippable is not None and index >= self.first_skippable and stop_requested():
                 self.agree(failures)  # raises StepStopped on every rank
             with fabric.no_backward_sync(self.model, enabled=not sync), self.twice_differentiable():
                 with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
-                    loss = batch_loss(self.model, chunk) * count
+                    loss, _ = self.objective.loss_sum(self.model, chunk)
                     if not sync:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                 if failures or sync:

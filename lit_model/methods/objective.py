@@ -1,0 +1,85 @@
+"""What a training step minimises: an objective turns a batch into a summed loss and the count it is averaged over
+(``loss_sum(model, batch) -> (sum, count)``). The step (train/step.py) calls only that, so a method that trains with
+another objective (preference pairs, rollouts) brings its own, and the planner's trace, which runs the step, plans
+it as it is.
+
+The model stays a plain module: an objective hands ``GPT.forward`` a ``readout`` that turns the final hidden states
+into what it needs (here the fused chunked cross-entropy, never the whole logits), inside the model's own forward, so
+that Fabric's precision, FSDP's parameter gathering and DDP's hooks apply to it as to the rest of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lit_model.data.instruct import IGNORE_INDEX
+from lit_model.model.gpt import GPT, plain_linear
+from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
+
+Batch = tuple[torch.Tensor, ...]
+
+
+class Objective(Protocol):
+    # whether its loss can be differentiated twice (optimizers that estimate a Hessian need it)
+    differentiable_twice: bool
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        """What the batch's loss is averaged over (the step scales every micro batch by the whole step's count)."""
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's summed loss (differentiable) and ``count(batch)``."""
+
+
+def mean_loss(objective: Objective, model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The batch's mean loss: its sum over its count (at least 1)."""
+    total, count = objective.loss_sum(model, batch)
+    return total / count.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class CausalLM:
+    """Next-token cross-entropy over ``(input_ids, targets)`` or packed samples ``(input_ids, targets, positions)``
+    (targets of IGNORE_INDEX count for nothing), computed in fp32 ``chunk_size`` tokens at a time (0: all at once) so
+    the (tokens x vocab) logits are never all alive. ``differentiable_twice``: for optimizers that differentiate the
+    gradients again (Sophia's Hessian), which the fused loss cannot."""
+
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    differentiable_twice: bool = False
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, targets, *positions = batch
+        total = model(input_ids, positions=positions[0] if positions else None,
+                      readout=partial(self.readout, targets=targets))
+        return total, self.count(batch)
+
+    def readout(self, model: GPT, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the final hidden states (batch, time, embedding) against ``targets``."""
+        x, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+        chunk = self.chunk_size if self.chunk_size > 0 else x.size(0)
+        if plain_linear(model.lm_head) and not self.differentiable_twice:
+            return linear_cross_entropy(x, model.lm_head.weight, model.lm_head.bias, targets, chunk,
+                                        model.config.final_logit_softcapping,
+                                        onednn=model.kernel_policy.onednn_fp32_linear)
+        # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
+        total = x.new_zeros((), dtype=torch.float32)
+        for start in range(0, x.size(0), chunk):
+            x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
+            if chunk < x.size(0) and torch.is_grad_enabled():
+                total = total + checkpoint(chunk_loss_sum, model, x_chunk, t_chunk, use_reentrant=False)
+            else:
+                total = total + chunk_loss_sum(model, x_chunk, t_chunk)
+        return total
+
+
+def chunk_loss_sum(model: GPT, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model.head(x).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
