@@ -245,7 +245,8 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
     import torch
 
     from lit_model import GPT
-    from lit_model.model.activations import ActivationOffloading
+    from lit_model.parallel.apply import Levers, parallelize
+    from lit_model.parallel.dims import ParallelDims
     from lit_model.model.gpt import default_dtype
     from lit_model.methods.lora import LoRAConfig, apply_lora
     from lit_model.train.optimizers import build_optimizer
@@ -261,12 +262,10 @@ def _build_and_train(job: dict, n_layer: Optional[int], steps: int) -> list[floa
         quantize_model(model, job["quantize"], dtype)
     if job["trainable"] == "lora":
         apply_lora(model, LoRAConfig(r=8, alpha=16, dropout=0.05, mlp=job.get("lora_mlp", False)), dtype=dtype)
-    model.activation_checkpointing_interval = 1 if job["ac"] else 0
-    model.activation_checkpointing_selective = job["ac"] == "selective"
-    if job.get("offload"):
-        model.activation_offloading = ActivationOffloading(job["offload"], tempfile.mkdtemp(prefix="offload-"))
-    for block in model.blocks:
-        block.mlp_tiles = job.get("mlp_tiles", 1)
+    levers = Levers(ac_interval=1 if job["ac"] else 0, ac_selective=job["ac"] == "selective",
+                    mlp_tiles=job.get("mlp_tiles", 1), offload=job.get("offload"),
+                    offload_dir=Path(tempfile.mkdtemp(prefix="offload-")) if job.get("offload") else None)
+    model = parallelize(model, ParallelDims(dp_replicate=1, dp_shard=1), levers)
     model.train()
     optimizer = build_optimizer(model, job.get("optimizer", "AdamW"), 1e-4, weight_decay=0.1, device_type="cpu", param_dtype=dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -31,6 +31,7 @@ from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
 from lit_model.methods.quantize import QUANTIZE_MODES
+from lit_model.parallel.apply import Levers
 from lit_model.parallel.dims import ParallelDims, resolve_parallel_dims
 
 Trainable = Literal["full", "lora", "adapter"]
@@ -95,6 +96,13 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
+
+    @property
+    def levers(self) -> Levers:
+        """What ``parallel.apply.parallelize`` applies to the model itself."""
+        return Levers(ac_interval=self.ac_interval, ac_selective=self.ac_selective, mlp_tiles=self.mlp_tiles,
+                      compile=self.compile, offload=self.activation_offloading, offload_dir=self.offload_dir,
+                      forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch)
 
     @property
     def param_dtype(self) -> torch.dtype:

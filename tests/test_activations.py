@@ -1,4 +1,4 @@
-"""Where activations live (lit_model/model/activations.py): selective activation checkpointing, activation offloading and
+"""Where activations live (lit_model/parallel/activations.py, applied by parallel/apply.py): selective activation checkpointing, activation offloading and
 the tiled MLP each lower the memory of a step -- measured on real tensors with MemTracker and planned by the trace --
 and leave the loss and the gradients as they were."""
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lit_model.model.activations import ActivationOffloading
+from lit_model.parallel.apply import Levers, offloading_of, parallelize
+from lit_model.parallel.dims import ParallelDims
 from lit_model.recipes.cli import parse
 from lit_model.core.errors import UsageError
 from lit_model.plan import plan_run
@@ -58,13 +59,15 @@ def planned(**flags) -> dict:
             "host": plan.host_bytes}
 
 
-def selective(model) -> None:
-    model.activation_checkpointing_interval = 1
-    model.activation_checkpointing_selective = True
+ONE_DEVICE = ParallelDims(dp_replicate=1, dp_shard=1)
 
 
-def full(model) -> None:
-    model.activation_checkpointing_interval = 1
+def with_levers(**levers):
+    """A ``measured`` setup: the levers applied to the model as training applies them."""
+    return lambda model: parallelize(model, ONE_DEVICE, Levers(**levers))
+
+
+selective, full = with_levers(ac_interval=1, ac_selective=True), with_levers(ac_interval=1)
 
 
 @pytest.mark.slow
@@ -78,16 +81,17 @@ def test_selective_checkpointing_keeps_between_none_and_full_with_the_same_numbe
 
 
 def test_disk_offloading_moves_saved_tensors_to_files_and_removes_them(tmp_path):
-    offloading = ActivationOffloading("disk", tmp_path)
+    offloaded = []
     plain = measured(lambda model: None)
-    moved = measured(lambda model: setattr(model, "activation_offloading", offloading))
+    moved = measured(lambda model: offloaded.append(with_levers(offload="disk", offload_dir=tmp_path)(model)))
+    offloading = offloading_of(offloaded[0])
     assert moved[0] < 0.2 * plain[0] and moved[1] < 0.5 * plain[1], (moved[:2], plain[:2])
     assert_same_numbers(moved, plain)
     assert offloading.peak_bytes > 0.7 * plain[0] and offloading.held_bytes == 0
     assert not list(tmp_path.rglob("*.tmp"))  # read back and deleted in backward
     # a step abandoned after its forward (an out-of-memory, a stop) leaves no file behind either
-    model = make_model()
-    model.activation_offloading = offloading
+    model = with_levers(offload="disk", offload_dir=tmp_path)(make_model())
+    offloading = offloading_of(model)
     loss = mean_loss(CausalLM(), model, batch())
     assert list(tmp_path.rglob("*.tmp"))
     del loss
@@ -97,9 +101,10 @@ def test_disk_offloading_moves_saved_tensors_to_files_and_removes_them(tmp_path)
 
 @pytest.mark.slow
 def test_offloading_with_checkpointing_moves_only_the_block_inputs(tmp_path):
-    offloading = ActivationOffloading("disk", tmp_path)
+    offloaded = []
     ac = measured(full)
-    both = measured(lambda model: (full(model), setattr(model, "activation_offloading", offloading)))
+    both = measured(lambda model: offloaded.append(with_levers(ac_interval=1, offload="disk", offload_dir=tmp_path)(model)))
+    offloading = offloading_of(offloaded[0])
     assert both[0] < ac[0]
     assert_same_numbers(both, ac)
     inputs, _ = batch()
@@ -130,11 +135,7 @@ def test_cpu_offloading_is_refused_on_the_cpu_and_offload_dir_needs_disk(tmp_pat
 
 @pytest.mark.slow
 def test_tiled_mlp_keeps_less_with_the_same_numbers():
-    def tiles(model) -> None:
-        for block in model.blocks:
-            block.mlp_tiles = 4
-
-    plain, tiled = measured(lambda model: None), measured(tiles)
+    plain, tiled = measured(lambda model: None), measured(with_levers(mlp_tiles=4))
     assert tiled[0] < 0.75 * plain[0] and tiled[1] < plain[1], (tiled[:2], plain[:2])
     assert_same_numbers(tiled, plain, exact=False)  # the weight gradients are summed over the tiles
     assert planned(mlp_tiles=4)["activations"] < 0.75 * planned()["activations"]

@@ -25,6 +25,8 @@ from lit_model.kernels import attention as attention_module
 from lit_model.kernels.ops import (FP32_LINEAR_ENV, _RMSNorm, block_scores, causal_attention_in_blocks,
                                    causal_attention_in_halves, rotate, upcast_rms_norm)
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
+from lit_model.parallel.apply import Levers, parallelize
+from lit_model.parallel.dims import ParallelDims
 from lit_model.methods.objective import CausalLM, mean_loss
 
 # the CPU's and CUDA's policies, as the code that places a model hands them in (flash_attn, if installed, does not
@@ -559,10 +561,10 @@ def test_model_in_blocks_trains_as_with_the_flash_kernel(n_query_groups):
 
     model = _tiny_bf16_model(n_query_groups)
     in_blocks = loss_and_grads(model)
-    model.activation_checkpointing_interval, model.activation_checkpointing_selective = 1, True
-    for a, b in zip(loss_and_grads(model), in_blocks):
+    selective = parallelize(_tiny_bf16_model(n_query_groups), ParallelDims(dp_replicate=1, dp_shard=1),
+                            Levers(ac_interval=1, ac_selective=True))
+    for a, b in zip(loss_and_grads(selective), in_blocks):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    model.activation_checkpointing_interval = 0
     model.set_kernel_policy(replace(CPU, bf16_attention_in_blocks=False))
     flash = loss_and_grads(model)
     torch.testing.assert_close(in_blocks[0], flash[0], rtol=1e-2, atol=1e-2)

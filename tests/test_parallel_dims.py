@@ -9,6 +9,7 @@ import pytest
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lit_model.core.errors import UsageError
+from lit_model.parallel.apply import Levers
 from lit_model.parallel.backend import fabric_strategy
 from lit_model.parallel.dims import ParallelDims, resolve_parallel_dims
 
@@ -74,7 +75,7 @@ def test_refused_layouts_name_the_fix(flags, message):
 ])
 def test_the_backend_builds_the_fabric_strategy_of_the_layout(flags, strategy_class):
     timeout = datetime.timedelta(seconds=60)
-    strategy = fabric_strategy(resolve_parallel_dims(*flags), "cpu", timeout, True, True)
+    strategy = fabric_strategy(resolve_parallel_dims(*flags), Levers(), "cpu", timeout)
     assert type(strategy) is strategy_class
     if strategy_class is SingleDeviceStrategy:
         assert str(strategy.root_device) == "cpu"

@@ -12,6 +12,8 @@ import torch
 from lit_model import GPT, Config
 from lit_model.core.errors import UsageError
 from lit_model.kernels.ops import block_scores
+from lit_model.parallel.apply import Levers, parallelize
+from lit_model.parallel.dims import ParallelDims
 from lit_model.train.step import freeze_layers
 from lit_model.methods.objective import CausalLM, mean_loss
 
@@ -64,8 +66,7 @@ def test_activation_checkpointing_saves_less_and_gives_the_same_loss_and_gradien
     plain_bytes, plain_loss = saved_for_backward_bytes(plain, inputs, targets)
     plain_loss.backward()
     for interval, ratio in ((1, 0.35), (2, 0.7)):
-        checkpointed = make_model()
-        checkpointed.activation_checkpointing_interval = interval
+        checkpointed = parallelize(make_model(), ParallelDims(dp_replicate=1, dp_shard=1), Levers(ac_interval=interval))
         ckpt_bytes, ckpt_loss = saved_for_backward_bytes(checkpointed, inputs, targets)
         ckpt_loss.backward()
         assert ckpt_bytes < ratio * plain_bytes, (interval, ckpt_bytes, plain_bytes)

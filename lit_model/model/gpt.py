@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lit_model.model.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
 from lit_model.kernels.attention import attention, attention_dtype, softcap
@@ -50,12 +49,6 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed.weight
         # the CPU's until the code that places the model hands in its device's (set_kernel_policy)
         self.set_kernel_policy(kernel_policy("cpu"))
-        # Recompute every k-th block's activations in backward (0: off, 1: every block); see train/fabric.py.
-        self.activation_checkpointing_interval = 0
-        # With the above: recompute only the element-wise ops, keep the matmul and attention outputs (activations.py).
-        self.activation_checkpointing_selective = False
-        # Where the blocks' saved tensors wait for backward (host memory or files), if not in device memory.
-        self.activation_offloading: Optional[ActivationOffloading] = None
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._max_seq_length = config.block_size
@@ -133,18 +126,8 @@ class GPT(nn.Module):
             cos, sin, masks = as_dtype(cos, dtype), as_dtype(sin, dtype), self.document_masks(positions, dtype)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
-        interval, grad = self.activation_checkpointing_interval, torch.is_grad_enabled()
-        # Offloading sees what the blocks save outside checkpoints: with checkpointing, only the checkpointed blocks'
-        # inputs. cos/sin (and packing's masks) are shared by every block and alive until the end of the forward anyway.
-        offload = self.activation_offloading if grad and self.activation_offloading is not None else None
-        resident = (cos, sin, *(masks or {}).values())
-        with offload(resident=resident) if offload is not None else contextlib.nullcontext():
-            for i, block in enumerate(self.blocks):
-                if interval and i % interval == 0 and grad:
-                    x = checkpointed(block, x, cos, sin, input_pos, None, masks,
-                                     selective=self.activation_checkpointing_selective)
-                else:
-                    x = block(x, cos, sin, input_pos, None, masks)
+        for block in self.blocks:
+            x = block(x, cos, sin, input_pos, None, masks)
         x = self.norm_f(x)
         return self.head(x) if readout is None else readout(self, x)
 
@@ -231,11 +214,6 @@ class Block(nn.Module):
             self.norm_2 = make_norm(config, config.n_embd) if config.pre_norm else nn.Identity()
         self.mlp = MLP_CLASSES[config.mlp_class_name](config)
         self.post_mlp_norm = make_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
-        # > 1: the MLP runs (and is recomputed) in this many slices of the sequence (activations.tiled)
-        self.mlp_tiles = 1
-
-    def run_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled(self.mlp, x, self.mlp_tiles) if self.mlp_tiles > 1 and x.size(1) > 1 else self.mlp(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
                 input_pos_maxp1: Optional[int] = None,
@@ -245,9 +223,9 @@ class Block(nn.Module):
                                                               document_masks))
         if self.config.parallel_residual:
             mlp_input = x_normed if self.norm_2 is None else self.norm_2(x)
-            return x + attention_output + self.post_mlp_norm(self.run_mlp(mlp_input))
+            return x + attention_output + self.post_mlp_norm(self.mlp(mlp_input))
         x = x + attention_output
-        return x + self.post_mlp_norm(self.run_mlp(self.norm_2(x)))
+        return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
 
 
 class CausalSelfAttention(nn.Module):

@@ -8,13 +8,14 @@ import torch
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from lit_model.parallel.dims import ParallelDims
-from lit_model.parallel.fsdp import fsdp_mesh, shard_model
+from lit_model.parallel.apply import Levers, parallelize
+from lit_model.parallel.fsdp import fsdp_mesh
 
 
-def fabric_strategy(dims: ParallelDims, device_type: str, timeout: datetime.timedelta, forward_prefetch: bool,
-                    backward_prefetch: bool) -> Strategy:
+def fabric_strategy(dims: ParallelDims, levers: Levers, device_type: str, timeout: datetime.timedelta) -> Strategy:
     """One device as it is; DDP's replicas; or FSDP2 through ``ModelParallelStrategy`` (which, unlike Fabric's FSDP1
-    strategy, also runs on the CPU with gloo). ``forward_prefetch`` / ``backward_prefetch``: FSDP's, per block."""
+    strategy, also runs on the CPU with gloo), whose setup applies ``parallelize`` (the levers, then FSDP) with its
+    mesh. Without FSDP the levers are applied before setup (``apply.parallelize_outside_strategy``)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if dims.single:
         return SingleDeviceStrategy(device=torch.device("cuda:0" if device_type == "cuda" else "cpu"))
@@ -23,8 +24,8 @@ def fabric_strategy(dims: ParallelDims, device_type: str, timeout: datetime.time
         # DistributedDataParallel docs, gradient_as_bucket_view); the optimizer and clipping read them as usual
         return DDPStrategy(process_group_backend=backend, timeout=timeout, gradient_as_bucket_view=True)
     return ModelParallelStrategy(
-        parallelize_fn=lambda model, mesh: shard_model(model, fsdp_mesh(mesh, dims, device_type), dims, device_type,
-                                                       forward_prefetch, backward_prefetch),
+        parallelize_fn=lambda model, mesh: parallelize(model, dims, levers, fsdp_mesh(mesh, dims, device_type),
+                                                       device_type),
         data_parallel_size=dims.dp_replicate * dims.dp_shard,
         tensor_parallel_size=dims.tp,
         process_group_backend=backend,

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lit_model.model.activations import MIN_OFFLOAD_BYTES
+from lit_model.parallel.activations import MIN_OFFLOAD_BYTES
 from lit_model.core.config import Config
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import lora_target_names, quantized_weight_bytes

@@ -4,7 +4,7 @@ bitsandbytes layers as stand-ins of the same tensors, see modules.py), set it up
 run's precision and run the fit loop's own step (``TrainStep``: micro batches, loss scaling, backward, the
 optimizer update) twice and its evaluation once under ``MemTracker``; read the peak of live tensor bytes by
 category, and the state left after the step (what a checkpoint is saved from). FSDP runs are sharded by the
-scripts' own ``shard_model`` over PyTorch's fake process group, so this process holds one rank's share (HYBRID_SHARD
+scripts' own ``parallelize`` (levers, then FSDP) over PyTorch's fake process group, so this process holds one rank's share (HYBRID_SHARD
 and cpu_offload included). The model carries no switch for the planner.
 
 Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
@@ -48,11 +48,11 @@ from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import apply_lora
 from lit_model.model.gpt import GPT, default_dtype
-from lit_model.parallel.fsdp import fsdp_mesh, shard_model
+from lit_model.parallel.apply import offloading_of, parallelize
+from lit_model.parallel.fsdp import fsdp_mesh
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
 from lit_model.run import Run
-from lit_model.train.fabric import configure_model
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
 from lit_model.train.session import causal_lm
 from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
@@ -488,7 +488,7 @@ def trace_training(run: Run, phases: tuple[str, ...] = ("train_step", "evaluatio
     """Peak tensor bytes of one rank, per phase and category: the fit loop's own step (``TrainStep``: its micro
     batches, loss scaling, backward and optimizer update) and evaluation (``evaluation_sums``) on the run's model,
     set up by a one-process Fabric with the run's precision; under FSDP the model is sharded by the scripts'
-    ``shard_model`` over a fake process group of the run's ranks."""
+    ``parallelize`` over a fake process group of the run's ranks."""
     with _fake_process_group(run) as mesh:
         return _trace(run, phases, mesh)
 
@@ -511,13 +511,12 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             model.max_seq_length = T
         tracker = _Tracker(vocab_size=config.padded_vocab_size, tied_shapes=_tied_shapes(model))
         _adapt(model, run, tracker)
-        configure_model(model, run)
         model.set_kernel_policy(traced_policy(run.device_type))
-        offloading = model.activation_offloading  # the fake tensors it drops: their bytes are host memory
         quant_state = _quant_state_bytes(model)  # a buffer: FSDP does not shard it
-        if mesh is not None:
-            model = shard_model(model, mesh, run.parallel, "cpu", run.forward_prefetch,  # "cpu": where the fake shards live
-                                run.backward_prefetch)
+        # the levers as training applies them (compile's memory is the calibration's), then FSDP's shards over the fake
+        # mesh, on the CPU where the fake tensors live
+        model = parallelize(model, run.parallel, replace(run.levers, compile=False), mesh, "cpu")
+        offloading = offloading_of(model)  # the fake tensors it drops: their bytes are host memory
         # FSDP's cpu_offload: the shards (and their gradients and the optimizer state) live in host memory, where
         # the optimizer steps; the fake tensors all live on the CPU, so their bytes are taken off the device's below
         shards = grad_shards = 0

@@ -1,5 +1,5 @@
-"""The one Fabric setup every training script uses: accelerator, precision, strategy, sharding, offload,
-activation checkpointing.
+"""The one Fabric setup every training script uses: accelerator, precision and the strategy of the run's layout
+(parallel/backend.py; under FSDP its setup applies the levers, parallel/apply.py), the allocator and heap settings.
 
 FSDP is FSDP2 (``fully_shard`` per transformer block) through Fabric's ``ModelParallelStrategy``: it runs
 on GPUs and, with gloo, on the CPU, which Fabric's FSDP1 strategy refuses.
@@ -18,10 +18,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lit_model.model.activations import ActivationOffloading
 from lit_model.core.errors import STOPS, UserError
-from lit_model.kernels.policy import kernel_policy
-from lit_model.model.gpt import GPT
 from lit_model.parallel.backend import fabric_strategy
 from lit_model.run import ALLOC_CONF_VARIABLES, CPU_HEAP, Run
 
@@ -92,7 +89,7 @@ def setup_fabric(run: Run) -> Fabric:
     if run.device_type == "cpu" and run.devices > 1 and "OMP_NUM_THREADS" not in os.environ:
         # The processes share the cores: more threads than cores makes every step many times slower.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // run.devices))
-    strategy = fabric_strategy(run.parallel, run.device_type, timeout, run.forward_prefetch, run.backward_prefetch)
+    strategy = fabric_strategy(run.parallel, run.levers, run.device_type, timeout)
     return Fabric(
         accelerator=run.device_type,
         devices=run.devices,
@@ -138,16 +135,3 @@ def launch(fabric: Fabric, run: Run, function: Callable[..., Any], *args: Any) -
             "stopped), then continue from the newest checkpoint with --resume auto; raise --timeout if a rank "
             "legitimately needs longer (e.g. writing a large checkpoint)."
         ) from None
-
-
-def configure_model(model: GPT, run: Run) -> GPT:
-    """Apply the per-model levers that are not Fabric's business (activation checkpointing and offloading, the
-    tiled MLP). The memory planner's trace applies them with this too."""
-    model.activation_checkpointing_interval = run.ac_interval
-    model.activation_checkpointing_selective = run.ac_selective
-    if run.activation_offloading is not None:
-        model.activation_offloading = ActivationOffloading(run.activation_offloading, run.offload_dir)
-    for block in model.blocks:
-        block.mlp_tiles = run.mlp_tiles
-    model.set_kernel_policy(kernel_policy(run.device_type))  # after LoRA's layers, which take it too
-    return model

@@ -21,10 +21,11 @@ from lit_model.core.errors import UserError
 from lit_model.data.instruct import LengthGroupedSampler
 from lit_model.data.text import GlobalBatchSampler
 from lit_model.methods.objective import CausalLM
+from lit_model.kernels.policy import kernel_policy
 from lit_model.model.gpt import GPT
+from lit_model.parallel.apply import parallelize_outside_strategy
 from lit_model.train.args import TrainArgs
 from lit_model.run import Run
-from lit_model.train.fabric import configure_model
 from lit_model.train.loop import Progress
 from lit_model.train.resumable import STATE_NAME, start_lineage
 from lit_model.train.step import freeze_layers
@@ -45,14 +46,8 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, run: Run, args: TrainA
     frozen = freeze_layers(model, run.freeze_layers)
     if frozen:
         fabric.print(f"Frozen: {frozen:,} parameters ({args.freeze_layers})")
-    configure_model(model, run)
-    if run.compile:
-        # Block by block, in place (regional compilation, as torchtune and torchtitan do): every block compiles to the
-        # same code once, and the fused loss stays eager. Compiling the whole model made inductor keep every loss
-        # chunk's logits gradient at once (pythia-160m 8 x 1,024 on a GPU: +0.83 GB over eager; blocks: eager's).
-        for block in model.blocks:
-            block.compile()
-    model = fabric.setup(model)
+    model.set_kernel_policy(kernel_policy(run.device_type))  # after LoRA's layers, which take it too
+    model = fabric.setup(parallelize_outside_strategy(model, run.parallel, run.levers))
     optimizer = build_optimizer(
         model,
         run.optimizer,

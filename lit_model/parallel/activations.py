@@ -3,8 +3,8 @@ attention outputs, recompute the element-wise ops), activation offloading (saved
 or to files until backward needs them) and the tiled MLP (the MLP computed, and recomputed, a sequence tile at
 a time).
 
-The model (``model/gpt.py``) applies them from its attributes, which ``train/fabric.py: configure_model`` sets
-from the run, so the memory planner's trace runs exactly this code. Under the trace the tensors are fake:
+``parallel/apply.py`` wraps the model's blocks and MLPs in them from outside (the model knows none of them), for
+training and for the memory planner's trace alike, so the trace runs exactly this code. Under the trace the tensors are fake:
 offloading then only drops the device tensor and remembers its bytes (``_Dropped``), which is what the trace
 must see (device memory falls, host memory rises); the real destinations write nothing for fake tensors.
 """
