@@ -40,8 +40,9 @@ setup(
         "flash": ["flash-attn"],
         "data": ["datasets>=3"],  # --data NAME, .parquet/.csv and save_to_disk directories
         "loggers": LOGGERS,  # --logger tensorboard, wandb, mlflow
-        # peft: the DoRA parity test's reference implementation (tests only, like transformers)
-        "test": ["pytest", "transformers>=5", "peft>=0.17", "bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18",
+        # peft: the DoRA parity test's reference implementation; trl: the preference losses' (tests only, like
+        # transformers)
+        "test": ["pytest", "transformers>=5", "peft>=0.17", "trl>=1.16", "bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18",
                  "matplotlib", "datasets>=3", *LOGGERS],
         "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18", "matplotlib", "datasets>=3", *LOGGERS],
     },

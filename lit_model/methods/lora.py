@@ -23,11 +23,12 @@ its magnitude), in full precision, from the stored base weights (never from a qu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -118,6 +119,7 @@ class LoRALayer:
     lora_B: nn.Parameter
     lora_magnitude: Optional[nn.Parameter]  # DoRA's, per output feature; None: plain LoRA
     kernel_policy: KernelPolicy  # the model's (apply_lora; GPT.set_kernel_policy later)
+    lora_enabled = True  # False: the base layer alone (adapters_disabled)
 
     def _init_lora(self, config: LoRAConfig, dtype: torch.dtype) -> None:
         device = self.bias.device if self.bias is not None else self.weight.device
@@ -139,6 +141,8 @@ class LoRALayer:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # type: ignore[misc]
+        if not self.lora_enabled:
+            return out
         dropped, scaling = x, self.lora_scaling
         if self.training and isinstance(self.lora_dropout, nn.Dropout):
             dropped, factor = dropout_before_linear(x, self.lora_dropout.p, self.kernel_policy.unscaled_dropout)
@@ -167,6 +171,20 @@ def _lora_class(base: type) -> type:
     if base not in _LORA_CLASSES:
         _LORA_CLASSES[base] = type(f"LoRA{base.__name__}", (LoRALayer, base), {"__module__": __name__})
     return _LORA_CLASSES[base]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within this block ``model``'s LoRA layers compute their base layers alone: the model before fine-tuning (the
+    reference of preference training, with no second copy of the weights)."""
+    layers = [module for module in model.modules() if isinstance(module, LoRALayer)]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.lora_enabled  # back to the class's True
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -72,14 +72,26 @@ class CausalLM:
                                         onednn=model.kernel_policy.onednn_fp32_linear)
         # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
         total = x.new_zeros((), dtype=torch.float32)
-        for start in range(0, x.size(0), chunk):
-            x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
-            if chunk < x.size(0) and torch.is_grad_enabled():
-                total = total + checkpoint(chunk_loss_sum, model, x_chunk, t_chunk, use_reentrant=False)
-            else:
-                total = total + chunk_loss_sum(model, x_chunk, t_chunk)
+        for chunk_sum in over_chunks(partial(token_losses, reduction="sum"), model, x, targets, chunk):
+            total = total + chunk_sum
         return total
 
 
-def chunk_loss_sum(model: GPT, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model.head(x).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+def token_losses(model: GPT, x: torch.Tensor, targets: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+    """The head's fp32 cross-entropy of hidden states ``x`` (tokens, embedding) against ``targets``: per token (0
+    where ignored), or summed."""
+    return F.cross_entropy(model.head(x).float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def over_chunks(function: Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tensor], model: GPT, x: torch.Tensor,
+                targets: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """``function(model, rows of x, their targets)`` ``chunk`` rows at a time; with gradients each chunk is
+    checkpointed (its logits recomputed in backward), so one chunk's (chunk x vocab) logits are alive at a time."""
+    results = []
+    for start in range(0, x.size(0), chunk):
+        x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
+        if chunk < x.size(0) and torch.is_grad_enabled():
+            results.append(checkpoint(function, model, x_chunk, t_chunk, use_reentrant=False))
+        else:
+            results.append(function(model, x_chunk, t_chunk))
+    return results

@@ -1,0 +1,131 @@
+"""Preference objectives: DPO and its kin (IPO, SimPO, ORPO) train on pairs of completions of one prompt, the chosen
+and the rejected, from each completion's log-probability under the policy (summed over its tokens, or averaged).
+
+A batch is ``(input_ids, targets)`` of shape (pairs, 2, time), the chosen completion first, targets IGNORE_INDEX
+outside the completion (prompt and padding); DPO and IPO also need the reference's log-probabilities, either in the
+batch as a third part of shape (pairs, 2) (computed before training) or from the model itself with its adapters
+switched off (``reference``: LoRA's base is the reference, no second model). The step splits a batch by pairs, and
+the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
+recomputed in backward): the vocabulary-wide logits of a batch never exist.
+
+The losses and logged rewards are TRL's (``DPOTrainer`` loss_type "sigmoid" and "ipo", ``CPOTrainer`` "simpo",
+``ORPOTrainer``): tests/test_preference.py holds them to TRL's own functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, ContextManager, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_model.data.instruct import IGNORE_INDEX
+from lit_model.model.gpt import GPT
+from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+from lit_model.methods.objective import Batch, over_chunks, token_losses
+
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
+# the losses that compare the policy with a reference (the others are reference-free)
+WITH_REFERENCE = ("dpo", "ipo")
+# the losses of log-probabilities averaged over the completion's tokens (TRL: IPO, SimPO, ORPO)
+AVERAGED = ("ipo", "simpo", "orpo")
+
+
+@dataclass(frozen=True)
+class PreferenceMetrics:
+    """What a batch of pairs logs, under TRL's names: sums over its pairs (detached tensors; ``means`` reads them)."""
+
+    pairs: int
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    accuracies: torch.Tensor
+    margins: torch.Tensor
+
+    def means(self) -> dict[str, float]:
+        n = max(self.pairs, 1)
+        return {"rewards/chosen": self.chosen_rewards.item() / n, "rewards/rejected": self.rejected_rewards.item() / n,
+                "rewards/accuracies": self.accuracies.item() / n, "rewards/margins": self.margins.item() / n}
+
+
+def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed log-probability of each row's targets (rows, time) and each row's number of targets, from the
+    final hidden states (rows, time, embedding): a readout of ``GPT.forward``."""
+    x, flat = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    losses = over_chunks(token_losses, model, x, flat, chunk_size if chunk_size > 0 else x.size(0))
+    log_probs = -torch.cat(losses).view(targets.shape)  # ignored targets: 0
+    return log_probs.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
+
+
+def pair_losses(loss: str, beta: float, log_probs: torch.Tensor, lengths: torch.Tensor,
+                ref_log_probs: Optional[torch.Tensor], simpo_gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's loss and its (chosen, rejected) rewards, detached, from the summed log-probabilities of its two
+    completions (pairs, 2), their target counts and the reference's (WITH_REFERENCE losses). As TRL: DPO's and IPO's
+    rewards are beta times the summed log-ratios, SimPO's and ORPO's beta times the averaged log-probabilities."""
+    average = log_probs / lengths.clamp(min=1)
+    if loss in WITH_REFERENCE:
+        ratio = log_probs - ref_log_probs
+        if loss == "dpo":  # DPO (Rafailov et al. 2023, eq. 7)
+            losses = -F.logsigmoid(beta * (ratio[:, 0] - ratio[:, 1]))
+        else:  # IPO (Azar et al. 2023, eq. 17) on log-ratios averaged over the tokens, as TRL
+            averaged = ratio / lengths.clamp(min=1)
+            losses = (averaged[:, 0] - averaged[:, 1] - 1 / (2 * beta)) ** 2
+        return losses, beta * ratio.detach()
+    chosen, rejected = average[:, 0], average[:, 1]
+    if loss == "simpo":  # SimPO (Meng et al. 2024, eq. 6): reference-free, with a target margin gamma
+        losses = -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma)
+    elif loss == "orpo":  # ORPO (Hong et al. 2024, eq. 6-7): the chosen completion's NLL plus the odds-ratio term
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        losses = -chosen - beta * F.logsigmoid(log_odds)
+    else:
+        raise ValueError(f"loss {loss!r}: one of {PREFERENCE_LOSSES}")
+    return losses, beta * average.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Mächler 2012), as TRL's."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+@dataclass(frozen=True)
+class Preference:
+    """A preference objective (``loss`` one of PREFERENCE_LOSSES, TRL's defaults). ``reference``: a context in which
+    the model is the reference (LoRA's adapters off, ``lora.adapters_disabled``); None: the reference's
+    log-probabilities come in the batch (or the loss needs none). ``metrics``: called with each batch's
+    PreferenceMetrics (for the logs)."""
+
+    loss: str = "dpo"
+    beta: float = 0.1
+    simpo_gamma: float = 0.5
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    reference: Optional[Callable[[nn.Module], ContextManager]] = None
+    metrics: Optional[Callable[[PreferenceMetrics], None]] = None
+    differentiable_twice: bool = False
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(batch[0].size(0), device=batch[0].device)
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)  # (pairs * 2, time): chosen, rejected, ...
+        readout = partial(sequence_log_probs, targets=targets, chunk_size=self.chunk_size)
+        log_probs, lengths = model(input_ids, readout=readout)
+        ref = None
+        if self.loss in WITH_REFERENCE:
+            if len(batch) > 2:
+                ref = batch[2].reshape(-1, 2).float()
+            elif self.reference is not None:
+                with torch.no_grad(), self.reference(model):
+                    ref = model(input_ids, readout=readout)[0].view(-1, 2)
+            else:
+                raise ValueError(f"{self.loss} needs the reference's log-probabilities: in the batch or a reference")
+        losses, rewards = pair_losses(self.loss, self.beta, log_probs.view(-1, 2), lengths.view(-1, 2), ref,
+                                      self.simpo_gamma)
+        if self.metrics is not None:
+            chosen, rejected = rewards.unbind(1)
+            self.metrics(PreferenceMetrics(pairs=rewards.size(0), chosen_rewards=chosen.sum(),
+                                           rejected_rewards=rejected.sum(), accuracies=(chosen > rejected).sum(),
+                                           margins=(chosen - rejected).sum()))
+        return losses.sum(), self.count(batch)

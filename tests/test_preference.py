@@ -1,0 +1,186 @@
+"""Preference objectives (lit_model/methods/preference.py) against TRL's own code on the same tiny model and batch:
+the completions' log-probabilities against TRL's ``get_batch_logps``, DPO / IPO (and their logged rewards) through
+``DPOTrainer._compute_loss`` itself, SimPO through ``CPOTrainer.cpo_loss``, ORPO through ``ORPOTrainer``'s
+odds-ratio loss plus its NLL term."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_model import GPT, Config
+from lit_model.data.instruct import IGNORE_INDEX
+from lit_model.methods.lora import LoRAConfig, adapters_disabled, apply_lora
+from lit_model.methods.preference import Preference, PreferenceMetrics, sequence_log_probs
+
+trl = pytest.importorskip("trl")
+from trl import DPOTrainer  # noqa: E402
+from trl.experimental.cpo import CPOTrainer  # noqa: E402
+from trl.experimental.orpo import ORPOTrainer  # noqa: E402
+
+VOCAB, PAIRS, LENGTH, PROMPT = 96, 3, 12, 4
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(Config(name="t", block_size=32, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_embd=32,
+                       n_head=4, n_query_groups=2, intermediate_size=64))
+    model.init_weights()
+    return model
+
+
+def pair_batch(equal_lengths: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pairs, 2, LENGTH + 1) token rows (prompt, completion, padding) and the completion mask of the same shape;
+    the chosen and rejected completions of a pair share the prompt and differ in length unless ``equal_lengths``."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (PAIRS, 2, LENGTH + 1), generator=generator)
+    ids[:, 1, :PROMPT] = ids[:, 0, :PROMPT]
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for pair in range(PAIRS):
+        for side in range(2):
+            end = LENGTH + 1 if equal_lengths else LENGTH + 1 - (pair + 2 * side) % 4
+            mask[pair, side, PROMPT:end] = True
+    return ids, mask, mask.sum(-1)
+
+
+def lit_batch(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lit-model's batch: inputs and shifted targets, IGNORE_INDEX outside the completion."""
+    return ids[..., :-1], ids[..., 1:].masked_fill(~mask[..., 1:], IGNORE_INDEX)
+
+
+def full_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for every row of ``ids`` (rows, LENGTH + 1), as TRL's trainers see a model's output."""
+    return model(ids.flatten(0, 1)).float()
+
+
+def policy_log_probs(model: GPT, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    inputs, targets = lit_batch(ids, mask)
+    with torch.no_grad():
+        return model(inputs.flatten(0, 1), readout=lambda m, h: sequence_log_probs(m, h, targets.flatten(0, 1), 5))[0]
+
+
+def test_log_probs_equal_trls_get_batch_logps():
+    model, (ids, mask, _) = tiny_model(), pair_batch()
+    labels = ids.flatten(0, 1).masked_fill(~mask.flatten(0, 1), -100)
+    with torch.no_grad():
+        logits = full_logits(model, ids)
+    for average in (False, True):
+        expected = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=average)
+        inputs, targets = lit_batch(ids, mask)
+        with torch.no_grad():
+            summed, counts = model(inputs.flatten(0, 1), readout=lambda m, h: sequence_log_probs(
+                m, h, targets.flatten(0, 1), chunk_size=7))
+        got = summed / counts if average else summed
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def trl_dpo(loss_type: str, beta: float, log_probs: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor,
+            mask: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """``DPOTrainer._compute_loss`` as TRL runs it, on a model output that carries ``log_probs`` (the per-token
+    log-probabilities, which are what its fused head returns) and precomputed reference log-probabilities."""
+    rows = ids.flatten(0, 1)  # TRL's order: every chosen row, then every rejected row
+    order = torch.cat([torch.arange(0, rows.size(0), 2), torch.arange(1, rows.size(0), 2)])
+    completion = mask.flatten(0, 1)[order].long()
+    per_token = torch.zeros(rows.size(0), rows.size(1) - 1)
+    per_token[:, 0] = log_probs[order]  # only the rows' sums matter to the loss and the rewards
+    output = SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
+                             mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(per_token, dtype=torch.bool))
+    identity = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=identity, aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        beta=beta, label_smoothing=0.0, use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": rows[order], "attention_mask": torch.ones_like(rows), "completion_mask": completion,
+              "ref_chosen_logps": ref.view(-1, 2)[:, 0], "ref_rejected_logps": ref.view(-1, 2)[:, 1]}
+    loss = DPOTrainer._compute_loss(trainer, lambda **kwargs: output, inputs, return_outputs=False)
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo"])
+def test_dpo_and_ipo_equal_trls_loss_and_rewards(loss):
+    beta = 0.2
+    reference, policy = tiny_model(0), tiny_model(1)
+    ids, mask, _ = pair_batch()
+    ref = policy_log_probs(reference, ids, mask)
+    logged: list[PreferenceMetrics] = []
+    objective = Preference(loss=loss, beta=beta, chunk_size=5, metrics=logged.append)
+    inputs, targets = lit_batch(ids, mask)
+    total, count = objective.loss_sum(policy, (inputs, targets, ref.view(PAIRS, 2)))
+    expected, metrics = trl_dpo({"dpo": "sigmoid", "ipo": "ipo"}[loss], beta, policy_log_probs(policy, ids, mask),
+                                ref, ids, mask)
+    assert count.item() == PAIRS
+    assert total.item() / PAIRS == pytest.approx(expected, abs=1e-5)
+    for name, value in logged[0].means().items():
+        assert value == pytest.approx(metrics[name], abs=1e-5), name
+
+
+def test_simpo_equals_trls_cpo_loss():
+    beta, gamma = 2.0, 0.5
+    model, (ids, mask, lengths) = tiny_model(), pair_batch()
+    average = (policy_log_probs(model, ids, mask) / lengths.flatten()).view(-1, 2)
+    cpo = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=0.0,
+                          accelerator=SimpleNamespace(device=torch.device("cpu")))
+    losses, chosen, rejected = CPOTrainer.cpo_loss(cpo, average[:, 0], average[:, 1])
+    logged: list[PreferenceMetrics] = []
+    total, _ = Preference(loss="simpo", beta=beta, simpo_gamma=gamma, metrics=logged.append).loss_sum(
+        model, lit_batch(ids, mask))
+    assert total.item() / PAIRS == pytest.approx(losses.mean().item(), abs=1e-5)
+    assert logged[0].means()["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=1e-5)
+    assert logged[0].means()["rewards/rejected"] == pytest.approx(rejected.mean().item(), abs=1e-5)
+
+
+def test_orpo_equals_trls_odds_ratio_loss_and_nll():
+    """ORPO's NLL term is the chosen completion's mean token NLL per pair (the paper's eq. 6, averaged over pairs);
+    TRL averages it over the batch's chosen tokens instead: the two agree where the chosen completions are equally
+    long, as here."""
+    beta = 0.1
+    model, (ids, mask, lengths) = tiny_model(), pair_batch(equal_lengths=True)
+    average = (policy_log_probs(model, ids, mask) / lengths.flatten()).view(-1, 2)
+    orpo = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device=torch.device("cpu")))
+    ratio_losses = ORPOTrainer.odds_ratio_loss(orpo, average[:, 0], average[:, 1])[0]
+    inputs, targets = lit_batch(ids, mask)
+    with torch.no_grad():
+        logits = model(inputs[:, 0])
+    nll = F.cross_entropy(logits.flatten(0, 1), targets[:, 0].flatten(), ignore_index=IGNORE_INDEX)
+    total, _ = Preference(loss="orpo", beta=beta).loss_sum(model, (inputs, targets))
+    assert total.item() / PAIRS == pytest.approx((nll - ratio_losses.mean()).item(), abs=1e-5)
+
+
+def test_lora_reference_is_the_base_and_dpo_starts_at_ln2():
+    """With LoRA the reference is the model with its adapters off: the base model's log-probabilities; at the start
+    (B = 0) the policy equals it, so DPO's loss is ln 2 and its gradient reaches the adapters."""
+    base, ids_mask = tiny_model(), pair_batch()
+    ids, mask, _ = ids_mask
+    model = tiny_model()
+    apply_lora(model, LoRAConfig(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.normal_(0, 0.5)  # adapters that change the output
+    with adapters_disabled(model):
+        torch.testing.assert_close(policy_log_probs(model, ids, mask), policy_log_probs(base, ids, mask))
+    assert not torch.allclose(policy_log_probs(model, ids, mask), policy_log_probs(base, ids, mask))
+
+    fresh = tiny_model()
+    apply_lora(fresh, LoRAConfig(r=4, alpha=8, dropout=0.0))
+    total, count = Preference(loss="dpo", reference=adapters_disabled, chunk_size=5).loss_sum(fresh, lit_batch(ids, mask))
+    assert total.item() / count.item() == pytest.approx(math.log(2), abs=1e-6)
+    total.backward()
+    assert all(p.grad is not None for n, p in fresh.named_parameters() if n.endswith("lora_A"))
+
+
+def test_the_loss_of_a_batch_is_the_sum_of_its_pairs():
+    """The step splits a batch by pairs: the objective's sums over any split add up to the whole batch's."""
+    model, (ids, mask, _) = tiny_model(), pair_batch()
+    ref = policy_log_probs(tiny_model(1), ids, mask).view(PAIRS, 2)
+    inputs, targets = lit_batch(ids, mask)
+    objective = Preference(loss="dpo", chunk_size=5)
+    whole, _ = objective.loss_sum(model, (inputs, targets, ref))
+    parts = [objective.loss_sum(model, (inputs[i : i + 1], targets[i : i + 1], ref[i : i + 1]))[0] for i in range(PAIRS)]
+    assert whole.item() == pytest.approx(sum(p.item() for p in parts), abs=1e-5)
