@@ -166,10 +166,9 @@ def test_attention_in_halves_equals_causal_attention(n_head, n_kv, length):
     v = torch.randn(2, n_kv, length, 8, generator=generator).requires_grad_()
     upstream = torch.randn(2, length, n_head, 8, generator=generator)
     gqa = n_kv != n_head
-    halves = causal_attention_in_halves(q, k, v, 0.3, gqa)
+    ours = causal_attention_in_halves(q, k, v, 0.3)
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=gqa).transpose(1, 2)
-    assert [h.shape for h in halves] == [(2, length // 2, n_head, 8), (2, length - length // 2, n_head, 8)]
-    ours = torch.cat(halves, dim=1)
+    assert ours.shape == (2, length, n_head, 8) and ours.is_contiguous()
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(ours, (q, k, v), upstream), torch.autograd.grad(reference, (q, k, v), upstream)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -197,8 +196,9 @@ def test_model_attends_in_halves_only_where_it_pays(monkeypatch, length, halves,
 
 
 def test_attention_in_halves_keeps_only_the_mask_more():
-    """The projection keeps views of what attention keeps, not a concatenated copy: a training forward saves the
-    same tensors either way, plus the second half's mask (which SDPA keeps converted to fp32)."""
+    """The halves join in the layout the output projection keeps, which one call's output is copied to as well: a
+    training forward saves the same tensors either way, plus the second half's mask (which SDPA keeps converted to
+    fp32)."""
 
     def saved_bytes(model: GPT, idx: torch.Tensor) -> int:
         storages = {}

@@ -13,29 +13,27 @@ from lit_model.kernels.policy import KernelPolicy, flash_attn_func
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-              softcapping: Optional[float], width: int, policy: KernelPolicy) -> list[torch.Tensor]:
+              softcapping: Optional[float], width: int, policy: KernelPolicy) -> torch.Tensor:
     """Attention of (B, heads, T, head_size) queries over (B, key heads, T_k, head_size) keys and values. Without a
     mask: causal, except that one query sees every key (a decoding step over the cache). ``width``: the model's
-    embedding width, which bounds what attention in blocks may keep. Returns the output as consecutive pieces along
-    time, each (B, T_i, heads, head_size): usually one; the CPU's halves return two, so that a consumer that keeps
-    its input (the output projection) keeps views of what attention keeps, not a concatenated copy."""
+    embedding width, which bounds what attention in blocks may keep. Returns (B, T, heads, head_size)."""
     if softcapping is not None:
-        return [softcapped_attention(q, k, v, mask, scale, softcapping)]
+        return softcapped_attention(q, k, v, mask, scale, softcapping)
     if policy.flash_attn and q.dtype in (torch.float16, torch.bfloat16) and mask is None:
-        return [flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                                causal=True)]
+        return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                               causal=True)
     enable_gqa = k.size(1) != q.size(1)
     if mask is None and attends_in_blocks(q, k, v, width, policy):
-        return [causal_attention_in_blocks(q, *copy_shared_heads(k, v, q.size(1)), scale).transpose(1, 2)]
+        return causal_attention_in_blocks(q, *copy_shared_heads(k, v, q.size(1)), scale).transpose(1, 2)
     if enable_gqa and policy.expands_shared_heads(q.dtype, q.size(-1), mask is not None, q.size(2)):
         k, v = copy_shared_heads(k, v, q.size(1))
         enable_gqa = False
     if mask is None and policy.attends_in_halves(q.size(2)):
-        return causal_attention_in_halves(q, k, v, scale, enable_gqa)
+        return causal_attention_in_halves(q, k, v, scale)
     y = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, scale=scale, enable_gqa=enable_gqa
     )
-    return [y.transpose(1, 2)]
+    return y.transpose(1, 2)
 
 
 def attends_in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, width: int, policy: KernelPolicy) -> bool:

@@ -298,27 +298,58 @@ def cuda_attention_kernel(dtype: torch.dtype, head_size: int, masked: bool, shar
 
 
 def causal_attention_in_halves(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
-) -> list[torch.Tensor]:
-    """Causal ``F.scaled_dot_product_attention`` of (B, heads, T, head_size) inputs as two calls: the first half
-    of the queries against the first half of the keys, the second half against all keys with an explicit mask.
-    Returns the two halves of the output, each (B, T_i, heads, head_size).
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of (B, heads, T, head_size) queries over keys and values with as many or fewer heads (the
+    CPU's kernel takes grouped heads as they are) as two calls of the CPU's flash kernel: the first half of the queries against the first
+    half of the keys, the second half against all keys with an explicit mask. Returns (B, T, heads, head_size).
 
     PyTorch 2.13's CPU flash-attention kernel appears to compute the whole T x T score matrix for T <= 512 and
     mask half of it (its key blocks are 512 long); the two calls skip the upper-right quarter, and
-    benchmarks/results/ops.md measures them against the one call.
-    The halves are returned apart, not concatenated: a consumer that keeps its input (the output projection)
-    can keep views of what attention keeps anyway."""
-    half = q.size(2) // 2
-    first = F.scaled_dot_product_attention(
-        q[:, :, :half], k[:, :, :half], v[:, :, :half], is_causal=True, scale=scale, enable_gqa=enable_gqa
-    )
-    # Query half + i sees keys 0 .. half + i.
-    mask = torch.ones(q.size(2) - half, k.size(2), dtype=torch.bool, device=q.device).tril(half)
-    second = F.scaled_dot_product_attention(
-        q[:, :, half:], k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-    )
-    return [first.transpose(1, 2), second.transpose(1, 2)]
+    benchmarks/results/ops.md measures them against the one call."""
+    return _CausalHalves.apply(q, k, v, scale)
+
+
+class _CausalHalves(torch.autograd.Function):
+    """The two halves written into one output, which is also what backward reads as each half's output: a consumer
+    that keeps the output (the projection after attention) keeps the same storage, as with one call. (Each call's
+    own output, kept by SDPA's backward, would be a second copy once joined.)"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):  # type: ignore[no-untyped-def]
+        B, H, T, D = q.shape
+        half = T // 2
+        # Query half + i sees keys 0 .. half + i: additive, in the inputs' dtype, as SDPA converts a boolean mask
+        visible = torch.ones(T - half, k.size(2), dtype=torch.bool, device=q.device).tril(half)
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        first, lse_first = _flash_cpu(q[:, :, :half], k[:, :, :half], v[:, :, :half], 0.0, True, scale=scale)
+        out[:, :half].copy_(first.transpose(1, 2))
+        del first
+        second, lse_second = _flash_cpu(q[:, :, half:], k, v, 0.0, False, attn_mask=mask, scale=scale)
+        out[:, half:].copy_(second.transpose(1, 2))
+        ctx.save_for_backward(q, k, v, out, lse_first, lse_second, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        q, k, v, out, lse_first, lse_second, mask = ctx.saved_tensors
+        half = q.size(2) // 2
+        grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # (B, heads, T, head_size) views
+        dq_first, dk_first, dv_first = _flash_cpu_backward(
+            grad[:, :, :half], q[:, :, :half], k[:, :, :half], v[:, :, :half], out[:, :, :half], lse_first, 0.0, True,
+            scale=ctx.scale)
+        dq_second, dk, dv = _flash_cpu_backward(grad[:, :, half:], q[:, :, half:], k, v, out[:, :, half:], lse_second,
+                                                0.0, False, attn_mask=mask, scale=ctx.scale)
+        dk[:, :, :half] += dk_first
+        dv[:, :, :half] += dv_first
+        return torch.cat((dq_first, dq_second), dim=2), dk, dv, None
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 # ---- causal attention in query blocks (CPU, bf16 training) -----------------------------------------------------

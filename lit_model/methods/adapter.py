@@ -56,11 +56,8 @@ class AdapterAttention(CausalSelfAttention):
     adapter_prefix: nn.Parameter  # (prompt_length, n_embd)
     adapter_gate: nn.Parameter  # (n_head,), zero at the start
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        pieces = super().attend(q, k, v, mask)
-        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        y = super().attend(q, k, v, mask)
         B, hs, n_kv = q.size(0), self.config.head_size, self.config.n_query_groups
         prefix = self.adapter_prefix.to(q.dtype)
         P = prefix.size(0)
@@ -68,7 +65,7 @@ class AdapterAttention(CausalSelfAttention):
         av = self.value(prefix).view(1, P, n_kv, hs).transpose(1, 2).expand(B, -1, -1, -1)
         ay = F.scaled_dot_product_attention(q, ak, av, scale=self.scale, enable_gqa=n_kv != q.size(1))
         gate = self.adapter_gate.to(ay.dtype).view(1, -1, 1, 1)
-        return [y + (gate * ay).transpose(1, 2)]
+        return y + (gate * ay).transpose(1, 2)
 
 
 def apply_adapter(model: nn.Module, config: AdapterConfig, dtype: Optional[torch.dtype] = None) -> int:

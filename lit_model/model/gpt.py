@@ -292,17 +292,10 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = None  # plain causal
 
-        # Each piece is projected on its own: the projection then keeps (a view of) what attention keeps, not a
-        # concatenated copy; the concatenated output is not kept.
-        pieces = self.attend(q, k, v, mask)
-        if len(pieces) == 1:
-            return self.proj(pieces[0].reshape(B, T, n_head * hs))
-        return torch.cat([self.proj(y.reshape(B, y.size(1), n_head * hs)) for y in pieces], dim=1)
+        return self.proj(self.attend(q, k, v, mask).reshape(B, T, n_head * hs))
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """The output as consecutive pieces along time, each (B, T_i, heads, head_size): ``kernels.attention``."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """(B, T, heads, head_size): ``kernels.attention`` (an adapter adds its prefix's attention here)."""
         return attention(q, k, v, mask, self.scale, self.config.attention_logit_softcapping, self.config.n_embd,
                          self.kernel_policy)
 
