@@ -5,6 +5,7 @@ odds-ratio loss plus its NLL term."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -14,7 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from lit_model import GPT, Config
+from lit_model.core.errors import UserError
 from lit_model.data.instruct import IGNORE_INDEX
+from lit_model.data.preference import collate_pairs, load_preference_data
+from lit_model.io.prompts import PromptStyle
+from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.lora import LoRAConfig, adapters_disabled, apply_lora
 from lit_model.methods.preference import Preference, PreferenceMetrics, sequence_log_probs
 
@@ -184,3 +189,69 @@ def test_the_loss_of_a_batch_is_the_sum_of_its_pairs():
     whole, _ = objective.loss_sum(model, (inputs, targets, ref))
     parts = [objective.loss_sum(model, (inputs[i : i + 1], targets[i : i + 1], ref[i : i + 1]))[0] for i in range(PAIRS)]
     assert whole.item() == pytest.approx(sum(p.item() for p in parts), abs=1e-5)
+
+
+# ---- data: records -> pairs of token rows --------------------------------------------------------------------
+def write_jsonl(path, records) -> None:
+    path.write_text("\n".join(json.dumps(record) for record in records) + "\n")
+
+
+def test_string_and_conversational_records_give_pairs_whose_targets_are_the_completions(tiny_setup, tmp_path):
+    tokenizer = Tokenizer(tiny_setup["tokenizer"])
+    style = PromptStyle.from_name("chatml")
+    records = [
+        {"prompt": "Name a sorting algorithm.", "chosen": "Merge sort.", "rejected": "A spoon."},
+        {"prompt": [{"role": "user", "content": "Say hi."}], "chosen": [{"role": "assistant", "content": "Hi!"}],
+         "rejected": [{"role": "assistant", "content": "No."}]},
+        # an implicit prompt: the messages both conversations share
+        {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]},
+    ]
+    write_jsonl(tmp_path / "pairs.jsonl", records * 4)
+    data = load_preference_data(tmp_path / "pairs.jsonl", tokenizer, style, seq_length=256, val_fraction=0.25)
+    assert len(data.train) + len(data.val) == 12 and "12 records" in data.description
+    expected = {("Merge sort.", "A spoon."), ("Hi!", "No."), ("4", "5")}
+    seen = set()
+    for index in range(len(data.train)):
+        input_ids, targets = data.train[index]
+        assert input_ids.shape == targets.shape == (2, data.train.lengths[index])
+        completions = tuple(tokenizer.decode(row[row != IGNORE_INDEX]) for row in targets)
+        seen.add(tuple(text.replace(style.end, "").strip() for text in completions))
+        # the two rows share the prompt: the tokens before the first target agree
+        first = [int((row != IGNORE_INDEX).nonzero()[0]) for row in targets]
+        assert first[0] == first[1] and torch.equal(input_ids[0, : first[0]], input_ids[1, : first[1]])
+    assert seen == expected
+    batch = collate_pairs([data.train[i] for i in range(3)])
+    assert batch[0].shape[:2] == (3, 2) and batch[0].shape[2] % 64 == 0 and batch[1].shape == batch[0].shape
+
+
+@pytest.mark.parametrize("record, named", [
+    ({"prompt": "p", "chosen": "c"}, "'rejected'"),
+    ({"prompt": "p", "chosen": "c", "rejected": ""}, "'rejected'"),
+    ({"prompt": "p", "chosen": ["c"], "rejected": "r"}, "both strings or both lists"),
+    ({"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "user", "content": "c"}],
+      "rejected": [{"role": "assistant", "content": "r"}]}, "assistant messages"),
+])
+def test_a_bad_record_is_named_with_the_fix(tiny_setup, tmp_path, record, named):
+    good = {"prompt": "p", "chosen": "c", "rejected": "r"}
+    write_jsonl(tmp_path / "pairs.jsonl", [good, good, record, good])
+    with pytest.raises(UserError, match=named) as raised:
+        load_preference_data(tmp_path / "pairs.jsonl", Tokenizer(tiny_setup["tokenizer"]), PromptStyle.from_name("alpaca"),
+                             seq_length=64)
+    assert "line 3 of" in str(raised.value) and "pairs.jsonl" in str(raised.value)  # the record, by file and line
+
+
+def test_preference_batches_feed_the_objective(tiny_setup, tmp_path):
+    """The collated batch is what Preference.loss_sum takes: a SimPO loss on the data, finite, with gradients."""
+    tokenizer = Tokenizer(tiny_setup["tokenizer"])
+    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"Q{i}?", "chosen": "Yes, " * (i + 1), "rejected": "No."}
+                                           for i in range(6)])
+    data = load_preference_data(tmp_path / "pairs.jsonl", tokenizer, PromptStyle.from_name("alpaca"), seq_length=256,
+                                val_fraction=0.2)
+    torch.manual_seed(0)
+    model = GPT(Config(name="t", block_size=256, vocab_size=512, padded_vocab_size=512, n_layer=1, n_embd=32,
+                       n_head=2, n_query_groups=1, intermediate_size=64))
+    total, count = Preference(loss="simpo").loss_sum(model, collate_pairs([data.train[i] for i in range(len(data.train))]))
+    assert count.item() == len(data.train) and torch.isfinite(total)
+    total.backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0

@@ -286,24 +286,11 @@ def load_instruct_data(data_path: Optional[Path], tokenizer: Any, style: PromptS
             records, source = instruct_records(data, None, fields or {})
         else:
             records, source = read_records(data_path, fields), str(data_path)
-        if len(records) < 2:
-            raise UserError(f"{source} holds {len(records)} record(s); a train/val split needs at least 2.")
-        order = np.random.default_rng(seed).permutation(len(records))  # a fixed split, whatever --seed is
-        n_val = min(max(1, round(len(records) * val_fraction)), len(records) - 1)
-        val_records = [records[i] for i in sorted(order[:n_val])]
-        train_records = [records[i] for i in sorted(order[n_val:])]
+        train_records, val_records = split_records(records, source, val_fraction, seed)
         what = f"{source}: {len(records)} records"
     train, train_cut, train_dropped = build_dataset(train_records, tokenizer, style, seq_length, mask_prompt)
     val, val_cut, val_dropped = build_dataset(val_records, tokenizer, style, seq_length, mask_prompt)
-    if len(train) == 0 or len(val) == 0:
-        raise UserError(
-            f"No {'training' if len(train) == 0 else 'validation'} sample keeps a response token within "
-            f"{seq_length} tokens ({train_dropped + val_dropped} samples lost theirs to the cut). Raise "
-            "--override_max_seq_length (up to the model's block size), or use samples with shorter prompts."
-        )
-    cut, dropped = train_cut + val_cut, train_dropped + val_dropped
-    note = f"; {cut} samples were longer than {seq_length + 1} tokens and were cut" if cut else ""
-    note += f" ({dropped} of them lost every response token and were dropped)" if dropped else ""
+    note = cut_note(len(train), len(val), train_cut + val_cut, train_dropped + val_dropped, seq_length, "sample")
     lengths = np.asarray(train.lengths)
     description = (
         f"{what}, {len(train)} train / {len(val)} val samples in the {style.name!r} prompt style, "
@@ -311,6 +298,28 @@ def load_instruct_data(data_path: Optional[Path], tokenizer: Any, style: PromptS
         f"{'prompt masked' if mask_prompt else 'prompt trained'}{note}"
     )
     return InstructData(train, val, description, val.prompts[0])
+
+
+def split_records(records: list[Any], source: str, val_fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """A fixed train/val split of ``records`` (the same whatever --seed is), at least one record on each side."""
+    if len(records) < 2:
+        raise UserError(f"{source} holds {len(records)} record(s); a train/val split needs at least 2.")
+    order = np.random.default_rng(seed).permutation(len(records))
+    n_val = min(max(1, round(len(records) * val_fraction)), len(records) - 1)
+    return [records[i] for i in sorted(order[n_val:])], [records[i] for i in sorted(order[:n_val])]
+
+
+def cut_note(n_train: int, n_val: int, cut: int, dropped: int, seq_length: int, unit: str) -> str:
+    """What the cut to ``seq_length`` did, for the data's description; an error when a split lost every ``unit``
+    (a sample, a pair) to it."""
+    if n_train == 0 or n_val == 0:
+        raise UserError(
+            f"No {'training' if n_train == 0 else 'validation'} {unit} keeps a response token within "
+            f"{seq_length} tokens ({dropped} {unit}s lost theirs to the cut). Raise "
+            f"--override_max_seq_length (up to the model's block size), or use {unit}s with shorter prompts."
+        )
+    note = f"; {cut} {unit}s were longer than {seq_length + 1} tokens and were cut" if cut else ""
+    return note + (f" ({dropped} of them lost every response token and were dropped)" if dropped else "")
 
 
 # ---- the default data: the standard library's documented functions ---------------------------------------
