@@ -30,6 +30,7 @@ from lit_model.core.errors import UsageError
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.methods.preference import PreferenceSpec
 from lit_model.methods.quantize import QUANTIZE_MODES
 from lit_model.parallel.apply import Levers
 from lit_model.parallel.dims import ParallelDims, resolve_parallel_dims
@@ -88,6 +89,7 @@ class Run:
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
     packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
+    preference: Optional[PreferenceSpec] = None  # a preference objective (DPO and kin); None: the language-model loss
 
     def __post_init__(self) -> None:  # every comparison downstream is with the OPTIMIZERS spelling
         object.__setattr__(self, "optimizer", canonical_name(self.optimizer) or self.optimizer)

@@ -255,3 +255,24 @@ def test_preference_batches_feed_the_objective(tiny_setup, tmp_path):
     assert count.item() == len(data.train) and torch.isfinite(total)
     total.backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+# ---- the planner traces the step the objective runs ----------------------------------------------------------
+def test_the_planner_traces_the_preference_step():
+    """A preference run's plan is the trace of its own step: pairs of rows through the policy, and with LoRA the
+    reference's forward with the adapters off, which a reference that comes precomputed in the batches does not
+    run; two rows a pair hold about what two rows of supervised fine-tuning hold."""
+    from test_memory_plan import args, resolved, tiny
+
+    from lit_model.methods.preference import PreferenceSpec
+    from lit_model.plan.trace import trace_training
+
+    def peak(micro: int, spec=None) -> int:
+        run = resolved(tiny(n_layer=2), args(micro_batch_size=micro, global_batch_size=micro), "lora",
+                       device_type="cpu")
+        phases = trace_training(run.replace(preference=spec), phases=("train_step",)).phases["train_step"]
+        return sum(phases.values())
+
+    sft, adapters_off, precomputed = peak(4), peak(2, PreferenceSpec("dpo")), peak(2, PreferenceSpec("dpo", reference="precomputed"))
+    assert adapters_off > precomputed
+    assert precomputed == pytest.approx(sft, rel=0.25)

@@ -36,6 +36,10 @@ class Objective(Protocol):
     def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's summed loss (differentiable) and ``count(batch)``."""
 
+    def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
+        """A batch of ``rows`` samples of ``seq_len`` tokens as this objective takes them (random tokens, every one a
+        target): what the memory planner traces."""
+
 
 def mean_loss(objective: Objective, model: nn.Module, batch: Batch) -> torch.Tensor:
     """The batch's mean loss: its sum over its count (at least 1)."""
@@ -48,13 +52,19 @@ class CausalLM:
     """Next-token cross-entropy over ``(input_ids, targets)`` or packed samples ``(input_ids, targets, positions)``
     (targets of IGNORE_INDEX count for nothing), computed in fp32 ``chunk_size`` tokens at a time (0: all at once) so
     the (tokens x vocab) logits are never all alive. ``differentiable_twice``: for optimizers that differentiate the
-    gradients again (Sophia's Hessian), which the fused loss cannot."""
+    gradients again (Sophia's Hessian), which the fused loss cannot. ``packed``: see ``example_batch``."""
 
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     differentiable_twice: bool = False
+    packed: bool = False  # batches of packed samples carry each token's position (their documents' masks)
 
     def count(self, batch: Batch) -> torch.Tensor:
         return (batch[1] != IGNORE_INDEX).sum()
+
+    def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
+        shape = (rows, seq_len)
+        tokens = (torch.randint(0, vocab_size, shape), torch.randint(0, vocab_size, shape))
+        return (*tokens, torch.zeros(shape, dtype=torch.long)) if self.packed else tokens
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, targets, *positions = batch

@@ -91,6 +91,18 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class PreferenceSpec:
+    """A run's preference objective as resolved from its flags: the loss and its parameters, and where the
+    reference's log-probabilities come from ("adapters": the model with its adapters off; "precomputed": the
+    batches; "none": a reference-free loss)."""
+
+    loss: str = "dpo"
+    beta: float = 0.1
+    simpo_gamma: float = 0.5
+    reference: str = "adapters"
+
+
+@dataclass(frozen=True)
 class Preference:
     """A preference objective (``loss`` one of PREFERENCE_LOSSES, TRL's defaults). ``reference``: a context in which
     the model is the reference (LoRA's adapters off, ``lora.adapters_disabled``); None: the reference's
@@ -105,8 +117,17 @@ class Preference:
     metrics: Optional[Callable[[PreferenceMetrics], None]] = None
     differentiable_twice: bool = False
 
+    # the reference's log-probabilities come in the batches (example_batch makes them)
+    precomputed_reference: bool = False
+
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(batch[0].size(0), device=batch[0].device)
+
+    def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
+        """``rows`` pairs of completions of ``seq_len`` tokens each."""
+        shape = (rows, 2, seq_len)
+        tokens = (torch.randint(0, vocab_size, shape), torch.randint(0, vocab_size, shape))
+        return (*tokens, torch.zeros(rows, 2)) if self.precomputed_reference else tokens
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)  # (pairs * 2, time): chosen, rejected, ...

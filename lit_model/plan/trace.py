@@ -54,7 +54,7 @@ from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
 from lit_model.run import Run
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
-from lit_model.train.session import causal_lm
+from lit_model.train.session import objective as session_objective
 from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
 
 try:
@@ -402,14 +402,6 @@ def _adapt(model: GPT, run: Run, tracker: "_Tracker") -> None:
         freeze_layers(model, run.freeze_layers)
 
 
-def _batch(run: Run, rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
-    """Inputs and targets of ``rows`` samples; with --packing also their positions, from which the model builds
-    its document masks."""
-    shape = (rows, run.seq_len)
-    tokens = (torch.randint(0, vocab, shape), torch.randint(0, vocab, shape))
-    return (*tokens, torch.zeros(shape, dtype=torch.long)) if run.packing else tokens
-
-
 def _tied_shapes(model: nn.Module) -> frozenset[tuple[int, ...]]:
     """Shapes of the parameters that sit in two places of the model (a head tied to the embedding)."""
     uses: dict[int, int] = {}
@@ -530,11 +522,11 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
             for moment in moments.values():
                 tracker._update_and_maybe_create_winfos(moment, _Ref.OPT)
         optimizer = fabric.setup_optimizers(inner)
-        objective = causal_lm(run, optimizer)
+        objective = session_objective(run, optimizer)
         step = TrainStep(fabric, model, optimizer, objective, B, recover=False, report=lambda *_: "")
         vocab = config.padded_vocab_size
         micro_steps = min(run.accumulation, 2)  # from the 2nd micro batch on, gradients are resident
-        samples = _batch(run, B * micro_steps, vocab)
+        samples = objective.example_batch(B * micro_steps, run.seq_len, vocab)
         tracker.track_external(*samples)
         results: dict[str, dict[str, int]] = {}
         regions: dict[str, dict[str, dict[str, int]]] = {}
@@ -555,7 +547,7 @@ def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> Tra
         optimizer_state = results["checkpoint_save"]["optimizer_state"]
         host = {f"activation_offloading_{run.activation_offloading}": offloading.peak_bytes} if offloading else {}
         if "evaluation" in phases:
-            batch = _batch(run, run.eval_batch, vocab)
+            batch = objective.example_batch(run.eval_batch, run.seq_len, vocab)
             tracker.track_external(*batch)
             try:
                 with kernels(), tracker:

@@ -224,7 +224,7 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
         f"{run.world_size} process(es), {run.precision})"
     )
     rehearsal_batch = session.longest_batch(fabric, data.train, run, pad, data.train.lengths)
-    return fit(fabric, run, model, optimizer, session.causal_lm(run, optimizer), train_batches, val_batches, args,
+    return fit(fabric, run, model, optimizer, session.objective(run, optimizer), train_batches, val_batches, args,
                max_steps, progress, out_of_memory_report,
                save_filter=save_filter, rehearsal_batch=rehearsal_batch)
 

@@ -98,7 +98,7 @@ def train(fabric: Fabric, run: Run, args: PretrainArgs) -> None:
         f"{run.world_size} process(es), {run.precision})"
     )
     rehearsal_batch = session.longest_batch(fabric, train_data, run)
-    progress, run = fit(fabric, run, model, optimizer, session.causal_lm(run, optimizer), train_batches, val_batches,
+    progress, run = fit(fabric, run, model, optimizer, session.objective(run, optimizer), train_batches, val_batches,
                         args, max_steps, progress, out_of_memory_report, rehearsal_batch=rehearsal_batch)
     if progress.stopped:  # saved and summarized by fit: no final/, no sample
         return

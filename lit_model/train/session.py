@@ -20,7 +20,9 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UserError
 from lit_model.data.instruct import LengthGroupedSampler
 from lit_model.data.text import GlobalBatchSampler
-from lit_model.methods.objective import CausalLM
+from lit_model.methods.lora import adapters_disabled
+from lit_model.methods.objective import CausalLM, Objective
+from lit_model.methods.preference import Preference
 from lit_model.kernels.policy import kernel_policy
 from lit_model.model.gpt import GPT
 from lit_model.parallel.apply import parallelize_outside_strategy
@@ -61,10 +63,16 @@ def setup_model_and_optimizer(fabric: Fabric, model: GPT, run: Run, args: TrainA
     return model, fabric.setup_optimizers(optimizer)
 
 
-def causal_lm(run: Run, optimizer: Any) -> CausalLM:
-    """The language-model objective of the run: its loss chunk, and a loss that the optimizer can differentiate
-    again where it needs to (Sophia's Hessian)."""
-    return CausalLM(run.loss_chunk_size, needs_create_graph(optimizer))
+def objective(run: Run, optimizer: Any) -> Objective:
+    """What the run trains: the language-model loss (its loss chunk, packed samples' positions, a loss that the
+    optimizer can differentiate again where it needs to: Sophia's Hessian), or a preference loss (``run.preference``),
+    whose reference is the model with its adapters off or comes in the batches."""
+    if run.preference is None:
+        return CausalLM(run.loss_chunk_size, needs_create_graph(optimizer), packed=run.packing)
+    spec = run.preference
+    return Preference(spec.loss, spec.beta, spec.simpo_gamma, run.loss_chunk_size,
+                      reference=adapters_disabled if spec.reference == "adapters" else None,
+                      precomputed_reference=spec.reference == "precomputed")
 
 
 def resume_if_asked(
