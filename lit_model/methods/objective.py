@@ -33,12 +33,20 @@ class Objective(Protocol):
     def count(self, batch: Batch) -> torch.Tensor:
         """What the batch's loss is averaged over (the step scales every micro batch by the whole step's count)."""
 
+    def tokens(self, batch: Batch) -> torch.Tensor:
+        """The batch's tokens the run counts (its progress and tokens per second): those with a target."""
+
     def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's summed loss (differentiable) and ``count(batch)``."""
 
     def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
         """A batch of ``rows`` samples of ``seq_len`` tokens as this objective takes them (random tokens, every one a
         target): what the memory planner traces."""
+
+
+def target_tokens(batch: Batch) -> torch.Tensor:
+    """The number of tokens with a target in ``batch`` (input ids, targets, ...)."""
+    return (batch[1] != IGNORE_INDEX).sum()
 
 
 def mean_loss(objective: Objective, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -59,7 +67,10 @@ class CausalLM:
     packed: bool = False  # batches of packed samples carry each token's position (their documents' masks)
 
     def count(self, batch: Batch) -> torch.Tensor:
-        return (batch[1] != IGNORE_INDEX).sum()
+        return target_tokens(batch)
+
+    def tokens(self, batch: Batch) -> torch.Tensor:
+        return target_tokens(batch)
 
     def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
         shape = (rows, seq_len)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.model.gpt import GPT
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from lit_model.methods.objective import Batch, over_chunks, token_losses
+from lit_model.methods.objective import Batch, over_chunks, target_tokens, token_losses
 
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
 # the losses that compare the policy with a reference (the others are reference-free)
@@ -122,6 +122,9 @@ class Preference:
 
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(batch[0].size(0), device=batch[0].device)
+
+    def tokens(self, batch: Batch) -> torch.Tensor:
+        return target_tokens(batch)
 
     def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
         """``rows`` pairs of completions of ``seq_len`` tokens each."""

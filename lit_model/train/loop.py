@@ -220,8 +220,8 @@ def fit(
                 lr = lr_at(progress.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
                 set_lr(optimizer, lr)
                 try:
-                    step_loss, step_tokens = train_step([next(train_batches) for _ in range(run.accumulation)],
-                                                        f"at step {progress.step + 1}")
+                    step_loss, step_count, step_tokens = train_step(
+                        [next(train_batches) for _ in range(run.accumulation)], f"at step {progress.step + 1}")
                 except StepStopped:  # nothing of this step was applied
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
@@ -229,10 +229,11 @@ def fit(
                 train_step.update(run.grad_clip)
                 progress.step += 1
 
-                reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_tokens.float()]), reduce_op="sum")
+                reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_count.float(), step_tokens.float()]),
+                                            reduce_op="sum")
                 progress.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
-                progress.tokens += int(reduced[1].item())
-                window_tokens += int(reduced[1].item())
+                progress.tokens += int(reduced[2].item())
+                window_tokens += int(reduced[2].item())
                 if not math.isfinite(progress.last_train_loss):
                     raise UserError(
                         f"The training loss became {progress.last_train_loss} at step {progress.step}. Lower --learning_rate, "

@@ -159,9 +159,9 @@ class TrainStep:
         if out_of_memory:
             raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
-    def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over ``batches``; returns this rank's summed loss and its count (the objective's:
-        target tokens for a language model).
+    def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward and backward over ``batches``; returns this rank's summed loss, its count (the objective's: target
+        tokens for a language model, pairs for a preference loss) and its tokens (``Objective.tokens``).
         The ranks agree on out-of-memory and stop requests before each backward that syncs gradients (DDP: the last
         micro batch's all-reduce, the accumulation micro batches start no collective, so a rank that fails there, or
         is asked to stop where it may skip alone, goes there early and waits; FSDP: every micro batch's
@@ -170,9 +170,9 @@ class TrainStep:
         fabric = self.fabric
         chunks = split_batches(batches, self.micro_batch_size)
         counts = [self.objective.count(chunk) for chunk in chunks]
-        local_tokens = sum(counts)
-        all_tokens = fabric.all_reduce(local_tokens.float(), reduce_op="sum") if fabric.world_size > 1 else local_tokens.float()
-        scale = fabric.world_size / all_tokens.clamp(min=1)  # the ranks average their gradients
+        local_count = sum(counts)
+        all_count = fabric.all_reduce(local_count.float(), reduce_op="sum") if fabric.world_size > 1 else local_count.float()
+        scale = fabric.world_size / all_count.clamp(min=1)  # the ranks average their gradients
         loss_sum = torch.zeros((), device=fabric.device)
         failures: list[str] = []
         last = len(chunks) - 1
@@ -192,7 +192,7 @@ class TrainStep:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                     raise_if_any_rank_failed(fabric, failures)
             loss_sum += loss.detach()
-        return loss_sum, local_tokens
+        return loss_sum, local_count, sum(self.objective.tokens(chunk) for chunk in chunks)
 
     def update(self, grad_clip: float) -> None:
         """The optimizer step after ``__call__``: gradients clipped to ``grad_clip`` (0: not clipped), stepped, freed."""
@@ -203,7 +203,7 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def __call__(self, batches: list[tuple[torch.Tensor, ...]], where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batches: list[tuple[torch.Tensor, ...]], where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         while True:
             try:
                 return self.accumulate(batches)
