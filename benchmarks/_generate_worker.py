@@ -44,7 +44,7 @@ def main() -> None:
     stamps: list[float] = []
     if args.impl == "lit_model":
         from lit_model import GPT, Config
-        from lit_model.infer.generation import generate
+        from lit_model.infer.decode import generate
 
         model = GPT(Config(name="bench", **ARCH)).to(dtype).eval()
         stamp = lambda row, token: stamps.append(time.perf_counter())  # noqa: E731

@@ -270,7 +270,7 @@ def test_chat_binary_input_through_a_real_pipe(tiny_checkpoint: Path, monkeypatc
 
 
 def test_generated_text_reaches_a_terminal_that_is_not_utf8(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lit_model.infer.generation import stdout_writer
+    from lit_model.infer.stream import stdout_writer
 
     raw = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))  # e.g. PYTHONIOENCODING=ascii

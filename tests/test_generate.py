@@ -13,10 +13,13 @@ from lit_model import GPT, Config
 from lit_model.kernels import ops
 from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
 from lit_model.core.errors import UsageError, UserError
-from lit_model.infer.generation import (
-    ChatSession, TextStream, check_lengths, forward_last, generate, kv_cache_nbytes, load_model, make_generator,
-    sample, set_kv_cache, use_aten_gemv,
-)
+from lit_model.infer.decode import check_lengths, forward_last, generate
+from lit_model.infer.engine import ChatSession, Generator, Sampling
+from lit_model.infer.kv_cache import kv_cache_nbytes, set_kv_cache
+from lit_model.infer.load import Precision, load_model
+from lit_model.infer.sampling import make_generator, sample
+from lit_model.infer.stream import TextStream
+from lit_model.kernels.ops import use_aten_gemv
 from lit_model.io.prompts import STYLES, PromptStyle
 from lit_model.io.tokenizer import Tokenizer, train_bpe
 from lit_model.methods.load import load_gpt
@@ -30,6 +33,11 @@ LOCAL_SOFTCAP = dict(
     attention_logit_softcapping=20.0, final_logit_softcapping=10.0, post_attention_norm=True, post_mlp_norm=True,
     norm_unit_offset=True, scale_embeddings=True, mlp_class_name="GemmaMLP",
 )
+
+
+def greedy(model: GPT) -> Generator:
+    """The inference engine over an fp32 ``model``, decoding greedily."""
+    return Generator(model, Precision("32-true", torch.float32, autocast=None), Sampling(temperature=0))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -256,7 +264,7 @@ def test_chat_keeps_the_conversation_in_the_kv_cache(checkpoint_dir: Path) -> No
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
     style = PromptStyle.from_name("chatml")
-    session = ChatSession(model, tokenizer, style, 256, temperature=0)
+    session = ChatSession(greedy(model), tokenizer, style, 256)
     first = session.send("def add(a, b):", 6)
     after_first, cached_after_first = list(session.tokens), session.cached
     assert after_first[: -len(session.last.tokens[0])] == tokenizer.encode(style.apply("def add(a, b):")).tolist()
@@ -278,7 +286,7 @@ def test_chat_keeps_the_conversation_in_the_kv_cache(checkpoint_dir: Path) -> No
 def test_chat_starts_over_when_the_context_would_overflow(checkpoint_dir: Path) -> None:
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=40)
-    session = ChatSession(model, tokenizer, PromptStyle.from_name("default"), 40, temperature=0)
+    session = ChatSession(greedy(model), tokenizer, PromptStyle.from_name("default"), 40)
     notices: list[str] = []
     session.send("def f(x):", 8, notify=notices.append)
     session.send("return x", 8, notify=notices.append)
@@ -298,7 +306,7 @@ def test_chat_script_reads_piped_input_until_exit(checkpoint_dir: Path) -> None:
     assert "Traceback" not in proc.stderr and "conversation reset" in proc.stderr
     model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
     tokenizer = Tokenizer(checkpoint_dir)
-    session = ChatSession(model, tokenizer, PromptStyle.from_checkpoint(checkpoint_dir), 256, temperature=0)
+    session = ChatSession(greedy(model), tokenizer, PromptStyle.from_checkpoint(checkpoint_dir), 256)
     first, second = session.send("hello there", 5), session.send("and then?", 5)
     assert proc.stdout == f"{first}\n{second}\n{first}\n"
 

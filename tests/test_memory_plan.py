@@ -537,7 +537,7 @@ def test_plans_trace_with_a_memtracker_that_keeps_no_fake_mode(monkeypatch):
 
 
 def test_generation_over_several_gpus_plans_the_fullest_of_the_pipeline():
-    from lit_model.infer.generation import device_map, pipeline_stages
+    from lit_model.infer.load import device_map, pipeline_stages
 
     one = plan_generation(LLAMA2, 512, 128, detect=False)
     two = plan_generation(LLAMA2, 512, 128, detect=False, devices=2)
@@ -587,7 +587,9 @@ def test_generation_trace_is_what_real_tensors_hold(config: Config, precision: s
     cache) equal or a few hundred bytes above."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    from lit_model.infer.generation import forward_last, sample, set_kv_cache
+    from lit_model.infer.decode import forward_last
+    from lit_model.infer.kv_cache import set_kv_cache
+    from lit_model.infer.sampling import sample
     from lit_model.plan.trace import TRACED_TOP_P, _Tracker, trace_generation
     from lit_model.core.precision import param_dtype
 

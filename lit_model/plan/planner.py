@@ -28,7 +28,7 @@ import torch
 from lit_model.io.checkpoint import WEIGHTS_NAME
 from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
-from lit_model.infer.generation import GenerationSetup, pipeline_stages
+from lit_model.infer.load import pipeline_stages
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.plan import analytic
 from lit_model.plan.analytic import CATEGORIES
@@ -964,16 +964,6 @@ def plan_generation(
         plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
                                                    memory, device_type, devices, compile)
     return plan
-
-
-def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_tokens: int, batch_size: int) -> None:
-    """generate/base.py's and chat.py's ``--plan text|json``: the predicted peak memory of generating
-    ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings."""
-    args = setup.args
-    plan = plan_generation(setup.config, prompt_length, max_new_tokens, batch_size, setup.precision.name,
-                           args.quantize, args.device_memory, setup.device_type, devices=args.devices, compile=args.compile)
-    print(plan.to_json() if args.plan == "json" else plan.to_text())
-    check_plan_fits(plan)
 
 
 def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, memory, device_type, devices,

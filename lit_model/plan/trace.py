@@ -42,7 +42,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_map_only
 
 from lit_model.core.config import Config
-from lit_model.infer.generation import forward_last, sample, set_kv_cache
+from lit_model.infer.decode import forward_last
+from lit_model.infer.kv_cache import set_kv_cache
+from lit_model.infer.sampling import sample
 from lit_model.kernels.ops import cuda_attention_kernel
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.adapter import AdapterConfig, apply_adapter

@@ -15,13 +15,9 @@ from typing import Optional
 
 from lit_model.recipes.cli import parse
 from lit_model.core.errors import UsageError, UserError, run_cli
-from lit_model.infer.generation import (
-    ChatSession,
-    GenerationArgs,
-    out_of_memory_hint,
-    prepare_generation,
-    stdout_writer,
-)
+from lit_model.infer.engine import ChatSession
+from lit_model.infer.stream import stdout_writer
+from lit_model.recipes.generation import GenerationArgs, prepare_generation, print_generation_plan
 from lit_model.io.tokenizer import check_utf8
 
 
@@ -53,15 +49,10 @@ def main(args: ChatArgs) -> None:
             "the messages)."
         )
     if args.plan is not None:
-        # the planner imports the training stack (lightning: 2.4 s more at every start), so only --plan loads it
-        from lit_model.plan import print_generation_plan
-
         return print_generation_plan(setup, context - args.max_new_tokens, args.max_new_tokens, 1)
 
-    model = setup.load(max_seq_length=context)
-    with out_of_memory_hint("allocating the KV cache"):
-        session = ChatSession(model, setup.tokenizer, setup.style, context, system=args.system, stop=setup.stop,
-                              cache_dtype=setup.precision.compute_dtype, **setup.sampling(model))
+    session = ChatSession(setup.generator(setup.load(max_seq_length=context)), setup.tokenizer, setup.style, context,
+                          system=args.system, stop=setup.stop)
     interactive = sys.stdin is not None and sys.stdin.isatty()  # None: started with stdin closed, no input
     if interactive:
         name = setup.config.name or setup.checkpoint_dir
@@ -87,8 +78,7 @@ def main(args: ChatArgs) -> None:
         if interactive:
             stdout_writer(">> Model: ")
         try:
-            with setup.generating():
-                session.send(message, args.max_new_tokens, write=stdout_writer, notify=_notify)
+            session.send(message, args.max_new_tokens, write=stdout_writer, notify=_notify)
         except UserError as error:  # e.g. a message longer than the context: say so and keep chatting
             print(f"error: {error}", file=sys.stderr, flush=True)
             continue

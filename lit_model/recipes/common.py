@@ -15,7 +15,8 @@ from lightning.fabric import Fabric
 from lit_model.core.config import Config
 from lit_model.core.errors import UserError
 from lit_model.core.units import detect_device_memory, format_bytes, parse_memory
-from lit_model.infer.generation import generate
+from lit_model.infer.engine import Generator, Sampling
+from lit_model.infer.load import Precision
 from lit_model.methods.load import load_gpt
 from lit_model.plan import (
     check_plan_fits,
@@ -116,8 +117,7 @@ def sample_text(fabric: Fabric, final_dir: Path, tokenizer: Any, prompt: str, ma
                 f"{format_bytes(free)} is free; `python generate/base.py --checkpoint_dir {final_dir} --precision "
                 "bf16-true` (or --quantize bnb.nf4) samples it in less]")
     model = load_gpt(final_dir, device="cpu", dtype=torch.float32)
-    result = generate(
-        model, prompt_ids, new_tokens, temperature=0.8, top_k=50, eos_ids=tokenizer.eos_ids,
-        generator=torch.Generator().manual_seed(0),
-    )
+    fp32 = Precision("32-true", torch.float32, autocast=None)
+    result = Generator(model, fp32, Sampling(temperature=0.8, top_k=50, seed=0)).generate(
+        prompt_ids, new_tokens, eos_ids=tokenizer.eos_ids)
     return tokenizer.decode(result.tokens[0])

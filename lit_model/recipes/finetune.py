@@ -19,7 +19,7 @@ from lit_model.core.errors import UsageError
 from lit_model.core.units import format_bytes
 from lit_model.data.instruct import InstructData, PackedDataset, collate, load_instruct_data, padding_fraction
 from lit_model.data.sources import parse_fields
-from lit_model.infer.generation import load_model as load_checkpoint_model
+from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.io.tokenizer import Tokenizer

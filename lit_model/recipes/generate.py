@@ -16,17 +16,10 @@ import torch
 
 from lit_model.recipes.cli import parse
 from lit_model.core.errors import UsageError, run_cli
-from lit_model.infer.generation import (
-    GenerationArgs,
-    TextStream,
-    check_lengths,
-    generate,
-    out_of_memory_hint,
-    prepare_generation,
-    set_kv_cache,
-    stats_line,
-    stdout_writer,
-)
+from lit_model.infer.decode import check_lengths
+from lit_model.infer.engine import stats_line
+from lit_model.infer.stream import TextStream, stdout_writer
+from lit_model.recipes.generation import GenerationArgs, prepare_generation, print_generation_plan
 
 CHARACTERS_PER_TOKEN = 4  # --plan without a tokenizer to count the prompt: a usual ratio for English text
 
@@ -62,24 +55,19 @@ def main(args: BaseArgs) -> None:
         length = len(prompt_ids)
     total = check_lengths(length, args.max_new_tokens, setup.config)
     if args.plan is not None:
-        # the planner imports the training stack (lightning: 2.4 s more at every start), so only --plan loads it
-        from lit_model.plan import print_generation_plan
-
         return print_generation_plan(setup, length, args.max_new_tokens, args.num_samples)
 
-    model = setup.load(max_seq_length=total)
-    with out_of_memory_hint("allocating the KV cache"):
-        set_kv_cache(model, args.num_samples, total, setup.precision.compute_dtype)
+    generator = setup.generator(setup.load(max_seq_length=total))
+    generator.allocate(args.num_samples, total)
     stop_strings = [*setup.style.stop_strings, *setup.stop]
     write = stdout_writer if args.num_samples == 1 else None
     context = prompt_ids[-4:].tolist()
     streams = [TextStream(setup.tokenizer, stop_strings, context, write) for _ in range(args.num_samples)]
-    with setup.generating():
-        result = generate(
-            model, prompt_ids, args.max_new_tokens, eos_ids=setup.tokenizer.eos_ids,
-            stop_sequences=setup.style.stop_tokens(setup.tokenizer), num_samples=args.num_samples,
-            on_token=lambda row, token: streams[row].add(token), **setup.sampling(model),
-        )
+    result = generator.generate(
+        prompt_ids, args.max_new_tokens, eos_ids=setup.tokenizer.eos_ids,
+        stop_sequences=setup.style.stop_tokens(setup.tokenizer), num_samples=args.num_samples,
+        on_token=lambda row, token: streams[row].add(token),
+    )
     texts = [stream.finish() for stream in streams]
     if args.num_samples == 1:
         stdout_writer("\n")
