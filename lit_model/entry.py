@@ -25,7 +25,7 @@ from lit_model.core.errors import UsageError, run_cli
 from lit_model.download import main as download_main
 from lit_model.methods.lora import cli as lora_cli
 from lit_model.recipes import chat, finetune_adapter, finetune_full, finetune_lora, generate, pretrain
-from lit_model.plan.analytic import param_counts
+from lit_model.plan.closed_form import param_counts
 
 # command -> (the script users know, the recipe's command line that the script runs)
 SCRIPTS: dict[str, tuple[str, Callable[..., None]]] = {

@@ -13,7 +13,7 @@ import torch
 from lit_model.core.config import Config
 from lit_model.infer.decode import forward_last
 from lit_model.infer.kv_cache import set_kv_cache
-from lit_model.plan.analytic import param_counts, training_phases
+from lit_model.plan.closed_form import param_counts, training_phases
 from lit_model.run import resolve_run
 from lit_model.plan.trace import trace_training
 from lit_model.model.gpt import GPT

@@ -19,7 +19,7 @@ from lit_model import Config
 from lit_model.core.errors import UsageError
 from lit_model.core.units import detect_device_memory, parse_memory
 from lit_model.plan import Plan, max_micro_batch_size, plan_generation, plan_training, plot_plan
-from lit_model.plan.analytic import CATEGORIES, param_counts, training_phases
+from lit_model.plan.closed_form import CATEGORIES, param_counts, training_phases
 from lit_model.plan.planner import CLOSED_FORM_MARGIN
 from lit_model.model.gpt import GPT, default_dtype
 from lit_model.kernels.ops import cuda_attention_kernel
@@ -892,7 +892,7 @@ def test_the_quantized_stand_in_holds_and_saves_what_bitsandbytes_does(mode, dty
 def test_fsdp_is_traced_per_rank(trainable, precision, steps):
     """The trace shards the model with the scripts' shard_model over PyTorch's fake process group: a rank holds
     its share of the parameters, gradients and optimizer state, and the gathered blocks in flight. The closed form
-    (analytic.py) is the cross-check: the resident state agrees exactly, the whole step within 15 %."""
+    (closed_form.py) is the cross-check: the resident state agrees exactly, the whole step within 15 %."""
     def run(devices: int) -> Run:
         settings = args(devices=devices, strategy="fsdp", precision=precision, global_batch_size=2 * devices * steps)
         return resolved(tiny(n_layer=4), settings, trainable)
@@ -1190,7 +1190,7 @@ def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
     """--compile on the CPU: the compiler, its code and the heap its kernels leave (pretrain/main.py, lit-model-5m
     4 x 128 in 32-true: 128 MiB above the eager run's peak), a term of its own in every phase; the tensors are the
     eager run's (on an H200 the compiled blocks allocated what eager does)."""
-    from lit_model.plan.analytic import model_bytes
+    from lit_model.plan.closed_form import model_bytes
     from lit_model.plan.calibration import OVERHEAD
 
     eager, compiled = (plan_training(tiny(), args(compile=flag, precision="32-true"), device_type="cpu", suggest=False,

@@ -12,7 +12,7 @@ loaded (``load_gpt``, ``generation.load_model``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import yaml
 
 from lit_model.core.errors import UsageError, UserError
+from lit_model.core.config import Config
+from lit_model.model.contracts import Saved, Step
 from lit_model.model.gpt import CausalSelfAttention
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
@@ -66,6 +68,22 @@ class AdapterAttention(CausalSelfAttention):
         ay = F.scaled_dot_product_attention(q, ak, av, scale=self.scale, enable_gqa=n_kv != q.size(1))
         gate = self.adapter_gate.to(ay.dtype).view(1, -1, 1, 1)
         return y + (gate * ay).transpose(1, 2)
+
+    # ---- memory contract (model/contracts.py) ------------------------------------------------
+    @staticmethod
+    def parameter_sizes(config: Config, prompt_length: int) -> list[int]:
+        """The prefix and the gate."""
+        return [prompt_length * config.n_embd, config.n_head]
+
+    @classmethod
+    def attend_contract(cls, config: Config, step: Step, layer: int, qkv_rg: bool) -> Saved:
+        """Every query also attends to the trainable prefix (SDPA keeping q, its output and logsumexp); the gate
+        keeps that output. The attention output now requires grad."""
+        core = super().attend_contract(config, step, layer, qkv_rg)
+        prefix = config.n_head * config.head_size * step.compute_bytes + config.n_head * 4
+        q = 0.0 if qkv_rg else config.n_head * config.head_size * step.compute_bytes
+        return replace(core, per_token=core.per_token + q + prefix, out_requires_grad=True,
+                       selective_per_token=core.selective_per_token + prefix)
 
 
 def apply_adapter(model: nn.Module, config: AdapterConfig, dtype: Optional[torch.dtype] = None) -> int:

@@ -40,6 +40,7 @@ from lit_model.io.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_check
 from lit_model.kernels.ops import dropout_before_linear
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.quantize import dequantized_weight
+from lit_model.model.contracts import Step
 from lit_model.model.gpt import GPT
 
 LORA_WEIGHTS = "lora.safetensors"
@@ -162,6 +163,28 @@ class LoRALayer:
         scale = self.lora_magnitude / self.direction_norm().to(self.lora_magnitude.dtype)
         base = out if self.bias is None else out - self.bias
         return out + ((scale - 1) * (base + low_rank) + low_rank).to(out.dtype)
+
+    # ---- memory contract (model/contracts.py) ------------------------------------------------
+    @staticmethod
+    def parameter_sizes(r: int, in_features: int, out_features: int, dora: bool) -> list[int]:
+        """Element counts of A, B (and DoRA's magnitudes)."""
+        return [r * in_features, out_features * r] + ([out_features] if dora else [])
+
+    @staticmethod
+    def memory_contract(step: Step, in_dim: int, out_dim: int, in_rg: bool, in_bytes: int) -> float:
+        """Kept bytes per token of the branch on an input of ``in_dim`` channels of ``in_bytes`` (``in_rg``: it
+        requires grad); the base layer's are its neighbours' business (``gpt.BlockLinears``)."""
+        dm = step.compute_bytes
+        kept = float(step.lora_r * dm)  # A's output, kept by the B matmul
+        if step.lora_dora:  # base + low-rank output, kept by its product with the magnitudes' scale
+            kept += out_dim * step.param_bytes
+        if step.lora_dropout > 0:
+            kept += in_dim * dm  # dropout output (its half-precision cast under autocast), kept by the A matmul
+            if in_rg:  # the mask, kept for the input's gradient (bool on CUDA; a noise tensor on the CPU)
+                kept += in_dim * (1 if step.device_type == "cuda" else in_bytes)
+        elif step.autocast:
+            kept += in_dim * dm  # the A matmul's own cast of its input
+        return kept
 
 
 _LORA_CLASSES: dict[type, type] = {}

@@ -11,6 +11,7 @@ model nor a copy in the checkpoint's stored dtype is ever in memory.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -22,6 +23,25 @@ from lit_model.io.checkpoint import load_model_weights
 from lit_model.model.gpt import plain_linear
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
+
+BNB_4BIT_BLOCKSIZE = 64  # bitsandbytes' default for Linear4bit
+BNB_DQ_BLOCKSIZE = 256  # second-level blocks of the double-quantized absmax
+
+
+def quantized_weight_bytes(in_features: int, out_features: int, mode: str) -> tuple[int, int]:
+    """The memory contract of bitsandbytes' linear layers (classes of their own library, so stated here):
+    (packed weight bytes, quantization-state bytes) that bitsandbytes 0.50 holds for an (out, in) weight."""
+    numel = in_features * out_features
+    if mode == "bnb.int8":
+        return numel, out_features * 4  # int8 weight, fp32 row scales
+    blocks = math.ceil(numel / BNB_4BIT_BLOCKSIZE)
+    packed = (numel + 1) // 2
+    if mode == "bnb.nf4-dq":
+        # uint8 absmax, fp32 second-level absmax, 256-entry second-level code, 16-entry code, fp32 offset
+        state = blocks + math.ceil(blocks / BNB_DQ_BLOCKSIZE) * 4 + 256 * 4 + 16 * 4 + 4
+    else:
+        state = blocks * 4 + 16 * 4  # fp32 absmax per block, 16-entry code
+    return packed, state
 
 
 def import_bitsandbytes() -> Any:

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit_model.model.contracts import ParamCounts, Saved, Step
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
 from lit_model.kernels.attention import attention, attention_dtype, softcap
-from lit_model.kernels.ops import linear, rms_norm, rotate, upcast_rms_norm
+from lit_model.kernels.ops import (ATTENTION_BLOCK, block_scores, cuda_attention_kernel, linear, rms_norm, rotate,
+                                   upcast_rms_norm)
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 
 # a layer built on its own (a test's, a bare MoE block) takes the CPU's kernels until a policy is handed in
@@ -200,6 +202,23 @@ class GPT(nn.Module):
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
 
+    # ---- memory contract (model/contracts.py) ------------------------------------------------
+    @classmethod
+    def memory_contract(cls, config: Config) -> ParamCounts:
+        """The element counts of the model's parts (tied weights counted once)."""
+        C, V = config.n_embd, config.padded_vocab_size
+        return ParamCounts(
+            embed=TORCH_CONTRACTS[nn.Embedding].memory_contract(V, C),
+            head=0 if config.tie_embeddings else Linear.memory_contract(C, V, config.lm_head_bias),
+            norm_f=sum(norm_contract(config).parameter_sizes(C)), block_linear=Block.linear_shapes(config),
+            block_norm_sizes=Block.norm_sizes(config), n_layer=config.n_layer,
+        )
+
+    @staticmethod
+    def buffer_bytes(config: Config, seq_len: int) -> int:
+        """cos/sin in fp32 for ``max_seq_length = seq_len`` (with a local base: the global and local tables)."""
+        return 2 * seq_len * config.rope_n_elem * 4 * (1 if config.rope_local_base is None else 2)
+
 
 class Block(nn.Module):
     def __init__(self, config: Config, layer_idx: int) -> None:
@@ -226,6 +245,82 @@ class Block(nn.Module):
             return x + attention_output + self.post_mlp_norm(self.mlp(mlp_input))
         x = x + attention_output
         return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
+
+    # ---- memory contract (model/contracts.py) ------------------------------------------------
+    @classmethod
+    def linear_shapes(cls, config: Config) -> dict[str, tuple[int, int, bool]]:
+        """(in, out, bias) of every linear layer, by its name relative to the block."""
+        attention = {f"attn.{name}": shape for name, shape in CausalSelfAttention.linear_shapes(config).items()}
+        mlp = {f"mlp.{name}": shape for name, shape in MLP_CLASSES[config.mlp_class_name].linear_shapes(config).items()}
+        return {**attention, **mlp}
+
+    @classmethod
+    def norm_sizes(cls, config: Config) -> list[int]:
+        """Element counts of the norms' weights (and biases)."""
+        pre_norms = (1 + (0 if config.shared_attention_norm else 1)) if config.pre_norm else 0
+        norms = pre_norms + int(config.post_attention_norm) + int(config.post_mlp_norm)
+        return norm_contract(config).parameter_sizes(config.n_embd) * norms + CausalSelfAttention.norm_sizes(config)
+
+    @classmethod
+    def memory_contract(cls, config: Config, step: Step, layer: int, x_rg: bool, trains: bool, attention: type,
+                        branch: Optional[Callable[..., float]]) -> Saved:
+        """Bytes block ``layer`` keeps for backward given whether its input requires grad (``x_rg``) and its weights
+        train, with ``attention`` its attention class and ``branch`` the contract of the LoRA branches on its
+        linears (``step.lora_names``). Its input is in the parameters' dtype, matmul outputs in the compute dtype."""
+        d, dm = step.param_bytes, step.compute_bytes
+        C, I = config.n_embd, config.intermediate_size
+        norm = norm_contract(config)
+        linears = BlockLinears(step, trains, branch)
+        kept, xn_rg = norm.memory_contract(config, step, d, x_rg, trains, C) if config.pre_norm else (0.0, x_rg)
+        attn = attention.memory_contract(config, step, layer, xn_rg, linears)
+        per_token = kept + attn.per_token
+        a_rg = attn.out_requires_grad
+        if config.post_attention_norm:
+            kept, a_rg = norm.memory_contract(config, step, dm, a_rg, trains, C)
+            per_token += kept
+        per_token += attn.input_per_token
+        # MLP input
+        if config.parallel_residual:
+            if config.shared_attention_norm:
+                m_in_rg = xn_rg
+                shared_with_attention = True
+            else:
+                shared = config.norm_class_name == "LayerNorm" and x_rg  # norm_1 already keeps x
+                kept, m_in_rg = norm.memory_contract(config, step, d, x_rg, trains, C, shared_input=shared)
+                per_token += kept
+                shared_with_attention = False
+            res_rg = x_rg or a_rg
+        else:
+            x2_rg = x_rg or a_rg
+            kept, m_in_rg = norm.memory_contract(config, step, d, x2_rg, trains, C) if config.pre_norm else (0.0, x2_rg)
+            per_token += kept
+            shared_with_attention = False
+            res_rg = x2_rg
+        before_mlp = per_token
+        # the MLP reads the attention's input: kept once, unless autocast casts it for each linear
+        input_kept = shared_with_attention and not step.autocast and bool(attn.input_per_token)
+        mlp = MLP_CLASSES[config.mlp_class_name].memory_contract(config, step, m_in_rg, linears, input_kept)
+        per_token += mlp.per_token
+        m_rg = mlp.out_requires_grad
+        # measured: about one intermediate-sized gradient beyond what is freed
+        transient = max((I + C) * dm + attn.transient_per_token, attn.transient_floor)
+        # selective checkpointing (activations.SAVED_OPS): the block's input and every matmul and attention output,
+        # the LoRA branches' two matmuls (MoE: the whole block's kept tensors, an upper bound)
+        selective = C * d + 2 * C * dm + attn.selective_per_token + mlp.selective_per_token
+        selective += sum((step.lora_r + out) * dm for name, (_, out, _) in cls.linear_shapes(config).items()
+                         if name in step.lora_names)
+        if config.mlp_class_name == "LLaMAMoE":
+            selective = per_token + C * d
+        if step.mlp_tiles > 1:
+            # activations.tiled: the MLP keeps only its input (in its tiles' checkpoints); in backward one tile at a
+            # time recomputes its activations
+            transient += (per_token - before_mlp) / step.mlp_tiles
+            per_token = before_mlp + C * d
+        if config.post_mlp_norm:
+            kept, m_rg = norm.memory_contract(config, step, dm, m_rg, trains, C)
+            per_token += kept
+        return Saved(per_token, attn.per_sample_t2, attn.per_layer, res_rg or m_rg, transient,
+                     selective_per_token=selective)
 
 
 class CausalSelfAttention(nn.Module):
@@ -299,6 +394,109 @@ class CausalSelfAttention(nn.Module):
         return attention(q, k, v, mask, self.scale, self.config.attention_logit_softcapping, self.config.n_embd,
                          self.kernel_policy)
 
+    # ---- memory contract (model/contracts.py) ------------------------------------------------
+    @classmethod
+    def linear_shapes(cls, config: Config) -> dict[str, tuple[int, int, bool]]:
+        C, hs, qkv_bias = config.n_embd, config.head_size, config.bias or config.attn_bias
+        return {"query": (C, config.n_head * hs, qkv_bias), "key": (C, config.n_query_groups * hs, qkv_bias),
+                "value": (C, config.n_query_groups * hs, qkv_bias), "proj": (config.n_head * hs, C, config.bias)}
+
+    @classmethod
+    def norm_sizes(cls, config: Config) -> list[int]:
+        """The q/k norms' weights (and biases)."""
+        norm, hs = norm_contract(config), config.head_size
+        if config.qk_norm == "head":
+            return norm.parameter_sizes(hs) * 2
+        if config.qk_norm == "projection":
+            return norm.parameter_sizes(config.n_head * hs) + norm.parameter_sizes(config.n_query_groups * hs)
+        return []
+
+    @classmethod
+    def memory_contract(cls, config: Config, step: Step, layer: int, x_rg: bool, linears: BlockLinears) -> Saved:
+        """The q, k, v projections, their norms, attention (``attend_contract``) and the output projection; the input
+        they share is ``input_per_token``."""
+        d, dm, T, C = step.param_bytes, step.compute_bytes, step.seq_len, config.n_embd
+        hs = config.head_size
+        Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
+        per_token = 0.0
+        out_rg = {}
+        for name, out in (("query", Hq), ("key", Hkv), ("value", Hkv)):
+            kept, branch_rg = linears.branch_kept(f"attn.{name}", C, out, x_rg, d)
+            per_token += kept
+            out_rg[name] = x_rg or linears.trains or branch_rg
+        if config.qk_norm is not None:  # RMSNorm of the query and key projections (per head, or as a whole)
+            norm = norm_contract(config)
+            for name, heads in (("query", config.n_head), ("key", config.n_query_groups)):
+                rows = heads if config.qk_norm == "head" else 1
+                kept, out_rg[name] = norm.memory_contract(config, step, dm, out_rg[name], linears.trains, heads * hs,
+                                                          rows=rows)
+                per_token += kept
+        core = cls.attend_contract(config, step, layer, any(out_rg.values()))
+        per_token += core.per_token
+        per_layer = core.per_layer
+        if dm != 4 and config.rope_n_elem and config.layer_uses_rope(layer):
+            # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
+            per_layer += 2 * T * config.rope_n_elem * dm * (int(out_rg["query"]) + int(out_rg["key"]))
+        y_rg = core.out_requires_grad
+        partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
+        y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
+        # output projection: keeps its input (the attention output, or its reshaped copy)
+        if linears.keeps_input("attn.proj") and (y_copy or not y_rg):
+            per_token += Hq * dm
+        kept, branch_rg = linears.branch_kept("attn.proj", Hq, C, y_rg, dm)
+        per_token += kept
+        return Saved(per_token, core.per_sample_t2, per_layer, y_rg or linears.trains or branch_rg,
+                     core.transient_per_token, core.transient_floor, core.selective_per_token,
+                     input_per_token=linears.shared_input(("attn.query", "attn.key", "attn.value"), C, d))
+
+    @classmethod
+    def attend_contract(cls, config: Config, step: Step, layer: int, qkv_rg: bool) -> Saved:
+        """``attend``: rope makes new q/k tensors (nothing kept); attention keeps q, k, v and its output, as the
+        kernel the device's policy picks keeps them."""
+        dm, T, C, hs = step.compute_bytes, step.seq_len, config.n_embd, config.head_size
+        Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
+        sliding = config.layer_uses_sliding_window(layer) and T > (config.sliding_window_size or 0)
+        masked = sliding or step.packing
+        # k and v as attention takes them: copied to every query head where kernels.attention does (CUDA, else math)
+        policy = kernel_policy(step.device_type)
+        Hkv_attended = Hq if Hkv < Hq and policy.expands_shared_heads(step.attention_dtype, hs, masked, T) else Hkv
+        softcapped = config.attention_logit_softcapping is not None
+        in_blocks = (qkv_rg and not masked and T > 1 and not softcapped
+                     and policy.attends_in_blocks(step.attention_dtype, step.batch, config.n_head, T, C))
+        attention_math = qkv_rg and step.device_type == "cuda" and cuda_attention_kernel(
+            step.attention_dtype, hs, masked, Hkv_attended < Hq) == "math"
+        per_token, t2, per_layer = 0.0, 0.0, 0.0
+        if softcapped:
+            if qkv_rg:
+                # q, k and v (repeated to every query head when grouped) kept by the two matmuls
+                per_token += Hq * dm + 2 * (Hq if Hkv < Hq else Hkv) * dm
+                # per sample: tanh output, fp32 softmax output, probabilities cast back to the compute dtype
+                t2 += config.n_head * T * T * (dm + 4 + (dm if dm != 4 else 0))
+                per_layer += T * T  # the inverted boolean mask kept by masked_fill
+        elif attention_math:
+            # CUDA's math kernel: the scaled q, k and v repeated to every query head, the output, the probabilities
+            per_token += 4 * Hq * dm
+            t2 += config.n_head * T * T * dm
+            if sliding:
+                per_layer += T * T * dm
+        elif in_blocks:
+            # attention in blocks (ops.py): q, k and v (copied to every query head), the output, the probabilities
+            per_token += 4 * Hq * dm
+            t2 += config.n_head * block_scores(T) * dm
+        elif qkv_rg:
+            per_token += (Hq + 2 * Hkv_attended) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
+            if sliding:
+                per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
+            elif policy.attends_in_halves(T):
+                per_layer += (T - T // 2) * T * dm  # attention in halves (ops.py): the second half's mask, converted
+        # the probabilities' gradient and the softmax's, per token
+        transient = 2 * config.n_head * T * dm if attention_math and not softcapped else 0.0
+        # in blocks: the largest block's score gradients (the bf16 product, its fp32 copy, the bf16 cast: 6 bytes a
+        # score) are in flight instead of (not on top of) the MLP's (the trace: 0.998-1.04x)
+        floor = 6 * config.n_head * min(T, ATTENTION_BLOCK) if in_blocks else 0.0
+        selective = (2 * Hq + 2 * Hkv) * dm + config.n_head * 4  # q, k, v, the output and its logsumexp
+        return Saved(per_token, t2, per_layer, qkv_rg, transient, floor, selective)
+
 
 def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:
     """Boolean (T, key_length) mask: query at position p sees keys at positions <= p (and > p - window)."""
@@ -330,6 +528,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.kernel_policy.onednn_fp32_linear)
 
+    @staticmethod
+    def memory_contract(in_features: int, out_features: int, bias: bool) -> int:
+        """Parameter elements (what it keeps for backward depends on its neighbours: ``BlockLinears``)."""
+        return in_features * out_features + (out_features if bias else 0)
+
 
 def plain_linear(module: nn.Module) -> bool:
     """A linear layer as the model builds it (or a bare ``nn.Linear``): not quantized, not adapted."""
@@ -348,6 +551,27 @@ class GptNeoxMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
+    @classmethod
+    def linear_shapes(cls, config: Config) -> dict[str, tuple[int, int, bool]]:
+        C, I = config.n_embd, config.intermediate_size
+        return {"fc": (C, I, config.bias), "proj": (I, C, config.bias)}
+
+    @classmethod
+    def memory_contract(cls, config: Config, step: Step, x_rg: bool, linears: BlockLinears, input_kept: bool) -> Saved:
+        """``input_kept``: its input is already kept by the attention that reads it too."""
+        d, dm, C, I = step.param_bytes, step.compute_bytes, config.n_embd, config.intermediate_size
+        per_token, branch_rg = linears.branch_kept("mlp.fc", C, I, x_rg, d)
+        h_rg = x_rg or linears.trains or branch_rg
+        if h_rg:
+            per_token += I * dm  # gelu input
+        if linears.keeps_input("mlp.proj"):
+            per_token += I * dm  # gelu output kept by proj
+        kept, branch_rg = linears.branch_kept("mlp.proj", I, C, h_rg, dm)
+        per_token += kept
+        if not input_kept:
+            per_token += linears.shared_input(("mlp.fc",), C, d)
+        return Saved(per_token, out_requires_grad=h_rg or linears.trains or branch_rg, selective_per_token=I * dm)
+
 
 class LLaMAMLP(nn.Module):
     """SwiGLU: proj(silu(fc_1(x)) * fc_2(x)) (Llama, Mistral, Qwen, Phi-3)."""
@@ -363,6 +587,36 @@ class LLaMAMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.activation(self.fc_1(x)) * self.fc_2(x))
+
+    @classmethod
+    def linear_shapes(cls, config: Config) -> dict[str, tuple[int, int, bool]]:
+        C, I = config.n_embd, config.intermediate_size
+        return {"fc_1": (C, I, config.bias), "fc_2": (C, I, config.bias), "proj": (I, C, config.bias)}
+
+    @classmethod
+    def memory_contract(cls, config: Config, step: Step, x_rg: bool, linears: BlockLinears, input_kept: bool) -> Saved:
+        """``input_kept``: its input is already kept by the attention that reads it too."""
+        d, dm, C, I = step.param_bytes, step.compute_bytes, config.n_embd, config.intermediate_size
+        names = ("mlp.fc_1", "mlp.fc_2")
+        per_token = 0.0
+        h_rg = {name: x_rg for name in names}
+        for name in names:
+            kept, branch_rg = linears.branch_kept(name, C, I, x_rg, d)
+            per_token += kept
+            h_rg[name] = h_rg[name] or linears.trains or branch_rg
+        s_rg, h2_rg = h_rg["mlp.fc_1"], h_rg["mlp.fc_2"]
+        if s_rg:
+            per_token += 2 * I * dm  # the activation's input; h2, kept by the product for s's gradient
+        if h2_rg:
+            per_token += I * dm  # s, kept by the product for h2's gradient
+        p_rg = s_rg or h2_rg
+        if linears.keeps_input("mlp.proj"):
+            per_token += I * dm  # product kept by proj
+        kept, branch_rg = linears.branch_kept("mlp.proj", I, C, p_rg, dm)
+        per_token += kept
+        if not input_kept:
+            per_token += linears.shared_input(names, C, d)
+        return Saved(per_token, out_requires_grad=p_rg or linears.trains or branch_rg, selective_per_token=2 * I * dm)
 
 
 class GemmaMLP(LLaMAMLP):
@@ -424,6 +678,25 @@ class LLaMAMoE(nn.Module):
             y = y.index_add(0, token, expert(x[token]) * weights[token, slot, None])
         return y.view(B, T, C)
 
+    @classmethod
+    def linear_shapes(cls, config: Config) -> dict[str, tuple[int, int, bool]]:
+        experts = LLaMAMLP.linear_shapes(config)
+        return {"gate": (config.n_embd, config.n_expert, False),
+                **{f"experts.{e}.{name}": shape for e in range(config.n_expert) for name, shape in experts.items()}}
+
+    @classmethod
+    def memory_contract(cls, config: Config, step: Step, x_rg: bool, linears: BlockLinears, input_kept: bool) -> Saved:
+        """Each token runs an expert's SwiGLU in k experts, on its own copy of the input; per choice also the expert's
+        output (kept by the product with the router weight), that weight, the int64 top-k index and the token and
+        slot indices of the dispatch, the fp32 top-k probability. The router keeps its fp32 softmax, the sum that
+        renormalises the top k, and its input when its weight trains. (Equal to the trace, which routes every token
+        to experts 0..k-1: the most memory any routing needs, expert_tokens.)"""
+        d, dm, C = step.param_bytes, step.compute_bytes, config.n_embd
+        expert = LLaMAMLP.memory_contract(config, step, x_rg, linears, input_kept)
+        per_choice = expert.per_token + C * d + C * dm + 3 * 8 + 4 + d
+        router = config.n_expert * 4 + 4 * config.moe_norm_topk + C * dm * linears.trains
+        return replace(expert, per_token=config.n_expert_per_token * per_choice + router)
+
 
 MLP_CLASSES = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}
 
@@ -462,6 +735,26 @@ class RMSNorm(nn.Module):
         if x.dtype == self.weight.dtype and not self.unit_offset:
             return rms_norm(x, self.weight, self.eps, self.kernel_policy.norms_by_hand(x.numel()))
         return upcast_rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    @classmethod
+    def parameter_sizes(cls, size: int) -> list[int]:
+        return [size]
+
+    @classmethod
+    def memory_contract(cls, config: Config, step: Step, d: int, x_rg: bool, w_train: bool, C: int,
+                        shared_input: bool = False, rows: int = 1) -> tuple[float, bool]:
+        """Kept bytes per token of a norm over C channels of ``d`` bytes (in ``rows`` groups normalised on their own:
+        the heads of a per-head q/k norm), and whether its output requires grad."""
+        if not (x_rg or w_train):
+            return 0.0, False
+        if not config.norm_unit_offset and kernel_policy(step.device_type).norms_by_hand(step.norm_tokens * C):
+            return d * C, True  # input and weight of one dtype: ops.rms_norm's own path keeps only its input
+        kept = 0.0
+        if x_rg:
+            kept += 4 * C + 4 * rows  # the fp32 input (x itself in fp32) and rsqrt
+        if w_train:
+            kept += 4 * C if config.norm_unit_offset else d * C  # normalised activations for the weight gradient
+        return kept, True
 
 
 def make_norm(config: Config, size: int) -> nn.Module:
@@ -519,3 +812,89 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, input_pos, as_dtype(k, self.k.dtype))
         self.v.index_copy_(2, input_pos, as_dtype(v, self.v.dtype))
         return self.k, self.v
+
+
+# ---- memory contracts of the layers' shared parts and of torch's own classes (model/contracts.py) ---------------
+@dataclass(frozen=True)
+class BlockLinears:
+    """What decides the bytes the linear layers of one block keep: whether their weights train, and which carry a
+    LoRA branch (``step.lora_names``) with its contract ``branch`` (methods/lora.py: the model cannot import it)."""
+
+    step: Step
+    trains: bool
+    branch: Optional[Callable[..., float]]
+
+    def adapted(self, name: str) -> bool:
+        return name in self.step.lora_names
+
+    def keeps_input(self, name: str) -> bool:
+        """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch without dropout."""
+        return self.trains or (self.adapted(name) and self.step.lora_dropout == 0)
+
+    def branch_kept(self, name: str, in_dim: int, out_dim: int, in_rg: bool, in_bytes: int) -> tuple[float, bool]:
+        """Kept bytes of linear ``name``'s LoRA branch; whether it makes the output require grad."""
+        if not self.adapted(name):
+            return 0.0, False
+        return self.branch(self.step, in_dim, out_dim, in_rg, in_bytes), True
+
+    def shared_input(self, names: tuple[str, ...], in_dim: int, in_bytes: int) -> float:
+        """The input shared by linears ``names``: kept once; under autocast one cast per keeping linear."""
+        step, dm = self.step, self.step.compute_bytes
+        plain_branches = step.lora_dropout == 0 and not step.autocast
+        if not (self.trains or (plain_branches and any(self.adapted(name) for name in names))):
+            return 0.0
+        if step.autocast and in_bytes != dm:
+            return (len(names) if self.trains else 0) * in_dim * dm
+        return in_dim * in_bytes
+
+
+class _LayerNormContract:
+    """nn.LayerNorm: a weight and a bias; keeps its input, mean and rstd (fp32) for backward."""
+
+    @staticmethod
+    def parameter_sizes(size: int) -> list[int]:
+        return [size, size]
+
+    @staticmethod
+    def memory_contract(config: Config, step: Step, d: int, x_rg: bool, w_train: bool, C: int,
+                        shared_input: bool = False, rows: int = 1) -> tuple[float, bool]:
+        if not (x_rg or w_train):
+            return 0.0, False
+        return (0 if shared_input else d * C) + 8 * rows, True
+
+
+class _EmbeddingContract:
+    """nn.Embedding: a (num, dim) weight; keeps only the int64 indices, which the batch holds anyway."""
+
+    @staticmethod
+    def memory_contract(num_embeddings: int, embedding_dim: int) -> int:
+        return num_embeddings * embedding_dim
+
+
+class _HoldsNothing:
+    """Containers and no-ops (nn.ModuleList, nn.Identity) and LoRA's dropout, which the LoRA branch's contract
+    counts: nothing of their own."""
+
+    @staticmethod
+    def memory_contract() -> int:
+        return 0
+
+
+TORCH_CONTRACTS: dict[type, Any] = {
+    nn.Linear: Linear,  # the same parameters; a bare nn.Linear (the experts') keeps what Linear keeps
+    nn.LayerNorm: _LayerNormContract,
+    nn.Embedding: _EmbeddingContract,
+    nn.ModuleList: _HoldsNothing,
+    nn.Identity: _HoldsNothing,
+    nn.Dropout: _HoldsNothing,
+}
+
+
+def contract_of(cls: type) -> Any:
+    """Where module class ``cls`` publishes its memory contract: itself, or (torch's classes) ``TORCH_CONTRACTS``."""
+    return TORCH_CONTRACTS[cls] if cls in TORCH_CONTRACTS else cls if hasattr(cls, "memory_contract") else None
+
+
+def norm_contract(config: Config) -> Any:
+    """The contract of the norm class ``make_norm`` builds for ``config``."""
+    return contract_of(nn.LayerNorm if config.norm_class_name == "LayerNorm" else RMSNorm)

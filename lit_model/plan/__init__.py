@@ -3,7 +3,8 @@ changes that make it fit.
 
 API (see planner.py): ``plan_run`` (a resolved ``lit_model.run.Run``), ``plan_training`` (a config and flags),
 ``plan_generation``, ``check_plan_fits``, ``max_micro_batch_size``,
-``max_loss_chunk_size``, ``plot_plan``; ``Plan`` and ``Suggestion`` are the results. Calibration constants
+``max_loss_chunk_size``, ``plot_plan``; ``Plan`` and ``Suggestion`` are the results. Tensor bytes come from the
+trace (``trace.py``) or the model's memory contracts added up (``closed_form.py``). Calibration constants
 (framework overhead, lever speed factors) live in ``calibration.py``; memory units in ``lit_model.core.units``.
 """
 

@@ -10,12 +10,12 @@ the compute dtype in forward and again in backward, keeping only the packed weig
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 
+from lit_model.methods.quantize import quantized_weight_bytes
 from lit_model.model.gpt import plain_linear
 
 LORA_TARGETS = ("query", "key", "value", "projection", "mlp", "head")
@@ -47,24 +47,6 @@ def lora_target_names(config, targets: Iterable[str]) -> list[str]:
 
 
 # ---- quantized linear (fake-mode only) ----------------------------------------------------------------
-BNB_4BIT_BLOCKSIZE = 64  # bitsandbytes' default for Linear4bit
-BNB_DQ_BLOCKSIZE = 256  # second-level blocks of the double-quantized absmax
-
-
-def quantized_weight_bytes(numel: int, mode: str) -> tuple[int, int]:
-    """(packed weight bytes, quantization-state bytes) that bitsandbytes holds for a weight of ``numel``."""
-    if mode == "bnb.int8":
-        return numel, 0  # int8 weight; row scales are added by the caller (out_features * 4)
-    blocks = math.ceil(numel / BNB_4BIT_BLOCKSIZE)
-    packed = (numel + 1) // 2
-    if mode == "bnb.nf4-dq":
-        # uint8 absmax, fp32 second-level absmax, 256-entry second-level code, 16-entry code, fp32 offset
-        state = blocks + math.ceil(blocks / BNB_DQ_BLOCKSIZE) * 4 + 256 * 4 + 16 * 4 + 4
-    else:
-        state = blocks * 4 + 16 * 4  # fp32 absmax per block, 16-entry code
-    return packed, state
-
-
 class _DequantMatmul(torch.autograd.Function):
     """y = x @ dequant(W).T, saving only the packed weight (as bitsandbytes' MatMul4Bit does)."""
 
@@ -107,15 +89,17 @@ class QuantLinearSim(nn.Linear):
     def __init__(self, linear: nn.Linear, mode: str, tracker=None) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.mode, self.tracker = linear.in_features, linear.out_features, mode, tracker
-        numel = linear.in_features * linear.out_features
-        packed, state = quantized_weight_bytes(numel, mode)
-        if mode == "bnb.int8":
-            state = linear.out_features * 4
+        packed, state = self.memory_contract(linear.in_features, linear.out_features, mode)
         device = linear.weight.device
         self.weight = nn.Parameter(torch.empty(packed, dtype=torch.uint8, device=device), requires_grad=False)
         self.register_buffer("quant_statistics", torch.empty(state, dtype=torch.uint8, device=device))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.compute_dtype = linear.weight.dtype
+
+    @staticmethod
+    def memory_contract(in_features: int, out_features: int, mode: str) -> tuple[int, int]:
+        """(packed weight bytes, quantization-state bytes): bitsandbytes' layers' own."""
+        return quantized_weight_bytes(in_features, out_features, mode)
 
     def dequantized_weight(self) -> torch.Tensor:
         """What ``lit_model.methods.quantize.dequantized_weight`` makes of a bitsandbytes layer: a new (out, in) tensor."""

@@ -8,8 +8,8 @@ with the cheapest flag changes that make it fit.
     if not plan.fits:
         args = plan.suggestions[0].apply(args)
 
-Tensor bytes come from the exact trace (``trace.py``) or the closed-form model (``analytic.py``); the
-framework overhead on top of them from ``calibration.OVERHEAD``.
+Tensor bytes come from the exact trace (``trace.py``) or the closed-form model (``closed_form.py``, engine
+"analytic"); the framework overhead on top of them from ``calibration.OVERHEAD``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
 from lit_model.infer.load import pipeline_stages
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from lit_model.plan import analytic
-from lit_model.plan.analytic import CATEGORIES
+from lit_model.plan import closed_form
+from lit_model.plan.closed_form import CATEGORIES
 from lit_model.plan.calibration import (DEVICE_COUNTS, OVERHEAD, QUALITY_PENALTY, SPEED, cpu_optimizer_library_bytes,
                                          quantized_step_bytes)
 from lit_model.core.precision import PRECISION_DTYPES, resolve_precision
@@ -47,7 +47,7 @@ from lit_model.kernels.ops import onednn_kernel_cache_bytes
 
 PHASES = ("train_step", "evaluation", "checkpoint_save")
 MLP_TILES_FROM = 2048  # suggest --mlp_tiles for sequences this long: below, the MLP's activations are rarely the issue
-# the closed form (analytic.py) against the trace: each phase's tensors within this share (tests/test_memory_plan.py,
+# the closed form (closed_form.py) against the trace: each phase's tensors within this share (tests/test_memory_plan.py,
 # test_trace_agrees_with_analytic): where it plans a run the trace cannot, it is rounded up by as much
 CLOSED_FORM_MARGIN = 0.05
 SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare
@@ -207,7 +207,7 @@ def dequantized_bytes(spec: Run) -> int:
     block's linear layers (the head stays unquantized)."""
     if spec.quantize is None:
         return 0
-    counts = analytic.param_counts(spec.config)
+    counts = closed_form.param_counts(spec.config)
     return counts.block_linear_weights * counts.n_layer * spec.param_bytes
 
 
@@ -216,7 +216,7 @@ def gathered_bytes(spec: Run) -> int:
     ``cpu_fsdp_gather_copies`` x the unsharded parameters."""
     if not spec.parallel.fsdp:
         return 0
-    return int(OVERHEAD.cpu_fsdp_gather_copies * analytic.param_counts(spec.config).total * spec.param_bytes)
+    return int(OVERHEAD.cpu_fsdp_gather_copies * closed_form.param_counts(spec.config).total * spec.param_bytes)
 
 
 def cuda_overhead_bytes(categories: dict[str, int], world_size: int = 1, cuda_alloc_conf: Optional[str] = None,
@@ -242,7 +242,7 @@ def cuda_step_fresh_bytes(spec: Run) -> int:
     ``cuda_step_fresh_copies``); 0 for steps that make none."""
     if spec.device_type != "cuda":
         return 0
-    largest = max(analytic.model_bytes(spec).trainable_tensors, default=0)
+    largest = max(closed_form.model_bytes(spec).trainable_tensors, default=0)
     if spec.parallel.fsdp:
         largest = math.ceil(largest / spec.world_size)
     return int(OVERHEAD.cuda_step_fresh_copies * quantized_step_bytes(spec.optimizer, largest, spec.param_bytes, "cuda"))
@@ -271,8 +271,10 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gathered": gathered_bytes(spec) if runs_model else 0,
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
-            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer, lambda: analytic.model_bytes(spec).trainable),
-            "compiled_trainable_bytes": analytic.model_bytes(spec).trainable * spec.param_bytes if spec.compile else None}
+            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer,
+                                                             lambda: closed_form.model_bytes(spec).trainable),
+            "compiled_trainable_bytes": (closed_form.model_bytes(spec).trainable * spec.param_bytes if spec.compile
+                                         else None)}
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
@@ -280,7 +282,7 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     bytes of any stretch of each phase), or of a generation process."""
     if generation:
         return {"generation": True, "cpu_heap": spec.cpu_heap,
-                "compiled_decode_parameters": analytic.param_counts(spec.config).total if spec.compile else None}
+                "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
     return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap}
 
 
@@ -312,7 +314,8 @@ def _not_traceable(spec: Run) -> Optional[str]:
 
 
 def _traced_whole(spec: Run) -> bool:
-    return spec.config.n_layer <= MAX_TRACE_LAYERS and analytic.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS
+    return (spec.config.n_layer <= MAX_TRACE_LAYERS
+            and closed_form.param_counts(spec.config).total <= MAX_TRACE_PARAMETERS)
 
 
 def _traced_by_layers(spec: Run) -> bool:
@@ -356,7 +359,7 @@ def _tensor_phases(spec: Run, engine: str, notes: list[str]) -> tuple[Phases, st
             buckets = _trainable_bytes(spec)
             for cats in traced.values():
                 cats["gradients"] = max(cats.get("gradients", 0), buckets)
-        traced["checkpoint_save"]["checkpoint"] = analytic.checkpoint_gather_bytes(spec)
+        traced["checkpoint_save"]["checkpoint"] = closed_form.checkpoint_gather_bytes(spec)
         freed = ("activations", "logits_loss") + (() if _gradients_in_buckets(spec) else ("gradients",))
         highs = {phase: max(sum(cats.get(c, 0) for c in freed) for cats in stretches.values())
                  for phase, stretches in result.regions.items() if stretches}
@@ -387,7 +390,7 @@ def _trace_in_fresh_process(spec: Run) -> Optional[TraceResult]:
 
 
 def _trainable_bytes(spec: Run) -> int:
-    return analytic.model_bytes(spec).trainable * spec.param_bytes
+    return closed_form.model_bytes(spec).trainable * spec.param_bytes
 
 
 def _stand_in_margin(spec: Run, values_read: int, notes: list[str]) -> int:
@@ -437,20 +440,20 @@ def _closed_form_instead(spec: Run, why: str, notes: list[str]) -> tuple[Phases,
 
 
 def _analytic_phases(spec: Run) -> tuple[Phases, str, dict[str, int]]:
-    return analytic.training_phases(spec), "analytic", _analytic_host_bytes(spec)
+    return closed_form.training_phases(spec), "analytic", _analytic_host_bytes(spec)
 
 
 def _analytic_host_bytes(spec: Run) -> dict[str, int]:
     if spec.activation_offloading is None:
         return {}
-    return {f"activation_offloading_{spec.activation_offloading}": int(analytic.activations(spec).offloaded)}
+    return {f"activation_offloading_{spec.activation_offloading}": int(closed_form.activations(spec).offloaded)}
 
 
 def _run_summary(spec: Run) -> dict[str, Any]:
     config = spec.config
     summary = {
         "model": config.name,
-        "parameters": analytic.param_counts(config).total,
+        "parameters": closed_form.param_counts(config).total,
         "trainable": spec.trainable,
         "precision": spec.precision,
         "micro_batch_size": spec.micro_batch_size,
@@ -480,7 +483,8 @@ def lora_merge_bytes(spec: Run) -> int:
     whole as stored (its file's size; without one, bf16 as downloaded checkpoints mostly are), and the largest
     adapted weight twice in fp32 while the adapter is added to it."""
     stored = spec.checkpoint_dir / WEIGHTS_NAME if spec.checkpoint_dir is not None else None
-    base = stored.stat().st_size if stored is not None and stored.is_file() else analytic.param_counts(spec.config).total * 2
+    on_disk = stored is not None and stored.is_file()
+    base = stored.stat().st_size if on_disk else closed_form.param_counts(spec.config).total * 2
     config = spec.config
     largest = config.n_embd * max(config.intermediate_size, config.n_head * config.head_size)
     return base + 2 * 4 * largest
@@ -508,7 +512,7 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
     fits = True if device_memory is None else peak <= device_memory
     host = dict(offloaded or {})
     if spec.device_type == "cuda":
-        host["checkpoint_save_rank0"] = analytic.host_checkpoint_bytes(spec) + merge
+        host["checkpoint_save_rank0"] = closed_form.host_checkpoint_bytes(spec) + merge
     return Plan(
         peak_bytes=peak, by_category=dict(phases[peak_phase]), by_phase=by_phase, fits=fits, device_memory=device_memory,
         peak_phase=peak_phase, phase_categories=phases, engine=engine, device_type=spec.device_type,
@@ -940,7 +944,7 @@ def plan_generation(
                cpu_heap=resolve_cpu_heap(device_type, sets_heap=False))
     memory = _resolve_memory(device_memory, device_type, detect)
     plan = _assemble(spec, phases, memory, "trace", [], generation=True)
-    plan.run = {"model": config.name, "parameters": analytic.param_counts(config).total,
+    plan.run = {"model": config.name, "parameters": closed_form.param_counts(config).total,
                 "dtype": str(dtype).replace("torch.", ""), "quantize": quantize, "batch_size": B,
                 "prompt_length": prompt_length, "max_new_tokens": max_new_tokens,
                 "kv_cache_bytes": kv, "kv_cache_positions": total, "devices": devices}
@@ -990,7 +994,7 @@ def _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, d
 
 def staged_block_bytes(config: Config, dtype: torch.dtype) -> int:
     """One block's linear weights in the checkpoint's load dtype: what a quantized load holds unquantized at once."""
-    return analytic.param_counts(config).block_linear_weights * dtype.itemsize
+    return closed_form.param_counts(config).block_linear_weights * dtype.itemsize
 
 
 _GENERATION_TRACES: dict[tuple, GenerationTrace] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lit_model.plan.analytic import CATEGORIES
+from lit_model.plan.closed_form import CATEGORIES
 
 if TYPE_CHECKING:
     from lit_model.plan.planner import Plan

@@ -1,16 +1,18 @@
 """Engine (b): closed-form bytes from the config and the flags. Fast (microseconds), so it plans 70B models,
 FSDP sharding, CPU offload and many GPUs, and runs inside the suggestion search.
 
-It follows ``lit_model/model/gpt.py`` op by op and counts the tensors autograd keeps for backward (a tensor is
-kept if some op that consumes it needs it for a gradient that is required; it is counted once however many
-ops keep it), then adds the transients at the moments a training step peaks:
+It adds up the memory contracts the model's module classes publish beside their own code (``memory_contract``:
+``lit_model/model/contracts.py``; LoRA's, the adapter's and bitsandbytes' in ``lit_model/methods``): parameters,
+and the tensors each block keeps for backward. What it knows itself is the training step: which parameters train,
+the optimizer's state, and the transients at the moments a step peaks:
 
 * end of forward / the loss: every block's kept tensors + one loss chunk's logits in flight;
 * the backward of the loss chunk: kept tensors + recomputed chunk logits, their gradient (12 bytes per logit);
 * the backward of the last block (with activation checkpointing: its recomputed activations);
-* the end of backward and the optimizer step: all gradients (+ the optimizer's temporaries).
+* the end of backward and the optimizer step: all gradients (+ the optimizer's temporaries);
 
-``tests/test_memory_plan.py`` checks it against the trace (``trace.py``) across architectures and flags.
+and how FSDP shards, offloading and activation checkpointing change them. ``tests/test_memory_plan.py`` checks it
+against the trace (``trace.py``) across architectures and flags.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lit_model.parallel.activations import MIN_OFFLOAD_BYTES
 from lit_model.core.config import Config
+from lit_model.methods.adapter import AdapterAttention
+from lit_model.methods.lora import LoRALayer
+from lit_model.model.contracts import ParamCounts, Saved, Step
+from lit_model.model.gpt import GPT, Block, CausalSelfAttention, Linear, norm_contract
+from lit_model.parallel.activations import MIN_OFFLOAD_BYTES
 from lit_model.plan.calibration import quantized_step_bytes
-from lit_model.plan.modules import lora_target_names, quantized_weight_bytes
+from lit_model.plan.modules import QuantLinearSim, lora_target_names
 from lit_model.run import Run
-from lit_model.kernels.ops import ATTENTION_BLOCK, block_scores, cuda_attention_kernel
-from lit_model.kernels.policy import kernel_policy
 
 # What the bytes are. "quantization": bitsandbytes' statistics and dequantized weights in flight; "checkpoint":
 # parameters gathered for a full state dict; "kv_cache": generation only; "overhead": not tensors (calibration.py).
@@ -34,71 +38,9 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logi
               "checkpoint", "overhead")
 
 
-# ---- parameter counts ------------------------------------------------------------------------------
-@dataclass
-class ParamCounts:
-    """Element counts of the model's parts (tied weights counted once)."""
-
-    embed: int
-    head: int  # 0 when tied to the embedding
-    norm_f: int
-    block_linear: dict[str, tuple[int, int, bool]]  # name -> (in, out, bias) per block
-    block_norm_sizes: list[int]  # element counts of the norm weights (+ biases) of one block
-    n_layer: int
-
-    @property
-    def block_norms(self) -> int:
-        return sum(self.block_norm_sizes)
-
-    @property
-    def block_linear_weights(self) -> int:
-        return sum(i * o for i, o, _ in self.block_linear.values())
-
-    @property
-    def block_biases(self) -> int:
-        return sum(o for _, o, b in self.block_linear.values() if b)
-
-    @property
-    def per_block(self) -> int:
-        return self.block_linear_weights + self.block_biases + self.block_norms
-
-    @property
-    def total(self) -> int:
-        return self.embed + self.head + self.norm_f + self.n_layer * self.per_block
-
-
+# ---- parameters ------------------------------------------------------------------------------------
 def param_counts(config: Config) -> ParamCounts:
-    C, hs = config.n_embd, config.head_size
-    qkv_bias = config.bias or config.attn_bias
-    linear = {
-        "attn.query": (C, config.n_head * hs, qkv_bias),
-        "attn.key": (C, config.n_query_groups * hs, qkv_bias),
-        "attn.value": (C, config.n_query_groups * hs, qkv_bias),
-        "attn.proj": (config.n_head * hs, C, config.bias),
-    }
-    I = config.intermediate_size
-    if config.mlp_class_name == "GptNeoxMLP":
-        linear.update({"mlp.fc": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
-    elif config.mlp_class_name == "LLaMAMoE":  # the router and every expert
-        linear["mlp.gate"] = (C, config.n_expert, False)
-        for e in range(config.n_expert):
-            linear.update({f"mlp.experts.{e}.fc_1": (C, I, config.bias), f"mlp.experts.{e}.fc_2": (C, I, config.bias),
-                           f"mlp.experts.{e}.proj": (I, C, config.bias)})
-    else:
-        linear.update({"mlp.fc_1": (C, I, config.bias), "mlp.fc_2": (C, I, config.bias), "mlp.proj": (I, C, config.bias)})
-    def norm(size: int) -> list[int]:  # weight (and bias)
-        return [size, size] if config.norm_class_name == "LayerNorm" else [size]
-
-    pre_norms = (1 + (0 if config.shared_attention_norm else 1)) if config.pre_norm else 0
-    norms = norm(C) * (pre_norms + int(config.post_attention_norm) + int(config.post_mlp_norm))
-    if config.qk_norm == "head":
-        norms += norm(hs) * 2
-    elif config.qk_norm == "projection":
-        norms += norm(config.n_head * hs) + norm(config.n_query_groups * hs)
-    V = config.padded_vocab_size
-    head = 0 if config.tie_embeddings else V * C + (V if config.lm_head_bias else 0)
-    return ParamCounts(embed=V * C, head=head, norm_f=sum(norm(C)), block_linear=linear, block_norm_sizes=norms,
-                       n_layer=config.n_layer)
+    return GPT.memory_contract(config)
 
 
 def _frozen_blocks(spec: Run) -> tuple[bool, int]:
@@ -110,7 +52,7 @@ def _frozen_blocks(spec: Run) -> tuple[bool, int]:
     return False, 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelBytes:
     params: int  # resident parameter bytes (quantized weights packed), buffers included
     quant_state: int  # absmax & co.
@@ -126,37 +68,31 @@ class ModelBytes:
 def model_bytes(spec: Run) -> ModelBytes:
     config, d = spec.config, spec.param_bytes
     pc = param_counts(config)
-    C, L = config.n_embd, config.n_layer
-    # cos/sin in fp32 for max_seq_length = seq_len (with a local base: the global and local tables)
-    buffers = 2 * spec.seq_len * config.rope_n_elem * 4 * (1 if config.rope_local_base is None else 2)
+    C, V, L = config.n_embd, config.padded_vocab_size, config.n_layer
     quant = spec.quantize
     trainable_tensors: list[int] = []
     block_matrices: list[tuple[int, int]] = []
     frozen_embed, frozen_blocks = _frozen_blocks(spec)
     lora_names = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
     r = spec.lora_r
+    block_lora = [LoRALayer.parameter_sizes(r, i, o, spec.lora_dora)
+                  for name, (i, o, _) in pc.block_linear.items() if name in lora_names]
+    lora_head = spec.trainable == "lora" and "head" in spec.lora_targets
+    head_lora = LoRALayer.parameter_sizes(r, C, V, spec.lora_dora) if lora_head else []
 
     # per block
     block_bytes, block_quant, frozen_max = 0, 0, 0
-    for name, (i, o, bias) in pc.block_linear.items():
+    for i, o, bias in pc.block_linear.values():
         if quant is not None:
-            packed, state = quantized_weight_bytes(i * o, quant)
-            if quant == "bnb.int8":
-                state = o * 4
-            block_bytes += packed
+            packed, state = QuantLinearSim.memory_contract(i, o, quant)
+            block_bytes += packed + (o * d if bias else 0)
             block_quant += state
             frozen_max = max(frozen_max, i * o)
         else:
-            block_bytes += i * o * d
-        block_bytes += o * d if bias else 0
-        if name in lora_names:
-            block_bytes += (r * i + o * r + (o if spec.lora_dora else 0)) * d
-    block_bytes += pc.block_norms * d
-    root = (pc.embed + pc.head + pc.norm_f) * d
-    lora_head = spec.trainable == "lora" and "head" in spec.lora_targets
-    if lora_head:
-        root += (r * C + config.padded_vocab_size * (r + spec.lora_dora)) * d
-    params = L * block_bytes + root + buffers
+            block_bytes += Linear.memory_contract(i, o, bias) * d
+    block_bytes += (sum(map(sum, block_lora)) + pc.block_norms) * d
+    root = (pc.embed + pc.head + pc.norm_f + sum(head_lora)) * d
+    params = L * block_bytes + root + GPT.buffer_bytes(config, spec.seq_len)
     quant_state = L * block_quant
 
     # trainable tensors (element counts), in the order the optimizer sees them
@@ -164,27 +100,18 @@ def model_bytes(spec: Run) -> ModelBytes:
         if not frozen_embed:
             trainable_tensors.append(pc.embed)
         for b in range(frozen_blocks, L):
-            for name, (i, o, bias) in pc.block_linear.items():
-                trainable_tensors.append(i * o)
+            for i, o, bias in pc.block_linear.values():
+                trainable_tensors += [i * o] + ([o] if bias else [])
                 block_matrices.append((i, o))
-                if bias:
-                    trainable_tensors.append(o)
             trainable_tensors += pc.block_norm_sizes
-        trainable_tensors += [C] * (pc.norm_f // C)
+        trainable_tensors += norm_contract(config).parameter_sizes(C)
         if pc.head:
-            trainable_tensors.append(config.padded_vocab_size * C)
-            if config.lm_head_bias:
-                trainable_tensors.append(config.padded_vocab_size)
+            trainable_tensors += [V * C] + ([V] if config.lm_head_bias else [])
     elif spec.trainable == "lora":
-        for _ in range(L):
-            for name in lora_names:
-                i, o, _ = pc.block_linear[name]
-                trainable_tensors += [r * i, o * r] + ([o] if spec.lora_dora else [])
-        if lora_head:
-            trainable_tensors += [r * C, config.padded_vocab_size * r] + ([config.padded_vocab_size] if spec.lora_dora else [])
+        trainable_tensors += [n for _ in range(L) for sizes in block_lora for n in sizes] + head_lora
     else:  # adapter (litgpt's LLaMA-Adapter: a prompt per layer from adapter_start_layer, and a gate)
         for _ in range(spec.adapter_start_layer, L):
-            trainable_tensors += [spec.adapter_prompt_length * C, config.n_head]
+            trainable_tensors += AdapterAttention.parameter_sizes(config, spec.adapter_prompt_length)
         params += sum(trainable_tensors) * d
     largest = max([pc.embed, pc.head] + [i * o for i, o, _ in pc.block_linear.values()])
     return ModelBytes(
@@ -261,265 +188,18 @@ def optimizer_step_bytes(spec: Run, mb: "ModelBytes") -> int:
 
 
 # ---- activations ---------------------------------------------------------------------------------------
-@dataclass
-class BlockActs:
-    per_token: float  # kept bytes per token
-    per_sample_t2: float  # kept bytes per sample that grow with T^2 (explicit attention, masks)
-    per_layer: float  # kept bytes independent of the batch (RoPE tables cast to the compute dtype)
-    out_requires_grad: bool
-    transient_per_token: float  # extra bytes in flight during this block's backward
-    selective_per_token: float = 0.0  # kept bytes per token under selective checkpointing
-
-
-def _norm(spec: Run, d: int, x_rg: bool, w_train: bool, C: int, shared_input: bool = False,
-          rows: int = 1) -> tuple[float, bool]:
-    """Kept bytes per token of a norm over C channels (in ``rows`` groups normalised on their own: the heads of
-    a per-head q/k norm) and whether its output requires grad.
-    ``shared_input``: the input is already kept by another consumer (LayerNorm keeps its input)."""
-    config = spec.config
-    out_rg = x_rg or w_train
-    if not out_rg:
-        return 0.0, False
-    if config.norm_class_name == "LayerNorm":
-        return (0 if shared_input else d * C) + 8 * rows, True  # input + mean + rstd (fp32)
-    if not config.norm_unit_offset and kernel_policy(spec.device_type).norms_by_hand(spec.micro_batch_size * spec.seq_len * C):
-        return d * C, True  # input and weight of one dtype: ops.rms_norm's own path keeps only its input
-    kept = 0.0
-    if x_rg:
-        kept += 4 * C + 4 * rows  # the fp32 input (x itself in fp32) and rsqrt
-    if w_train:
-        kept += 4 * C if config.norm_unit_offset else d * C  # normalised activations for the weight gradient
-    return kept, True
-
-
-def block_activations(spec: Run, layer: int, x_rg: bool, block_trainable: bool, adapter: bool, batch: int) -> BlockActs:
-    """Bytes block ``layer`` keeps for backward, given whether its input requires grad, at micro batch ``batch``.
-
-    ``d`` is the residual stream's dtype (the parameters'), ``dm`` the matmul outputs' (the autocast dtype
-    under ``-mixed``, else ``d``). Under autocast every linear casts its (fp32) input itself, so each linear that
-    keeps its input keeps its own half-precision copy.
-    """
-    config = spec.config
-    d, dm = spec.param_bytes, spec.compute_bytes
-    mixed = spec.autocast_dtype is not None
-    C, hs, I = config.n_embd, config.head_size, config.intermediate_size
-    Hq, Hkv = config.n_head * hs, config.n_query_groups * hs
-    T = spec.seq_len
-    lora = set(lora_target_names(config, spec.lora_targets)) if spec.trainable == "lora" else set()
+def step_of(spec: Run, batch: int) -> Step:
+    """What the model's contracts need to know of this run, at micro batch ``batch``."""
+    lora = set(lora_target_names(spec.config, spec.lora_targets)) if spec.trainable == "lora" else set()
     lora |= {re.sub(r"experts\.\d+\.", "", name) for name in lora}  # an expert's path is an MLP's (times k)
-    W = {name: block_trainable for name in ("attn.query", "attn.key", "attn.value", "attn.proj", "mlp.fc", "mlp.fc_1", "mlp.fc_2", "mlp.proj")}
-    norm_w = block_trainable
-    cuda = spec.device_type == "cuda"
-    p_drop = spec.lora_dropout
-
-    def keeps_input(name: str) -> bool:
-        """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch without dropout."""
-        return W[name] or (name in lora and p_drop == 0)
-
-    out_dims = {"attn.query": Hq, "attn.key": Hkv, "attn.value": Hkv, "attn.proj": C, "mlp.fc": I, "mlp.fc_1": I,
-                "mlp.fc_2": I, "mlp.proj": C}
-
-    def lora_kept(name: str, in_dim: int, in_rg: bool, in_bytes: int) -> tuple[float, bool]:
-        """Kept bytes of a LoRA branch on an input of in_dim channels; whether it makes the output require grad."""
-        if name not in lora:
-            return 0.0, False
-        kept = spec.lora_r * dm  # A's output, kept by the B matmul
-        if spec.lora_dora:  # base + low-rank output, kept by its product with the magnitudes' scale
-            kept += out_dims[name] * d
-        if p_drop > 0:
-            kept += in_dim * dm  # dropout output (its half-precision cast under autocast), kept by the A matmul
-            if in_rg:  # the mask, kept for the input's gradient (bool on CUDA; a noise tensor on the CPU)
-                kept += in_dim * (1 if cuda else in_bytes)
-        elif mixed:
-            kept += in_dim * dm  # the A matmul's own cast of its input
-        return kept, True
-
-    def kept_linear_inputs(names: tuple[str, ...], in_dim: int, in_bytes: int) -> float:
-        """The input shared by linears ``names``: kept once; under autocast one cast per keeping linear."""
-        keepers = [n for n in names if W.get(n, False)] + [n for n in names if n in lora and p_drop == 0 and not mixed]
-        if not keepers:
-            return 0.0
-        if mixed and in_bytes != dm:
-            return len([n for n in names if W.get(n, False)]) * in_dim * dm
-        return in_dim * in_bytes
-
-    per_token = 0.0
-    t2 = 0.0
-    per_layer = 0.0
-    # norm_1 and the q, k, v linears
-    kept, xn_rg = _norm(spec, d, x_rg, norm_w, C) if config.pre_norm else (0.0, x_rg)
-    per_token += kept
-    out_rg = {}
-    for name in ("attn.query", "attn.key", "attn.value"):
-        lk, l_rg = lora_kept(name, C, xn_rg, d)
-        per_token += lk
-        out_rg[name] = xn_rg or W[name] or l_rg
-    if config.qk_norm is not None:  # RMSNorm of the query and key projections (per head, or as a whole)
-        for name, heads in (("attn.query", config.n_head), ("attn.key", config.n_query_groups)):
-            rows = heads if config.qk_norm == "head" else 1
-            kept, out_rg[name] = _norm(spec, dm, out_rg[name], norm_w, heads * hs, rows=rows)
-            per_token += kept
-    attn_rg = any(out_rg.values())
-    xn_kept = kept_linear_inputs(("attn.query", "attn.key", "attn.value"), C, d)
-    # attention: rope makes new q/k tensors (nothing kept); attention keeps q, k, v and its output
-    sliding = config.layer_uses_sliding_window(layer) and T > (config.sliding_window_size or 0)
-    partial_rope = 0 < config.rope_n_elem < hs  # rope's cat makes q contiguous in (B, H, T, hs) ...
-    y_copy = partial_rope or config.attention_logit_softcapping is not None  # ... so the output reshape copies
-    attention_dtype, masked = spec.autocast_dtype or spec.param_dtype, sliding or spec.packing
-    # k and v as attention takes them: copied to every query head where kernels.attention does (CUDA, else math)
-    policy = kernel_policy(spec.device_type)
-    Hkv_attended = Hq if Hkv < Hq and policy.expands_shared_heads(attention_dtype, hs, masked, T) else Hkv
-    in_blocks = (attn_rg and not masked and T > 1 and config.attention_logit_softcapping is None
-                 and policy.attends_in_blocks(attention_dtype, batch, config.n_head, T, C))
-    attention_math = attn_rg and spec.device_type == "cuda" and cuda_attention_kernel(
-        attention_dtype, hs, masked, Hkv_attended < Hq) == "math"
-    if config.attention_logit_softcapping is not None:
-        if attn_rg:
-            # q, k and v (repeated to every query head when grouped) kept by the two matmuls
-            per_token += Hq * dm + 2 * (Hq if Hkv < Hq else Hkv) * dm
-            # per sample: tanh output, fp32 softmax output, probabilities cast back to the compute dtype
-            t2 += config.n_head * T * T * (dm + 4 + (dm if dm != 4 else 0))
-            per_layer += T * T  # the inverted boolean mask kept by masked_fill
-    elif attention_math:
-        # CUDA's math kernel: the scaled q, k and v repeated to every query head, the output, the probabilities
-        per_token += 4 * Hq * dm
-        t2 += config.n_head * T * T * dm
-        if sliding:
-            per_layer += T * T * dm
-    elif in_blocks:
-        # attention in blocks (ops.py): q, k and v (copied to every query head), the output, the probabilities
-        per_token += 4 * Hq * dm
-        t2 += config.n_head * block_scores(T) * dm
-    elif attn_rg:
-        per_token += (Hq + 2 * Hkv_attended) * dm + Hq * dm + config.n_head * 4  # q, k, v, output, logsumexp
-        if sliding:
-            per_layer += T * T * dm  # the explicit mask (converted to the compute dtype), kept by SDPA
-        elif policy.attends_in_halves(T):
-            per_layer += (T - T // 2) * T * dm  # attention in halves (ops.py): the second half's mask, converted
-    if adapter:
-        # LLaMA-Adapter: every query also attends to the trainable prefix (SDPA keeping q, its output and
-        # logsumexp); the gate keeps that output. The attention output now requires grad.
-        if not attn_rg:
-            per_token += Hq * dm
-        per_token += Hq * dm + config.n_head * 4
-        attn_rg = True
-    if dm != 4 and config.rope_n_elem and config.layer_uses_rope(layer):
-        # apply_rope casts cos/sin to the compute dtype for q and for k; the products keep the casts
-        per_layer += 2 * T * config.rope_n_elem * dm * (int(out_rg["attn.query"]) + int(out_rg["attn.key"]))
-    y_rg = attn_rg
-    # output projection: keeps its input (the attention output, or its reshaped copy)
-    if keeps_input("attn.proj") and (y_copy or not attn_rg):
-        per_token += Hq * dm
-    lk, l_rg = lora_kept("attn.proj", Hq, y_rg, dm)
-    per_token += lk
-    a_rg = y_rg or W["attn.proj"] or l_rg
-    if config.post_attention_norm:
-        kept, a_rg = _norm(spec, dm, a_rg, norm_w, C)
-        per_token += kept
-    per_token += xn_kept
-    # MLP input
-    if config.parallel_residual:
-        if config.shared_attention_norm:
-            m_in_rg = xn_rg
-            shared_with_attention = True
-        else:
-            shared = config.norm_class_name == "LayerNorm" and x_rg  # norm_1 already keeps x
-            kept, m_in_rg = _norm(spec, d, x_rg, norm_w, C, shared_input=shared)
-            per_token += kept
-            shared_with_attention = False
-        res_rg = x_rg or a_rg
-    else:
-        x2_rg = x_rg or a_rg
-        kept, m_in_rg = _norm(spec, d, x2_rg, norm_w, C) if config.pre_norm else (0.0, x2_rg)
-        per_token += kept
-        shared_with_attention = False
-        res_rg = x2_rg
-    # MLP
-    before_mlp = per_token
-    if config.mlp_class_name == "GptNeoxMLP":
-        fc_names: tuple[str, ...] = ("mlp.fc",)
-        lk, l_rg = lora_kept("mlp.fc", C, m_in_rg, d)
-        per_token += lk
-        h_rg = m_in_rg or W["mlp.fc"] or l_rg
-        if h_rg:
-            per_token += I * dm  # gelu input
-        g_rg = h_rg
-        if keeps_input("mlp.proj"):
-            per_token += I * dm  # gelu output kept by proj
-        lk, l_rg = lora_kept("mlp.proj", I, g_rg, dm)
-        per_token += lk
-        m_rg = g_rg or W["mlp.proj"] or l_rg
-    else:
-        fc_names = ("mlp.fc_1", "mlp.fc_2")
-        h1_rg = h2_rg = m_in_rg
-        for name in fc_names:
-            lk, l_rg = lora_kept(name, C, m_in_rg, d)
-            per_token += lk
-            if W[name] or l_rg:
-                if name == "mlp.fc_1":
-                    h1_rg = True
-                else:
-                    h2_rg = True
-        s_rg = h1_rg
-        if h1_rg:
-            per_token += I * dm  # activation input
-        if h2_rg:
-            per_token += I * dm  # s, kept by the product for h2's gradient
-        if s_rg:
-            per_token += I * dm  # h2, kept by the product for s's gradient
-        p_rg = s_rg or h2_rg
-        if keeps_input("mlp.proj"):
-            per_token += I * dm  # product kept by proj
-        lk, l_rg = lora_kept("mlp.proj", I, p_rg, dm)
-        per_token += lk
-        m_rg = p_rg or W["mlp.proj"] or l_rg
-    if shared_with_attention:
-        if mixed:
-            per_token += kept_linear_inputs(fc_names, C, d)
-        elif not xn_kept:
-            per_token += kept_linear_inputs(fc_names, C, d)
-    else:
-        per_token += kept_linear_inputs(fc_names, C, d)
-    if config.mlp_class_name == "LLaMAMoE":
-        # Each token runs the SwiGLU above in k experts, on its own copy of the input; per choice also the expert's
-        # output (kept by the product with the router weight), that weight, the int64 top-k index and the token
-        # and slot indices of the dispatch, the fp32 top-k probability. The router keeps its fp32 softmax, the sum
-        # that renormalises the top k, and its input when its weight trains. (Equal to the trace, which routes every
-        # token to experts 0..k-1: the most memory any routing needs, model.expert_tokens.)
-        k = config.n_expert_per_token
-        per_choice = per_token - before_mlp + C * d + C * dm + 3 * 8 + 4 + d
-        router = config.n_expert * 4 + 4 * config.moe_norm_topk + C * dm * block_trainable
-        per_token = before_mlp + k * per_choice + router
-    transient = (I + C) * dm  # measured: about one intermediate-sized gradient beyond what is freed
-    if attention_math and config.attention_logit_softcapping is None:
-        transient += 2 * config.n_head * T * dm  # the probabilities' gradient and the softmax's, per token
-    if in_blocks:
-        # attention in blocks: in backward the largest block's score gradients (the bf16 product, its fp32 copy,
-        # the bf16 cast: 6 bytes a score) are in flight instead (not on top) of the MLP's (the trace: 0.998-1.04x)
-        transient = max(transient, 6 * config.n_head * min(T, ATTENTION_BLOCK))
-    # selective checkpointing (activations.SAVED_OPS): the block's input and every matmul and attention output: q, k,
-    # v, the attention output and its logsumexp, each projection, the LoRA branches' two matmuls (MoE: the whole
-    # block's kept tensors, an upper bound)
-    fc_outputs = I * dm * (1 if config.mlp_class_name == "GptNeoxMLP" else 2)
-    selective = C * d + (2 * Hq + 2 * Hkv + 2 * C) * dm + config.n_head * 4 + fc_outputs
-    selective += (Hq * dm + config.n_head * 4) if adapter else 0
-    selective += sum((spec.lora_r + out) * dm for name, (_, out, _) in param_counts(config).block_linear.items()
-                     if name in lora)
-    if config.mlp_class_name == "LLaMAMoE":
-        selective = per_token + C * d
-    if spec.mlp_tiles > 1:
-        # activations.tiled: the MLP keeps only its input (in its tiles' checkpoints); in backward one tile at a time
-        # recomputes its activations
-        transient += (per_token - before_mlp) / spec.mlp_tiles
-        per_token = before_mlp + C * d
-    if config.post_mlp_norm:
-        kept, m_rg = _norm(spec, dm, m_rg, norm_w, C)
-        per_token += kept
-    out_rg = res_rg or m_rg
-    return BlockActs(per_token, t2, per_layer, out_rg, transient, selective)
+    return Step(batch=batch, seq_len=spec.seq_len, param_bytes=spec.param_bytes, compute_bytes=spec.compute_bytes,
+                autocast=spec.autocast_dtype is not None, attention_dtype=spec.autocast_dtype or spec.param_dtype,
+                device_type=spec.device_type, norm_tokens=spec.micro_batch_size * spec.seq_len, packing=spec.packing,
+                mlp_tiles=spec.mlp_tiles, lora_names=frozenset(lora), lora_r=spec.lora_r,
+                lora_dropout=spec.lora_dropout, lora_dora=spec.lora_dora)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActivationSummary:
     kept: float  # bytes kept for backward at the end of forward (all blocks, norm_f, embeddings)
     block_backward: float  # extra bytes during the backward of the last block (recompute + gradients in flight)
@@ -549,13 +229,16 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
     # per-token statistics (fp32, up to four per block) and a logsumexp of few heads
     offloads = spec.activation_offloading is not None and N * C * spec.compute_bytes >= MIN_OFFLOAD_BYTES
     stays = (16 + (config.n_head * 4 if config.n_head * 4 * N < MIN_OFFLOAD_BYTES else 0)) * N
-    cache: dict[tuple, BlockActs] = {}  # blocks are alike: compute each kind once
+    step = step_of(spec, B)
+    cache: dict[tuple, Saved] = {}  # blocks are alike: compute each kind once
     for layer in range(L):
         block_trainable = spec.trainable == "full" and layer >= frozen_blocks
         adapter = spec.trainable == "adapter" and layer >= spec.adapter_start_layer
         key = (x_rg, block_trainable, adapter, config.layer_uses_sliding_window(layer), config.layer_uses_rope(layer))
         if key not in cache:
-            cache[key] = block_activations(spec, layer, x_rg, block_trainable, adapter, B)
+            attention = AdapterAttention if adapter else CausalSelfAttention
+            cache[key] = Block.memory_contract(config, step, layer, x_rg, block_trainable, attention,
+                                               LoRALayer.memory_contract)
         acts = cache[key]
         this = acts.per_token * N + acts.per_sample_t2 * B + acts.per_layer
         checkpointed = spec.ac_interval > 0 and layer % spec.ac_interval == 0 and (x_rg or acts.out_requires_grad)
@@ -590,7 +273,7 @@ def activations(spec: Run, batch: Optional[int] = None) -> ActivationSummary:
         kept = 2 * kept + L * B * config.n_head * T * T * 2 * spec.compute_bytes
     # final norm + its output kept by the loss checkpoint (or by the head)
     head_train = spec.trainable == "full" or (spec.trainable == "lora" and "head" in spec.lora_targets)
-    kept_nf, out_rg = _norm(spec, d, x_rg, spec.trainable == "full", C)
+    kept_nf, out_rg = norm_contract(config).memory_contract(config, step, d, x_rg, spec.trainable == "full", C)
     kept += kept_nf * N
     if out_rg or head_train:
         kept += C * d * N  # norm_f output
