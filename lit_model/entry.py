@@ -1,6 +1,6 @@
 """``lit-model``: one command for every script.
 
-    lit-model pretrain | finetune lora|full|adapter | generate | chat | plan COMMAND | download | convert | merge | config
+    lit-model pretrain | finetune lora|full|adapter|dpo | generate | chat | plan COMMAND | download | convert | merge | config
 
 Each command runs exactly what its script runs: the training and generation commands call the recipe the script
 is a shim over (``lit_model/recipes/pretrain.py`` ...) with the same arguments, so flags, ``--config`` files,
@@ -24,7 +24,7 @@ from lit_model.core.config import CONFIG_DIR, Config
 from lit_model.core.errors import UsageError, run_cli
 from lit_model.download import main as download_main
 from lit_model.methods.lora import cli as lora_cli
-from lit_model.recipes import chat, finetune_adapter, finetune_full, finetune_lora, generate, pretrain
+from lit_model.recipes import chat, finetune_adapter, finetune_dpo, finetune_full, finetune_lora, generate, pretrain
 from lit_model.plan.closed_form import param_counts
 
 # command -> (the script users know, the recipe's command line that the script runs)
@@ -33,13 +33,14 @@ SCRIPTS: dict[str, tuple[str, Callable[..., None]]] = {
     "finetune lora": ("finetune/lora.py", finetune_lora.cli),
     "finetune full": ("finetune/full.py", finetune_full.cli),
     "finetune adapter": ("finetune/adapter.py", finetune_adapter.cli),
+    "finetune dpo": ("finetune/dpo.py", finetune_dpo.cli),
     "generate": ("generate/base.py", generate.cli),
     "chat": ("generate/chat.py", chat.cli),
 }
-FINETUNE_METHODS = ("lora", "full", "adapter")
+FINETUNE_METHODS = ("lora", "full", "adapter", "dpo")
 HELP = {
     "pretrain": "pretrain from scratch (pretrain/main.py)",
-    "finetune": "fine-tune: finetune lora | full | adapter (finetune/*.py)",
+    "finetune": "fine-tune: finetune lora | full | adapter | dpo (finetune/*.py)",
     "generate": "continue a prompt (generate/base.py)",
     "chat": "chat with a model (generate/chat.py)",
     "plan": "predict a run's peak memory without running it: plan pretrain|finetune M|generate|chat [flags]",
@@ -90,21 +91,21 @@ def dispatch(argv: list[str]) -> None:
 def _script_for(argv: list[str], prog: str) -> tuple[Callable[[list[str]], None], list[str]]:
     """The script a command line names, and the arguments left for it."""
     if not argv:
-        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter, generate or chat.")
+        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter|dpo, generate or chat.")
     command, rest = argv[0], argv[1:]
     if command == "finetune":
         if rest[:1] in (["-h"], ["--help"]):
-            print(f"usage: {prog} finetune lora|full|adapter [flags]   ({prog} finetune lora --help lists the flags)")
+            print(f"usage: {prog} finetune lora|full|adapter|dpo [flags]   ({prog} finetune lora --help lists the flags)")
             raise SystemExit(0)
         if not rest or rest[0] not in FINETUNE_METHODS:
             given = f" (got {rest[0]!r})" if rest else ""
             raise UsageError(
-                f"`{prog} finetune` needs a method{given}: lora, full or adapter, e.g. `{prog} finetune lora "
+                f"`{prog} finetune` needs a method{given}: lora, full, adapter or dpo, e.g. `{prog} finetune lora "
                 "--checkpoint_dir DIR`."
             )
         command, rest = f"finetune {rest[0]}", rest[1:]
     if command not in SCRIPTS:
-        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter, generate or chat.")
+        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter|dpo, generate or chat.")
     script, cli = SCRIPTS[command]
     return partial(cli, prog=script.split("/")[-1]), rest  # --help and usage name the script, as it does
 

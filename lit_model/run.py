@@ -30,7 +30,7 @@ from lit_model.core.errors import UsageError
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
-from lit_model.methods.preference import PreferenceSpec
+from lit_model.methods.preference import PREFERENCE_LOSSES, WITH_REFERENCE, PreferenceSpec
 from lit_model.methods.quantize import QUANTIZE_MODES
 from lit_model.parallel.apply import Levers
 from lit_model.parallel.dims import ParallelDims, resolve_parallel_dims
@@ -236,6 +236,32 @@ WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
 BITSANDBYTES_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit")
 
 
+def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
+    """The preference objective of a run whose flags name a ``--loss`` (finetune/dpo.py), else None. The reference:
+    none for a reference-free loss; LoRA's base (its adapters off) unless ``--reference_model`` names another; else
+    log-probabilities computed once before training."""
+    loss = getattr(args, "loss", None)
+    if loss is None:
+        return None
+    if loss not in PREFERENCE_LOSSES:
+        raise UsageError(f"--loss {loss!r}: choose one of {', '.join(PREFERENCE_LOSSES)}.")
+    if not args.beta > 0:
+        raise UsageError(f"--beta {args.beta} must be positive (DPO's is 0.1; SimPO's 2.0 to 2.5).")
+    if canonical_name(args.optimizer) == "Sophia":
+        raise UsageError("--optimizer Sophia estimates a Hessian by differentiating the loss twice, which the "
+                         "preference losses do not support yet. Use AdamW (the default) or another first-order optimizer.")
+    if getattr(args, "packing", False):
+        raise UsageError("--packing does not apply to preference pairs yet: each pair is its own (2, length) row pair. "
+                         "Drop --packing.")
+    if loss not in WITH_REFERENCE:
+        reference = "none"
+    elif trainable == "lora" and getattr(args, "reference_model", None) is None:
+        reference = "adapters"
+    else:
+        reference = "precomputed"
+    return PreferenceSpec(loss, float(args.beta), float(args.simpo_gamma), reference)
+
+
 def check_optimizer_run(run: "Run") -> None:
     """What an optimizer that steps inside backward (--optimizer_in_backward, AdaLomo) or needs whole matrices
     cannot serve in this run (the flag-level combinations are refused by the training flags' check). For every
@@ -356,6 +382,7 @@ def resolve_run(
         cuda_alloc_conf=cuda_alloc_conf(device_type),
         cpu_heap=resolve_cpu_heap(device_type),
         packing=bool(getattr(args, "packing", False)),
+        preference=resolve_preference(args, trainable),
     )
     check_optimizer_run(run)
     return run

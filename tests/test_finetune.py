@@ -343,7 +343,7 @@ def test_int8_with_fsdp_says_what_works_instead(ft, tmp_path):
 def test_config_hub_yamls_parse_into_flags():
     from lit_model.recipes.cli import parse
 
-    for method, name in (("full", "FullArgs"), ("lora", "LoRAArgs"), ("adapter", "AdapterArgs")):
+    for method, name in (("full", "FullArgs"), ("lora", "LoRAArgs"), ("adapter", "AdapterArgs"), ("dpo", "DPOArgs")):
         args_cls = getattr(load_script(method), name)
         paths = sorted((ROOT / "config_hub" / "finetune").glob(f"*/{method}.yaml"))
         assert len(paths) >= 2

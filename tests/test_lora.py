@@ -119,12 +119,13 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
     addmm. Against the formula in float64 with F.dropout's mask (the same random draws), its values and gradients
     are as close as the formula's own in ``dtype``."""
     from lit_model.kernels.policy import kernel_policy
-    from lit_model.methods.lora import _lora_class
+    from lit_model.core.classes import mixed_class
+    from lit_model.methods.lora import LoRALayer
 
     F = torch.nn.functional
     torch.manual_seed(0)
     config = LoRAConfig(r=4, alpha=8, dropout=0.25)
-    layer = _lora_class(torch.nn.Linear)(16, 24, dtype=dtype)
+    layer = mixed_class(LoRALayer, torch.nn.Linear)(16, 24, dtype=dtype)
     layer._init_lora(config, dtype)
     layer.kernel_policy = kernel_policy("cpu")  # as apply_lora hands it the model's
     torch.nn.init.normal_(layer.lora_B)

@@ -66,12 +66,12 @@ def step_batches(masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("masked", [False, True])
 def test_recovery_gives_the_same_gradients_as_the_unsplit_step(fabric, monkeypatch, masked):
     model, _, step, _ = make_step(fabric, 4)
-    loss, _, tokens = step(step_batches(masked), "at step 1")
+    loss, _, tokens, _ = step(step_batches(masked), "at step 1")
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
 
     monkeypatch.setenv(SIMULATED_CAP_ENV, CAP)
     model, _, step, reports = make_step(fabric, 4)
-    split_loss, _, split_tokens = step(step_batches(masked), "at step 1")
+    split_loss, _, split_tokens, _ = step(step_batches(masked), "at step 1")
     assert step.micro_batch_size == 2 and not reports  # split once, kept
     assert split_tokens == tokens and torch.allclose(split_loss, loss, rtol=1e-6)
     for name, p in model.named_parameters():

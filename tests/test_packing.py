@@ -45,7 +45,7 @@ def summed_loss_and_gradients(model: GPT, batches: list[tuple[torch.Tensor, ...]
     model.zero_grad()
     total = 0.0
     for batch in batches:
-        loss, _ = CausalLM().loss_sum(model, batch)
+        loss = CausalLM().loss_sum(model, batch).loss
         loss.backward()
         total += loss.item()
     return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
@@ -116,11 +116,11 @@ def packed_step_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def test_out_of_memory_recovery_splits_packed_batches(monkeypatch):
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     model, _, step, _ = make_step(fabric, 4)
-    loss, _, tokens = step(packed_step_batches(), "at step 1")
+    loss, _, tokens, _ = step(packed_step_batches(), "at step 1")
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     monkeypatch.setenv(SIMULATED_CAP_ENV, CAP)
     model, _, step, reports = make_step(fabric, 4)
-    split_loss, _, split_tokens = step(packed_step_batches(), "at step 1")
+    split_loss, _, split_tokens, _ = step(packed_step_batches(), "at step 1")
     assert step.micro_batch_size == 2 and not reports
     assert split_tokens == tokens and torch.allclose(split_loss, loss, rtol=1e-6)
     for name, p in model.named_parameters():

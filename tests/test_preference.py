@@ -21,7 +21,7 @@ from lit_model.data.preference import collate_pairs, load_preference_data
 from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.lora import LoRAConfig, adapters_disabled, apply_lora
-from lit_model.methods.preference import Preference, PreferenceMetrics, sequence_log_probs
+from lit_model.methods.preference import Preference, sequence_log_probs
 
 trl = pytest.importorskip("trl")
 from trl import DPOTrainer  # noqa: E402
@@ -113,16 +113,16 @@ def test_dpo_and_ipo_equal_trls_loss_and_rewards(loss):
     reference, policy = tiny_model(0), tiny_model(1)
     ids, mask, _ = pair_batch()
     ref = policy_log_probs(reference, ids, mask)
-    logged: list[PreferenceMetrics] = []
-    objective = Preference(loss=loss, beta=beta, chunk_size=5, metrics=logged.append)
+    objective = Preference(loss=loss, beta=beta, chunk_size=5)
     inputs, targets = lit_batch(ids, mask)
-    total, count = objective.loss_sum(policy, (inputs, targets, ref.view(PAIRS, 2)))
+    total, count, logged = objective.loss_sum(policy, (inputs, targets, ref.view(PAIRS, 2)))
     expected, metrics = trl_dpo({"dpo": "sigmoid", "ipo": "ipo"}[loss], beta, policy_log_probs(policy, ids, mask),
                                 ref, ids, mask)
     assert count.item() == PAIRS
     assert total.item() / PAIRS == pytest.approx(expected, abs=1e-5)
-    for name, value in logged[0].means().items():
-        assert value == pytest.approx(metrics[name], abs=1e-5), name
+    assert set(logged) == set(objective.metric_names)
+    for name, value in logged.items():
+        assert value.item() / PAIRS == pytest.approx(metrics[name], abs=1e-5), name
 
 
 def test_simpo_equals_trls_cpo_loss():
@@ -132,12 +132,10 @@ def test_simpo_equals_trls_cpo_loss():
     cpo = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=0.0,
                           accelerator=SimpleNamespace(device=torch.device("cpu")))
     losses, chosen, rejected = CPOTrainer.cpo_loss(cpo, average[:, 0], average[:, 1])
-    logged: list[PreferenceMetrics] = []
-    total, _ = Preference(loss="simpo", beta=beta, simpo_gamma=gamma, metrics=logged.append).loss_sum(
-        model, lit_batch(ids, mask))
+    total, _, logged = Preference(loss="simpo", beta=beta, simpo_gamma=gamma).loss_sum(model, lit_batch(ids, mask))
     assert total.item() / PAIRS == pytest.approx(losses.mean().item(), abs=1e-5)
-    assert logged[0].means()["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=1e-5)
-    assert logged[0].means()["rewards/rejected"] == pytest.approx(rejected.mean().item(), abs=1e-5)
+    assert logged["rewards/chosen"].item() / PAIRS == pytest.approx(chosen.mean().item(), abs=1e-5)
+    assert logged["rewards/rejected"].item() / PAIRS == pytest.approx(rejected.mean().item(), abs=1e-5)
 
 
 def test_orpo_equals_trls_odds_ratio_loss_and_nll():
@@ -153,7 +151,7 @@ def test_orpo_equals_trls_odds_ratio_loss_and_nll():
     with torch.no_grad():
         logits = model(inputs[:, 0])
     nll = F.cross_entropy(logits.flatten(0, 1), targets[:, 0].flatten(), ignore_index=IGNORE_INDEX)
-    total, _ = Preference(loss="orpo", beta=beta).loss_sum(model, (inputs, targets))
+    total = Preference(loss="orpo", beta=beta).loss_sum(model, (inputs, targets)).loss
     assert total.item() / PAIRS == pytest.approx((nll - ratio_losses.mean()).item(), abs=1e-5)
 
 
@@ -174,7 +172,7 @@ def test_lora_reference_is_the_base_and_dpo_starts_at_ln2():
 
     fresh = tiny_model()
     apply_lora(fresh, LoRAConfig(r=4, alpha=8, dropout=0.0))
-    total, count = Preference(loss="dpo", reference=adapters_disabled, chunk_size=5).loss_sum(fresh, lit_batch(ids, mask))
+    total, count, _ = Preference(loss="dpo", reference=adapters_disabled, chunk_size=5).loss_sum(fresh, lit_batch(ids, mask))
     assert total.item() / count.item() == pytest.approx(math.log(2), abs=1e-6)
     total.backward()
     assert all(p.grad is not None for n, p in fresh.named_parameters() if n.endswith("lora_A"))
@@ -186,7 +184,7 @@ def test_the_loss_of_a_batch_is_the_sum_of_its_pairs():
     ref = policy_log_probs(tiny_model(1), ids, mask).view(PAIRS, 2)
     inputs, targets = lit_batch(ids, mask)
     objective = Preference(loss="dpo", chunk_size=5)
-    whole, _ = objective.loss_sum(model, (inputs, targets, ref))
+    whole = objective.loss_sum(model, (inputs, targets, ref)).loss
     parts = [objective.loss_sum(model, (inputs[i : i + 1], targets[i : i + 1], ref[i : i + 1]))[0] for i in range(PAIRS)]
     assert whole.item() == pytest.approx(sum(p.item() for p in parts), abs=1e-5)
 
@@ -251,7 +249,7 @@ def test_preference_batches_feed_the_objective(tiny_setup, tmp_path):
     torch.manual_seed(0)
     model = GPT(Config(name="t", block_size=256, vocab_size=512, padded_vocab_size=512, n_layer=1, n_embd=32,
                        n_head=2, n_query_groups=1, intermediate_size=64))
-    total, count = Preference(loss="simpo").loss_sum(model, collate_pairs([data.train[i] for i in range(len(data.train))]))
+    total, count, _ = Preference(loss="simpo").loss_sum(model, collate_pairs([data.train[i] for i in range(len(data.train))]))
     assert count.item() == len(data.train) and torch.isfinite(total)
     total.backward()
     assert model.lm_head.weight.grad.abs().sum() > 0

@@ -9,6 +9,7 @@ in the run's prompt style, as instruction fine-tuning writes it (``instruct.segm
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -66,24 +67,39 @@ def _completion_pieces(prompt: list[Any], completion: list[Any], where: str, sty
 
 class PreferenceDataset(Dataset):
     """Pairs of token rows: each item ``(input_ids, targets)`` of shape (2, length), chosen first, right-padded to
-    the longer of the two (targets IGNORE_INDEX outside the completion); ``lengths`` for grouping by length."""
+    the longer of the two (targets IGNORE_INDEX outside the completion), and with ``reference`` (pairs, 2) the
+    pair's reference log-probabilities as a third part; ``lengths`` for grouping by length."""
 
     def __init__(self, pairs: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
-                 prompts: list[str]) -> None:
-        self.pairs, self.prompts = pairs, prompts
+                 prompts: list[str], reference: Optional[torch.Tensor] = None) -> None:
+        self.pairs, self.prompts, self.reference = pairs, prompts, reference
         self.lengths = [max(len(ids) for ids, _ in pair) - 1 for pair in pairs]
 
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         length = self.lengths[index]
         input_ids = torch.zeros(2, length, dtype=torch.long)
         targets = torch.full((2, length), IGNORE_INDEX, dtype=torch.long)
         for row, (ids, flags) in enumerate(self.pairs[index]):
             input_ids[row, : len(ids) - 1] = torch.from_numpy(ids[:-1])
             targets[row, : len(ids) - 1] = torch.from_numpy(np.where(flags[1:], ids[1:], IGNORE_INDEX))
-        return input_ids, targets
+        return (input_ids, targets) if self.reference is None else (input_ids, targets, self.reference[index])
+
+    def with_reference(self, reference: torch.Tensor) -> "PreferenceDataset":
+        """The same pairs with their reference log-probabilities (pairs, 2)."""
+        if tuple(reference.shape) != (len(self), 2):
+            raise ValueError(f"reference log-probabilities of shape {tuple(reference.shape)} for {len(self)} pairs")
+        return PreferenceDataset(self.pairs, self.prompts, reference)
+
+    def digest(self) -> str:
+        """SHA-256 of the pairs' tokens and target flags: what a cache of values computed from them is keyed by."""
+        sha = hashlib.sha256()
+        for pair in self.pairs:
+            for ids, flags in pair:
+                sha.update(np.int64(len(ids)).tobytes() + ids.astype("<i8").tobytes() + flags.astype(bool).tobytes())
+        return sha.hexdigest()
 
     @property
     def target_tokens(self) -> int:
@@ -109,6 +125,7 @@ class PreferenceData:
     train: PreferenceDataset
     val: PreferenceDataset
     description: str
+    sample_instruction: str  # what the end of a run answers: the first validation pair's prompt, styled
 
 
 def build_pairs(records: list[tuple[str, Any]], tokenizer: Any, style: PromptStyle, seq_length: int
@@ -148,6 +165,6 @@ def load_preference_data(data_path: Optional[Path], tokenizer: Any, style: Promp
     val, val_cut, val_dropped = build_pairs(val_records, tokenizer, style, seq_length)
     note = cut_note(len(train), len(val), train_cut + val_cut, train_dropped + val_dropped, seq_length, "pair")
     lengths = np.asarray(train.lengths)
-    return PreferenceData(train, val, f"{source}: {len(records)} records, {len(train)} train / {len(val)} val pairs "
-                                      f"in the {style.name!r} prompt style, {int(lengths.mean())} tokens on average "
-                                      f"(max {lengths.max()}){note}")
+    description = (f"{source}: {len(records)} records, {len(train)} train / {len(val)} val pairs in the {style.name!r} "
+                   f"prompt style, {int(lengths.mean())} tokens on average (max {lengths.max()}){note}")
+    return PreferenceData(train, val, description, val.prompts[0])

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import yaml
 
+from lit_model.core.classes import mixed_class
 from lit_model.core.errors import UsageError, UserError
 from lit_model.io.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
 from lit_model.kernels.ops import dropout_before_linear
@@ -187,15 +188,6 @@ class LoRALayer:
         return kept
 
 
-_LORA_CLASSES: dict[type, type] = {}
-
-
-def _lora_class(base: type) -> type:
-    if base not in _LORA_CLASSES:
-        _LORA_CLASSES[base] = type(f"LoRA{base.__name__}", (LoRALayer, base), {"__module__": __name__})
-    return _LORA_CLASSES[base]
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Within this block ``model``'s LoRA layers compute their base layers alone: the model before fine-tuning (the
@@ -229,7 +221,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
     names = []
     for name, module in model.named_modules():
         if is_linear(module) and config.targets(name):
-            module.__class__ = _lora_class(type(module))
+            module.__class__ = mixed_class(LoRALayer, type(module), f"LoRA{type(module).__name__}")
             module._init_lora(config, dtype)
             module.kernel_policy = policy  # a bitsandbytes base holds none of its own
             if config.bias and module.bias is not None:

@@ -1,5 +1,5 @@
 """What a training step minimises: an objective turns a batch into a summed loss and the count it is averaged over
-(``loss_sum(model, batch) -> (sum, count)``). The step (train/step.py) calls only that, so a method that trains with
+(``loss_sum(model, batch) -> LossSums(loss, count, metrics)``), with the sums of what it logs beside the loss. The step (train/step.py) calls only that, so a method that trains with
 another objective (preference pairs, rollouts) brings its own, and the planner's trace, which runs the step, plans
 it as it is.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -26,9 +26,20 @@ from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy
 Batch = tuple[torch.Tensor, ...]
 
 
+class LossSums(NamedTuple):
+    """A batch's summed loss (differentiable), the count it is averaged over, and the sums of the objective's
+    ``metric_names`` over the same count (detached): the fit loop logs each as its sum over the count."""
+
+    loss: torch.Tensor
+    count: torch.Tensor
+    metrics: Mapping[str, torch.Tensor] = {}
+
+
 class Objective(Protocol):
     # whether its loss can be differentiated twice (optimizers that estimate a Hessian need it)
     differentiable_twice: bool
+    # what it logs beside the loss (LossSums.metrics' keys, in this order: metrics.csv's columns)
+    metric_names: ClassVar[tuple[str, ...]]
 
     def count(self, batch: Batch) -> torch.Tensor:
         """What the batch's loss is averaged over (the step scales every micro batch by the whole step's count)."""
@@ -36,8 +47,8 @@ class Objective(Protocol):
     def tokens(self, batch: Batch) -> torch.Tensor:
         """The batch's tokens the run counts (its progress and tokens per second): those with a target."""
 
-    def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's summed loss (differentiable) and ``count(batch)``."""
+    def loss_sum(self, model: nn.Module, batch: Batch) -> LossSums:
+        """The batch's summed loss (differentiable), ``count(batch)`` and its metrics' sums."""
 
     def example_batch(self, rows: int, seq_len: int, vocab_size: int) -> Batch:
         """A batch of ``rows`` samples of ``seq_len`` tokens as this objective takes them (random tokens, every one a
@@ -51,8 +62,8 @@ def target_tokens(batch: Batch) -> torch.Tensor:
 
 def mean_loss(objective: Objective, model: nn.Module, batch: Batch) -> torch.Tensor:
     """The batch's mean loss: its sum over its count (at least 1)."""
-    total, count = objective.loss_sum(model, batch)
-    return total / count.clamp(min=1)
+    sums = objective.loss_sum(model, batch)
+    return sums.loss / sums.count.clamp(min=1)
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class CausalLM:
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     differentiable_twice: bool = False
     packed: bool = False  # batches of packed samples carry each token's position (their documents' masks)
+    metric_names: ClassVar[tuple[str, ...]] = ()
 
     def count(self, batch: Batch) -> torch.Tensor:
         return target_tokens(batch)
@@ -77,11 +89,11 @@ class CausalLM:
         tokens = (torch.randint(0, vocab_size, shape), torch.randint(0, vocab_size, shape))
         return (*tokens, torch.zeros(shape, dtype=torch.long)) if self.packed else tokens
 
-    def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_sum(self, model: nn.Module, batch: Batch) -> LossSums:
         input_ids, targets, *positions = batch
         total = model(input_ids, positions=positions[0] if positions else None,
                       readout=partial(self.readout, targets=targets))
-        return total, self.count(batch)
+        return LossSums(total, self.count(batch))
 
     def readout(self, model: GPT, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed loss of the final hidden states (batch, time, embedding) against ``targets``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ClassVar, ContextManager, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -25,29 +25,15 @@ import torch.nn.functional as F
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.model.gpt import GPT
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from lit_model.methods.objective import Batch, over_chunks, target_tokens, token_losses
+from lit_model.methods.objective import Batch, LossSums, over_chunks, target_tokens, token_losses
 
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
 # the losses that compare the policy with a reference (the others are reference-free)
 WITH_REFERENCE = ("dpo", "ipo")
 # the losses of log-probabilities averaged over the completion's tokens (TRL: IPO, SimPO, ORPO)
 AVERAGED = ("ipo", "simpo", "orpo")
-
-
-@dataclass(frozen=True)
-class PreferenceMetrics:
-    """What a batch of pairs logs, under TRL's names: sums over its pairs (detached tensors; ``means`` reads them)."""
-
-    pairs: int
-    chosen_rewards: torch.Tensor
-    rejected_rewards: torch.Tensor
-    accuracies: torch.Tensor
-    margins: torch.Tensor
-
-    def means(self) -> dict[str, float]:
-        n = max(self.pairs, 1)
-        return {"rewards/chosen": self.chosen_rewards.item() / n, "rewards/rejected": self.rejected_rewards.item() / n,
-                "rewards/accuracies": self.accuracies.item() / n, "rewards/margins": self.margins.item() / n}
+# what a preference objective logs, under TRL's names: sums over a batch's pairs (LossSums.metrics)
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
 def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int
@@ -58,6 +44,18 @@ def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, 
     losses = over_chunks(token_losses, model, x, flat, chunk_size if chunk_size > 0 else x.size(0))
     log_probs = -torch.cat(losses).view(targets.shape)  # ignored targets: 0
     return log_probs.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
+
+
+@torch.no_grad()
+def reference_log_probs(model: nn.Module, batches: Iterable[Batch], chunk_size: int) -> torch.Tensor:
+    """The summed log-probabilities (pairs, 2) of every pair's completions under ``model``, the reference, in the
+    batches' order (batches as ``Preference.loss_sum`` takes them): computed once, before training."""
+    values = []
+    for batch in batches:
+        input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)
+        log_probs, _ = model(input_ids, readout=partial(sequence_log_probs, targets=targets, chunk_size=chunk_size))
+        values.append(log_probs.float().view(-1, 2).cpu())
+    return torch.cat(values)
 
 
 def pair_losses(loss: str, beta: float, log_probs: torch.Tensor, lengths: torch.Tensor,
@@ -106,16 +104,15 @@ class PreferenceSpec:
 class Preference:
     """A preference objective (``loss`` one of PREFERENCE_LOSSES, TRL's defaults). ``reference``: a context in which
     the model is the reference (LoRA's adapters off, ``lora.adapters_disabled``); None: the reference's
-    log-probabilities come in the batch (or the loss needs none). ``metrics``: called with each batch's
-    PreferenceMetrics (for the logs)."""
+    log-probabilities come in the batch (or the loss needs none)."""
 
     loss: str = "dpo"
     beta: float = 0.1
     simpo_gamma: float = 0.5
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     reference: Optional[Callable[[nn.Module], ContextManager]] = None
-    metrics: Optional[Callable[[PreferenceMetrics], None]] = None
     differentiable_twice: bool = False
+    metric_names: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
     # the reference's log-probabilities come in the batches (example_batch makes them)
     precomputed_reference: bool = False
@@ -132,7 +129,7 @@ class Preference:
         tokens = (torch.randint(0, vocab_size, shape), torch.randint(0, vocab_size, shape))
         return (*tokens, torch.zeros(rows, 2)) if self.precomputed_reference else tokens
 
-    def loss_sum(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_sum(self, model: nn.Module, batch: Batch) -> LossSums:
         input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)  # (pairs * 2, time): chosen, rejected, ...
         readout = partial(sequence_log_probs, targets=targets, chunk_size=self.chunk_size)
         log_probs, lengths = model(input_ids, readout=readout)
@@ -147,9 +144,6 @@ class Preference:
                 raise ValueError(f"{self.loss} needs the reference's log-probabilities: in the batch or a reference")
         losses, rewards = pair_losses(self.loss, self.beta, log_probs.view(-1, 2), lengths.view(-1, 2), ref,
                                       self.simpo_gamma)
-        if self.metrics is not None:
-            chosen, rejected = rewards.unbind(1)
-            self.metrics(PreferenceMetrics(pairs=rewards.size(0), chosen_rewards=chosen.sum(),
-                                           rejected_rewards=rejected.sum(), accuracies=(chosen > rejected).sum(),
-                                           margins=(chosen - rejected).sum()))
-        return losses.sum(), self.count(batch)
+        chosen, rejected = rewards.unbind(1)
+        sums = (chosen.sum(), rejected.sum(), (chosen > rejected).sum().float(), (chosen - rejected).sum())
+        return LossSums(losses.sum(), self.count(batch), dict(zip(PREFERENCE_METRICS, sums)))

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit_model.core.classes import mixed_class
 from lit_model.parallel.activations import ActivationOffloading, checkpointed, tiled
 from lit_model.parallel.dims import ParallelDims
 from lit_model.parallel.fsdp import shard_model
@@ -58,12 +59,14 @@ class _Offloaded:
 
     offloading: ActivationOffloading
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                input_pos_maxp1: Optional[int] = None,
+                document_masks: Optional[dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
+        args = (x, cos, sin, input_pos, input_pos_maxp1, document_masks)  # Block.forward's
         if not torch.is_grad_enabled():
-            return super().forward(x, cos, sin, *rest)  # type: ignore[misc]
-        masks = rest[2] if len(rest) > 2 and rest[2] is not None else {}
-        with self.offloading(resident=(cos, sin, *masks.values())):
-            return super().forward(x, cos, sin, *rest)  # type: ignore[misc]
+            return super().forward(*args)  # type: ignore[misc]
+        with self.offloading(resident=(cos, sin, *(document_masks or {}).values())):
+            return super().forward(*args)  # type: ignore[misc]
 
 
 class _Tiled:
@@ -77,17 +80,10 @@ class _Tiled:
         return tiled(super().forward, x, self.tiles)  # type: ignore[misc]
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
 def wrap(module: nn.Module, wrapper: type, **state: Any) -> nn.Module:
-    """``module`` with ``wrapper``'s forward around its own: its class becomes a subclass of both (one per pair, made
-    once), and ``state`` its attributes."""
-    cls = type(module)
-    key = (wrapper, cls)
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"{wrapper.__name__.lstrip('_')}{cls.__name__}", (wrapper, cls), {})
-    module.__class__ = _SUBCLASSES[key]
+    """``module`` with ``wrapper``'s forward around its own: its class becomes a subclass of both
+    (``mixed_class``), and ``state`` its attributes."""
+    module.__class__ = mixed_class(wrapper, type(module))
     for name, value in state.items():
         setattr(module, name, value)
     return module

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from lightning.fabric import Fabric
 from lit_model.core.errors import UsageError
 from lit_model.core.units import format_bytes
 from lit_model.data.instruct import InstructData, PackedDataset, collate, load_instruct_data, padding_fraction
+from lit_model.data.preference import PreferenceData
 from lit_model.data.sources import parse_fields
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.download import resolve_checkpoint
@@ -101,7 +102,7 @@ class Setup:
     checkpoint_dir: Path
     tokenizer: Tokenizer
     style: PromptStyle
-    data: InstructData
+    data: Union[InstructData, PreferenceData]
     padding: dict[str, float]  # summary.json's padding fractions: this run's, and without and with packing
 
 
@@ -141,16 +142,20 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     return run
 
 
+def prompt_style(run: Run, args: FinetuneArgs) -> PromptStyle:
+    """--prompt_style, else the checkpoint's; a base model's "default" style has no turn markers (instructions and
+    answers would run together), so alpaca's instead."""
+    if args.prompt_style is not None:
+        return PromptStyle.from_name(args.prompt_style)
+    style = PromptStyle.from_checkpoint(run.checkpoint_dir, run.config)
+    return style if style.name != "default" else PromptStyle.from_name("alpaca")
+
+
 def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
     run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     checkpoint_dir = run.checkpoint_dir
-    tokenizer = Tokenizer(checkpoint_dir)
-    if args.prompt_style is not None:
-        style = PromptStyle.from_name(args.prompt_style)
-    else:  # a base model's "default" style has no turn markers: instructions and answers would run together
-        style = PromptStyle.from_checkpoint(checkpoint_dir, run.config)
-        style = style if style.name != "default" else PromptStyle.from_name("alpaca")
+    tokenizer, style = Tokenizer(checkpoint_dir), prompt_style(run, args)
     data = load_instruct_data(args.data_path, tokenizer, style, run.seq_len, args.mask_prompt, args.val_split_fraction,
                               data=args.data, fields=parse_fields(args.data_fields))
     if args.sample_instruction is not None:
@@ -197,10 +202,11 @@ def _strip_wrappers(name: str) -> str:
 
 
 def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.Module, optimizer: Any,
-          trainable_only: bool) -> tuple[Progress, Run]:
+          trainable_only: bool, collate_fn: Callable[..., tuple[torch.Tensor, ...]] = collate) -> tuple[Progress, Run]:
     """Resume if asked, then fit. ``trainable_only``: the resumable checkpoints hold only the trainable
     parameters and their optimizer state (the frozen base comes from ``--checkpoint_dir``). FSDP saves its
-    sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
+    sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint. ``collate_fn(items,
+    max_length=...)``: the micro batches of the data's samples (preference pairs: ``collate_pairs``)."""
     data, progress = setup.data, Progress()
     save_filter, check = None, None
     if trainable_only and not run.parallel.fsdp:
@@ -208,7 +214,7 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
         check = partial(check_resumable, model=model, names=names)
     session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
-    pad = partial(collate, max_length=run.seq_len)
+    pad = partial(collate_fn, max_length=run.seq_len)
     train_batches = session.train_batches(fabric, data.train, run, args, progress.step, pad, data.train.lengths)
     val_batches = session.val_batches(fabric, data.val, run, args, pad)
     tokens_per_sample = data.train.target_tokens / len(data.train)
@@ -217,8 +223,9 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
         max_steps = math.ceil(args.max_tokens / (run.global_batch_size * tokens_per_sample))
     if not max_steps or max_steps < 1:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
+    unit = "sequences" if run.packing else "pairs" if run.preference is not None else "samples"
     fabric.print(
-        f"Training {max_steps} steps of {run.global_batch_size} {'sequences' if run.packing else 'samples'} "
+        f"Training {max_steps} steps of {run.global_batch_size} {unit} "
         f"(~{tokens_per_sample:.0f} response tokens "
         f"each; micro batch {run.micro_batch_size}, {run.accumulation} accumulation steps, "
         f"{run.world_size} process(es), {run.precision})"
@@ -258,6 +265,7 @@ def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress:
     """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
     what = run.trainable if run.quantize is None or run.trainable != "lora" else f"qlora ({run.quantize})"
     what += " + DoRA" if run.lora is not None and run.lora.dora else ""
+    what = f"{run.preference.loss} ({what})" if run.preference is not None else what
     answer = common.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
     summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})

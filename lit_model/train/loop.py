@@ -38,7 +38,7 @@ from lit_model.train.snapshot import start_memory_history
 from lit_model.train.optimizers import lr_at, paused_in_backward, set_group_values, set_lr
 from lit_model.train.recovery import any_rank
 from lit_model.train.resumable import CHECKPOINTS, save_resumable, write_state
-from lit_model.train.step import StepStopped, TrainStep, evaluate, release_cached_memory, stop_requested
+from lit_model.train.step import StepStopped, TrainStep, evaluate, means, release_cached_memory, stop_requested
 
 
 def seed_step(device: torch.device, seed: int) -> None:
@@ -84,8 +84,11 @@ class Progress:
 class MetricsWriter:
     COLUMNS = ["step", "tokens", "train_loss", "val_loss", "learning_rate", "tokens_per_sec", "peak_memory_bytes"]
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int) -> None:
+    def __init__(self, path: Path, enabled: bool, resume_step: int, metric_names: tuple[str, ...] = ()) -> None:
+        """``metric_names``: the objective's, logged after the loss columns for training and, prefixed ``val_``,
+        for evaluation."""
         self.path, self.enabled = path, enabled
+        self.columns = [*self.COLUMNS[:4], *metric_names, *(f"val_{name}" for name in metric_names), *self.COLUMNS[4:]]
         if not enabled:
             return
         rows = []
@@ -93,14 +96,14 @@ class MetricsWriter:
             with open(path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
         with atomic_open(path, "w", newline="") as f:  # a kill mid-rewrite keeps the old history
-            writer = csv.DictWriter(f, self.COLUMNS)
+            writer = csv.DictWriter(f, self.columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
 
     def write(self, row: dict[str, Any]) -> None:
         if self.enabled:
             with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, self.COLUMNS).writerow({k: row.get(k, "") for k in self.COLUMNS})
+                csv.DictWriter(f, self.columns).writerow({k: row.get(k, "") for k in self.columns})
 
 
 def format_duration(seconds: float) -> str:
@@ -204,7 +207,9 @@ def fit(
     state = {"model": model, "optimizer": optimizer, "run": progress}
     if args.rehearse and rehearsal_batch is not None:
         rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter, progress.step == 0)
-    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, progress.step)
+    names = objective.metric_names
+    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, progress.step, names)
+    train_metrics: dict[str, float] = {}  # the last step's means of the objective's metrics
     window_start, window_tokens = time.perf_counter(), 0
     fit_start = time.perf_counter() - progress.fit_seconds
     steps_at_start = progress.step
@@ -220,8 +225,7 @@ def fit(
                 lr = lr_at(progress.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
                 set_lr(optimizer, lr)
                 try:
-                    step_loss, step_count, step_tokens = train_step(
-                        [next(train_batches) for _ in range(run.accumulation)], f"at step {progress.step + 1}")
+                    sums = train_step([next(train_batches) for _ in range(run.accumulation)], f"at step {progress.step + 1}")
                 except StepStopped:  # nothing of this step was applied
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
@@ -229,11 +233,13 @@ def fit(
                 train_step.update(run.grad_clip)
                 progress.step += 1
 
-                reduced = fabric.all_reduce(torch.stack([step_loss.float(), step_count.float(), step_tokens.float()]),
-                                            reduce_op="sum")
-                progress.last_train_loss = reduced[0].item() / max(reduced[1].item(), 1)
-                progress.tokens += int(reduced[2].item())
-                window_tokens += int(reduced[2].item())
+                vector = torch.stack([sums.loss.float(), sums.count.float(), *(sums.metrics[n] for n in names),
+                                      sums.tokens.float()])
+                reduced = fabric.all_reduce(vector, reduce_op="sum")
+                train_metrics = means(reduced[:-1], names)
+                progress.last_train_loss = train_metrics.pop("loss")
+                progress.tokens += int(reduced[-1].item())
+                window_tokens += int(reduced[-1].item())
                 if not math.isfinite(progress.last_train_loss):
                     raise UserError(
                         f"The training loss became {progress.last_train_loss} at step {progress.step}. Lower --learning_rate, "
@@ -246,13 +252,14 @@ def fit(
             is_last = progress.step >= max_steps
             row: dict[str, Any] = {}
             if progress.step % args.eval_interval == 0 or is_last or progress.evaluation_due:
-                val_loss = evaluate(fabric, model, objective, val_batches)
-                progress.evaluation_due = val_loss is None
+                val = evaluate(fabric, model, objective, val_batches)
+                progress.evaluation_due = val is None
                 if progress.evaluation_due:
                     stopped = True
                     break
-                progress.last_val_loss = val_loss
+                progress.last_val_loss = val.pop("loss")
                 row["val_loss"] = f"{progress.last_val_loss:.4f}"
+                row.update({f"val_{name}": f"{value:.4f}" for name, value in val.items()})
             if progress.step % args.log_interval == 0 or is_last or "val_loss" in row:
                 now = time.perf_counter()
                 progress.fit_seconds = now - fit_start
@@ -261,14 +268,17 @@ def fit(
                 row.update(
                     step=progress.step, tokens=progress.tokens, train_loss=f"{progress.last_train_loss:.4f}", learning_rate=f"{lr:.3e}",
                     tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
+                    **{name: f"{value:.4f}" for name, value in train_metrics.items()},
                 )
                 metrics.write(row)
                 log_row(row)
                 done = progress.step - steps_at_start
                 eta = (max_steps - progress.step) * progress.fit_seconds / max(done, 1) if done else 0
-                val = f" | val {progress.last_val_loss:.4f}" if "val_loss" in row else ""
+                val_text = f" | val {progress.last_val_loss:.4f}" if "val_loss" in row else ""
+                logged = "".join(f" | {name} {value:.3f}" for name, value in train_metrics.items())
                 fabric.print(
-                    f"step {progress.step}/{max_steps} | loss {progress.last_train_loss:.4f}{val} | {tokens_per_sec:,.0f} tok/s | "
+                    f"step {progress.step}/{max_steps} | loss {progress.last_train_loss:.4f}{val_text}{logged} | "
+                    f"{tokens_per_sec:,.0f} tok/s | "
                     f"peak {format_bytes(peak.item())} | ETA {format_duration(eta)}",
                     flush=True,
                 )

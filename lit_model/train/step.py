@@ -11,7 +11,7 @@ import fnmatch
 import gc
 import sys
 import warnings
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_model.core.errors import STOPS, UsageError, UserError
-from lit_model.methods.objective import Objective
+from lit_model.methods.objective import LossSums, Objective
 from lit_model.train.optimizers import hessian_step, needs_create_graph, steps_in_backward
 from lit_model.train.recovery import (
     StepOutOfMemory, any_rank, catch_out_of_memory, raise_if_any_rank_failed, simulated_memory_cap,
@@ -77,25 +77,36 @@ def stop_requested() -> bool:
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
-def evaluate(fabric: Fabric, model: nn.Module, objective: Objective, batches: list[Any]) -> Optional[float]:
-    """Mean loss over the same number of batches on every rank (no rank waits for another), or None when a stop
-    request cut it short. Before each batch the ranks agree on stopping (one 4-byte all-reduce with several
-    processes: evaluation is not the hot path, and under FSDP a rank cannot skip a forward alone)."""
-    sums = evaluation_sums(fabric, model, objective, batches)
-    return None if sums is None else (sums[0] / sums[1].clamp(min=1)).item()
+def sums_vector(sums: LossSums, names: tuple[str, ...]) -> torch.Tensor:
+    """[loss, count, *the metrics named]: what the ranks add up in one all-reduce."""
+    return torch.stack([sums.loss.detach().float(), sums.count.float(), *(sums.metrics[n].float() for n in names)])
+
+
+def means(vector: torch.Tensor, names: tuple[str, ...]) -> dict[str, float]:
+    """``{"loss": ..., name: ...}``: the sums of ``sums_vector`` (added over batches and ranks) over their count."""
+    values = (vector[[0, *range(2, vector.numel())]] / vector[1].clamp(min=1)).tolist()
+    return dict(zip(("loss", *names), values))
+
+
+def evaluate(fabric: Fabric, model: nn.Module, objective: Objective, batches: list[Any]) -> Optional[dict[str, float]]:
+    """The mean loss (``"loss"``) and the objective's metrics over the same number of batches on every rank (no rank
+    waits for another), or None when a stop request cut it short. Before each batch the ranks agree on stopping (one
+    4-byte all-reduce with several processes: evaluation is not the hot path, and under FSDP a rank cannot skip a
+    forward alone)."""
+    total = evaluation_sums(fabric, model, objective, batches)
+    return None if total is None else means(total, objective.metric_names)
 
 
 @torch.no_grad()
 def evaluation_sums(fabric: Fabric, model: nn.Module, objective: Objective, batches: list[Any]) -> Optional[torch.Tensor]:
-    """The objective's summed loss and count over ``batches`` on all ranks (None: a stop cut it short)."""
+    """The objective's ``sums_vector`` added over ``batches`` and all ranks (None: a stop cut it short)."""
     model.eval()
-    total = torch.zeros(2, device=fabric.device)
+    total = torch.zeros(2 + len(objective.metric_names), device=fabric.device)
     try:
         for batch in batches:
             if any_rank(fabric, stop_requested()):
                 return None
-            loss, count = objective.loss_sum(model, batch)
-            total += torch.stack([loss.float(), count.float()])
+            total += sums_vector(objective.loss_sum(model, batch), objective.metric_names)
     finally:
         model.train()
     return fabric.all_reduce(total, reduce_op="sum")
@@ -104,6 +115,16 @@ def evaluation_sums(fabric: Fabric, model: nn.Module, objective: Objective, batc
 # ---- the training step ---------------------------------------------------------------------------
 def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)  # Fabric's wrapper (--compile compiles the blocks in place)
+
+
+class StepSums(NamedTuple):
+    """One rank's sums over a step's micro batches: the loss, its count, the tokens (``Objective.tokens``) and the
+    objective's metrics (``LossSums.metrics``)."""
+
+    loss: torch.Tensor
+    count: torch.Tensor
+    tokens: torch.Tensor
+    metrics: dict[str, torch.Tensor]
 
 
 class TrainStep:
@@ -159,9 +180,9 @@ class TrainStep:
         if out_of_memory:
             raise StepOutOfMemory(failures[0] if failures else "another rank ran out of memory")
 
-    def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> StepSums:
         """Forward and backward over ``batches``; returns this rank's summed loss, its count (the objective's: target
-        tokens for a language model, pairs for a preference loss) and its tokens (``Objective.tokens``).
+        tokens for a language model, pairs for a preference loss), its tokens and its metrics' sums.
         The ranks agree on out-of-memory and stop requests before each backward that syncs gradients (DDP: the last
         micro batch's all-reduce, the accumulation micro batches start no collective, so a rank that fails there, or
         is asked to stop where it may skip alone, goes there early and waits; FSDP: every micro batch's
@@ -174,6 +195,7 @@ class TrainStep:
         all_count = fabric.all_reduce(local_count.float(), reduce_op="sum") if fabric.world_size > 1 else local_count.float()
         scale = fabric.world_size / all_count.clamp(min=1)  # the ranks average their gradients
         loss_sum = torch.zeros((), device=fabric.device)
+        metrics = {name: torch.zeros((), device=fabric.device) for name in self.objective.metric_names}
         failures: list[str] = []
         last = len(chunks) - 1
         for index, chunk in enumerate(chunks):
@@ -182,7 +204,7 @@ class TrainStep:
                 self.agree(failures)  # raises StepStopped on every rank
             with fabric.no_backward_sync(self.model, enabled=not sync), self.twice_differentiable():
                 with catch_out_of_memory(failures), simulated_memory_cap(self.model, self.optimizer):
-                    loss, _ = self.objective.loss_sum(self.model, chunk)
+                    loss, _, chunk_metrics = self.objective.loss_sum(self.model, chunk)
                     if not sync:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                 if failures or sync:
@@ -192,7 +214,9 @@ class TrainStep:
                         fabric.backward(loss * scale, create_graph=self.create_graph)
                     raise_if_any_rank_failed(fabric, failures)
             loss_sum += loss.detach()
-        return loss_sum, local_count, sum(self.objective.tokens(chunk) for chunk in chunks)
+            for name in metrics:
+                metrics[name] += chunk_metrics[name]
+        return StepSums(loss_sum, local_count, sum(self.objective.tokens(chunk) for chunk in chunks), metrics)
 
     def update(self, grad_clip: float) -> None:
         """The optimizer step after ``__call__``: gradients clipped to ``grad_clip`` (0: not clipped), stepped, freed."""
@@ -203,7 +227,7 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def __call__(self, batches: list[tuple[torch.Tensor, ...]], where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, batches: list[tuple[torch.Tensor, ...]], where: str) -> StepSums:
         while True:
             try:
                 return self.accumulate(batches)
