@@ -9,7 +9,7 @@
     python benchmarks/plan_accuracy.py --generation --add   # its new cases only, the committed ones re-planned
 
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
-``--quantize bnb.nf4``, adapter.py) started as a user starts it, in the default environment (every ``MALLOC_*``
+``--quantize bnb.nf4``, adapter.py, dpo.py with LoRA and full) started as a user starts it, in the default environment (every ``MALLOC_*``
 variable removed: the heap settings the training scripts give a CPU run, lit_model.run.CPU_HEAP), 2 optimizer
 steps with one evaluation, the final save of final/ and the sample at the end. ``measured`` is the run's
 ``summary.json`` ``peak_memory_bytes``: the peak resident memory (VmHWM) of the largest rank over the whole process,
@@ -53,7 +53,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 SCRIPTS = {"pretrain": "pretrain/main.py", "full": "finetune/full.py", "lora": "finetune/lora.py",
-           "qlora": "finetune/lora.py", "adapter": "finetune/adapter.py"}
+           "qlora": "finetune/lora.py", "adapter": "finetune/adapter.py", "dpo": "finetune/dpo.py",
+           "dpo-full": "finetune/dpo.py"}
+PAIRS = 64  # preference pairs of the dpo cases (benchmark_pairs): each completion longer than any case's sequence
 TINYLLAMA = "TinyLlama-1.1B-intermediate-step-1431k-3T"
 
 
@@ -112,6 +114,11 @@ GRID = [
     # --compile (each block compiled by inductor; 32-true: PyTorch 2.13's CPU compiler fails on some bf16 kernels)
     Case("pretrain", "pythia-70m", "32-true", 4, 128, compile=True),
     Case("lora", "pythia-70m", "32-true", 4, 256, compile=True),
+    # finetune/dpo.py: LoRA-DPO (the reference is the base, adapters off) and full DPO (the reference's log-probabilities
+    # computed before training by the reference model alone); micro batches of pairs, two sequences each
+    Case("dpo", "pythia-70m", "32-true", 2, 256),
+    Case("dpo", "SmolLM2-135M", "bf16-true", 2, 256, ac=True),
+    Case("dpo-full", "pythia-70m", "32-true", 2, 128),
 ]
 QUICK = [GRID[0], GRID[10], GRID[15], GRID[18]]
 
@@ -416,6 +423,8 @@ def command(case: Case, source: list[str], out_dir: Path) -> list[str]:
         argv += ["--model_name", case.model]
     if case.method == "qlora":
         argv += ["--quantize", "bnb.nf4"]
+    if case.method.startswith("dpo"):
+        argv += ["--method", "full" if case.method == "dpo-full" else "lora"]
     if case.optimizer != "AdamW":
         argv += ["--optimizer", case.optimizer]
     if case.compile:
@@ -447,9 +456,20 @@ def save_random_checkpoint(model: str, out_dir: str, tokenizer_dir: str) -> None
     save_checkpoint_dir(gpt.state_dict(), config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True)
 
 
+def benchmark_pairs(path: Path) -> None:
+    """PAIRS preference records whose prompt and completions are long runs of standard-library source, so that every
+    pair fills the case's sequence (the plan's worst case is a full one)."""
+    source = (Path(os.__file__).parent / "argparse.py").read_text().split() * 4  # 36k words, repeated
+    records = [{"prompt": " ".join(source[i * 40 : i * 40 + 40]), "chosen": " ".join(source[i * 400 : i * 400 + 400]),
+                "rejected": " ".join(source[i * 400 + 200 : i * 400 + 600])} for i in range(PAIRS)]
+    atomic_write(path, "".join(json.dumps(record) + "\n" for record in records))
+
+
 def prepare(work: Path, env: dict[str, str]) -> Path:
     """Build the caches once (tokenizer, token arrays, instruction data) with two 1-step runs of the default
-    model; returns the tokenizer (the warm-up checkpoint's directory)."""
+    model, and the preference pairs; returns the tokenizer (the warm-up checkpoint's directory)."""
+    if not (work / "pairs.jsonl").is_file():
+        benchmark_pairs(work / "pairs.jsonl")
     warm = work / "warmup"
     final = warm / "pretrain" / "final"
     if not (final / "summary.json").exists() and not (warm / "pretrain" / "summary.json").exists():
@@ -461,10 +481,12 @@ def prepare(work: Path, env: dict[str, str]) -> Path:
 
 
 def case_source(case: Case, work: Path, env: dict[str, str], tokenizer_dir: Path) -> list[str]:
-    """--tokenizer_dir (pretraining) or --checkpoint_dir (fine-tuning: a random checkpoint, made once)."""
+    """--tokenizer_dir (pretraining) or --checkpoint_dir (fine-tuning: a random checkpoint, made once; DPO: and
+    the preference pairs)."""
     if case.method == "pretrain":
         return ["--tokenizer_dir", str(tokenizer_dir)]
-    return ["--checkpoint_dir", str(random_checkpoint(case.model, work, env, tokenizer_dir))]
+    pairs = ["--data_path", str(work / "pairs.jsonl")] if case.method.startswith("dpo") else []
+    return ["--checkpoint_dir", str(random_checkpoint(case.model, work, env, tokenizer_dir)), *pairs]
 
 
 def random_checkpoint(model: str, work: Path, env: dict[str, str], tokenizer_dir: Path) -> Path:

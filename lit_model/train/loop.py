@@ -156,7 +156,7 @@ def rehearse(fabric: Fabric, train_step: TrainStep, batch: tuple[torch.Tensor, .
         inner.load_state_dict(saved)
     fabric.print(
         f"Rehearsal passed in {time.perf_counter() - start:.1f} s: a step on the longest batch "
-        f"({batch[0].shape[0]} x {batch[0].shape[1]} tokens), the largest evaluation batch and a checkpoint save; "
+        f"({' x '.join(map(str, batch[0].shape))} tokens), the largest evaluation batch and a checkpoint save; "
         f"peak memory so far {format_bytes(peak_memory_bytes(fabric.device))}.", flush=True,
     )
 
