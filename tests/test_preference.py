@@ -258,8 +258,9 @@ def test_preference_batches_feed_the_objective(tiny_setup, tmp_path):
 # ---- the planner traces the step the objective runs ----------------------------------------------------------
 def test_the_planner_traces_the_preference_step():
     """A preference run's plan is the trace of its own step: pairs of rows through the policy, and with LoRA the
-    reference's forward with the adapters off, which a reference that comes precomputed in the batches does not
-    run; two rows a pair hold about what two rows of supervised fine-tuning hold."""
+    reference's forward with the adapters off, which runs before the policy's and so adds nothing to the step's peak
+    (the peak of a reference precomputed in the batches); two rows a pair hold no more than two rows of supervised
+    fine-tuning (each row's log-probabilities come from the same fused chunked head, a row at a time)."""
     from test_memory_plan import args, resolved, tiny
 
     from lit_model.methods.preference import PreferenceSpec
@@ -272,5 +273,5 @@ def test_the_planner_traces_the_preference_step():
         return sum(phases.values())
 
     sft, adapters_off, precomputed = peak(4), peak(2, PreferenceSpec("dpo")), peak(2, PreferenceSpec("dpo", reference="precomputed"))
-    assert adapters_off > precomputed
-    assert precomputed == pytest.approx(sft, rel=0.25)
+    assert adapters_off == precomputed
+    assert 0.5 * sft < precomputed <= sft

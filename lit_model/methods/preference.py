@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.model.gpt import GPT
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from lit_model.methods.objective import Batch, LossSums, over_chunks, target_tokens, token_losses
+from lit_model.methods.objective import Batch, CausalLM, LossSums, target_tokens
 
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
 # the losses that compare the policy with a reference (the others are reference-free)
@@ -39,11 +39,12 @@ PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies"
 def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed log-probability of each row's targets (rows, time) and each row's number of targets, from the
-    final hidden states (rows, time, embedding): a readout of ``GPT.forward``."""
-    x, flat = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
-    losses = over_chunks(token_losses, model, x, flat, chunk_size if chunk_size > 0 else x.size(0))
-    log_probs = -torch.cat(losses).view(targets.shape)  # ignored targets: 0
-    return log_probs.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
+    final hidden states (rows, time, embedding): a readout of ``GPT.forward``. Each row's is the language-model
+    loss's own fused chunked head and cross-entropy (``CausalLM.readout``) over that row, negated: a row's logits
+    never exist whole, and the step's memory is that of the loss whose plan is measured most."""
+    language_model = CausalLM(chunk_size)
+    log_probs = torch.stack([-language_model.readout(model, hidden[i], targets[i]) for i in range(hidden.size(0))])
+    return log_probs, (targets != IGNORE_INDEX).sum(dim=1)
 
 
 @torch.no_grad()
@@ -132,16 +133,18 @@ class Preference:
     def loss_sum(self, model: nn.Module, batch: Batch) -> LossSums:
         input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)  # (pairs * 2, time): chosen, rejected, ...
         readout = partial(sequence_log_probs, targets=targets, chunk_size=self.chunk_size)
-        log_probs, lengths = model(input_ids, readout=readout)
         ref = None
         if self.loss in WITH_REFERENCE:
             if len(batch) > 2:
                 ref = batch[2].reshape(-1, 2).float()
             elif self.reference is not None:
+                # before the policy's forward: its transient tensors are freed before the policy's activations are
+                # made, so they never add to them (and the heap reuses their memory)
                 with torch.no_grad(), self.reference(model):
                     ref = model(input_ids, readout=readout)[0].view(-1, 2)
             else:
                 raise ValueError(f"{self.loss} needs the reference's log-probabilities: in the batch or a reference")
+        log_probs, lengths = model(input_ids, readout=readout)
         losses, rewards = pair_losses(self.loss, self.beta, log_probs.view(-1, 2), lengths.view(-1, 2), ref,
                                       self.simpo_gamma)
         chosen, rejected = rewards.unbind(1)
