@@ -20,7 +20,7 @@ LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 # The one import left inside functions, on purpose: the planner imports the training stack (lightning), which would
 # add 2.4 s to every start of generate and chat; only their --plan (recipes/generation.py) loads it. It goes once
 # the planner's generation part stands apart from the training trace.
-LATE = {("recipes/generation.py", "lit_model.plan")}
+LATE = {("recipes/generation.py", "lit_model.plan.generation"), ("recipes/generation.py", "lit_model.plan.report")}
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts

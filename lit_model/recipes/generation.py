@@ -99,7 +99,8 @@ def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_to
     """generate/base.py's and chat.py's ``--plan text|json``: the predicted peak memory of generating
     ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings."""
     # the planner imports the training stack (lightning: 2.4 s more at every start), so only --plan loads it
-    from lit_model.plan import check_plan_fits, plan_generation
+    from lit_model.plan.generation import plan_generation
+    from lit_model.plan.report import check_plan_fits
 
     args = setup.args
     plan = plan_generation(setup.config, prompt_length, max_new_tokens, batch_size, setup.precision.name,
