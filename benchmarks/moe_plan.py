@@ -82,7 +82,7 @@ def route_to_first_k() -> None:
 
 
 def predict(job: dict) -> dict[str, float]:
-    from lit_model.plan import plan_training
+    from lit_model.plan.training import plan_training
 
     settings = settings_for(job["precision"], job["micro_batch"], job["seq_len"], job["ac"], lora_mlp=job["lora_mlp"])
     out = {}

@@ -199,7 +199,8 @@ def published_outcome_rows() -> list[dict]:
     """Each published run planned on the published card: does the plan say it fits where it ran, and not where it
     ran out of memory?"""
     from lit_model import Config
-    from lit_model.plan import plan_generation, plan_training
+    from lit_model.plan.generation import plan_generation
+    from lit_model.plan.training import plan_training
 
     rows = []
     for label, model, micro, gpus, published in PUBLISHED_OUTCOMES:
@@ -349,7 +350,7 @@ def lora_flags(targets: tuple[str, ...]) -> dict[str, object]:
 
 def published_rows() -> list[dict]:
     from lit_model import Config
-    from lit_model.plan import plan_training
+    from lit_model.plan.training import plan_training
     from lit_model.plan.calibration import OVERHEAD
 
     def predict(model: str, settings: Any, trainable: str, quantize: Optional[str], metric: str) -> tuple[Any, int, int, int]:

@@ -18,7 +18,7 @@ from lit_model.parallel.apply import Levers, offloading_of, parallelize
 from lit_model.parallel.dims import ParallelDims
 from lit_model.recipes.cli import parse
 from lit_model.core.errors import UsageError
-from lit_model.plan import plan_run
+from lit_model.plan.training import plan_run
 from lit_model.run import CPU_HEAP_TOP_PAD, changed_flags, render_flags, resolve_run
 from lit_model.train.args import TrainArgs, check_args
 from lit_model.methods.objective import CausalLM, mean_loss
@@ -230,7 +230,7 @@ def test_a_cpu_run_keeps_its_freed_heap_instead_of_faulting_it_back_every_step(t
 
 
 def test_loss_chunk_auto_picks_the_largest_chunk_that_fits(tmp_path):
-    from lit_model.plan import max_loss_chunk_size
+    from lit_model.plan.search import max_loss_chunk_size
 
     settings = plan_args(loss_chunk_size="auto", override_max_seq_length=1024, micro_batch_size=4)
     run = resolved(tiny(n_layer=4, block_size=1024), settings)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from lit_model.methods.lora import LoRAConfig, apply_lora, merge_state_dict
-from lit_model.plan.planner import plan_run
+from lit_model.plan.training import plan_run
 from lit_model.run import resolve_run
 import test_finetune
 from lit_model.methods.objective import CausalLM, mean_loss

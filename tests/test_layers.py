@@ -17,10 +17,7 @@ LAYERS = (
     ("train",), ("plan",), ("recipes",), ("entry", "__main__", "config", "convert", "download", "lora"),
 )
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
-# The one import left inside functions, on purpose: the planner imports the training stack (lightning), which would
-# add 2.4 s to every start of generate and chat; only their --plan (recipes/generation.py) loads it. It goes once
-# the planner's generation part stands apart from the training trace.
-LATE = {("recipes/generation.py", "lit_model.plan")}
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -66,7 +63,7 @@ def violations() -> set[tuple[str, str, str]]:
         for imported, in_function in lit_model_imports(path):
             if imported == "lit_model":
                 continue
-            if in_function and (relative, imported) not in LATE:
+            if in_function:
                 found.add((relative, imported, "in a function"))
             if layer_of(imported) > level:
                 found.add((relative, imported, "upward"))
@@ -118,3 +115,40 @@ def circles() -> set[frozenset[str]]:
 
 def test_no_import_circle() -> None:
     assert circles() == set()
+
+
+def source_of(module: str) -> Path:
+    path = PACKAGE.parent.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imported_with(module: str) -> set[str]:
+    """The lit_model modules that importing ``module`` runs: those it imports at the top, theirs, and so on, with the
+    packages above each."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parent = name.rpartition(".")[0]
+        todo += [parent] if parent else []
+        todo += [imported for imported, in_function in lit_model_imports(source_of(name)) if not in_function]
+    return seen
+
+
+def imports_lightning(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "lightning" for a in node.names)
+               or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning"
+               for node in ast.walk(tree))
+
+
+def test_generation_imports_no_training_stack() -> None:
+    """generate and chat import generation's planner (for --plan) at the top: nothing they import reaches training
+    (train/, lightning), which would add seconds to every start."""
+    for command in ("lit_model.recipes.generate", "lit_model.recipes.chat"):
+        training = sorted(m for m in imported_with(command)
+                          if m == "lit_model.train" or m.startswith("lit_model.train.") or imports_lightning(source_of(m)))
+        assert not training, f"{command} imports the training stack: {training}"

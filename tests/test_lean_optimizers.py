@@ -13,7 +13,7 @@ import torch
 
 from lit_model import GPT, Config
 from lit_model.core.errors import UsageError
-from lit_model.plan import plan_training
+from lit_model.plan.training import plan_training
 from lit_model.plan.closed_form import model_bytes, optimizer_state_bytes as planned_state_bytes
 from lit_model.run import resolve_run
 from lit_model.train.args import TrainArgs, check_args

@@ -18,7 +18,11 @@ import torch.nn as nn
 from lit_model import Config
 from lit_model.core.errors import UsageError
 from lit_model.core.units import detect_device_memory, parse_memory
-from lit_model.plan import Plan, max_micro_batch_size, plan_generation, plan_training, plot_plan
+from lit_model.plan.generation import plan_generation
+from lit_model.plan.plot import plot_plan
+from lit_model.plan.report import Plan
+from lit_model.plan.search import max_micro_batch_size
+from lit_model.plan.training import plan_training
 from lit_model.plan.closed_form import CATEGORIES, param_counts, training_phases
 from lit_model.plan.planner import CLOSED_FORM_MARGIN
 from lit_model.model.gpt import GPT, default_dtype
@@ -78,7 +82,7 @@ def test_categories_add_up_to_the_peak(engine):
 
 def test_cpu_overhead_terms_add_up():
     from lit_model.plan.calibration import MB, MiB, OVERHEAD
-    from lit_model.plan.planner import cpu_overhead_terms
+    from lit_model.plan.overhead import cpu_overhead_terms
 
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
@@ -111,7 +115,7 @@ def test_cpu_overhead_terms_add_up():
 def test_the_cpu_heap_regime_is_resolved_once_from_the_environment(monkeypatch, environment, training, generation):
     """A run carries how glibc's heap behaves in its process (Run.cpu_heap, resolved once from the environment); the
     planner reads that field, never the environment. A generation process sets nothing (sets_heap=False)."""
-    from lit_model.plan.planner import plan_run
+    from lit_model.plan.training import plan_run
     from lit_model.run import resolve_cpu_heap
 
     for name in [n for n in os.environ if n.startswith("MALLOC_") or n == "GLIBC_TUNABLES"]:
@@ -500,7 +504,7 @@ def test_generation_plan_grows_with_new_tokens_not_block_size():
 def test_quantized_generation_plans_the_load_of_the_last_block():
     """load_weights stages one block in the load dtype and quantizes it before reading the next (an H200 measured
     Llama-2-7B nf4 0.39 GB reserved above its allocated peak, one block's bf16 weights being 0.40 GB)."""
-    from lit_model.plan.planner import staged_block_bytes
+    from lit_model.plan.generation import staged_block_bytes
 
     plain = plan_generation(LLAMA2, 12, 50, dtype="bf16-true", detect=False)
     nf4 = plan_generation(LLAMA2, 12, 50, dtype="bf16-true", quantize="bnb.nf4", detect=False)
@@ -530,7 +534,7 @@ def test_plans_trace_with_a_memtracker_that_keeps_no_fake_mode(monkeypatch):
         return result
 
     monkeypatch.setattr(MemTracker, "__enter__", enter_keeping_no_fake_mode)
-    monkeypatch.setattr("lit_model.plan.planner._GENERATION_TRACES", {})
+    monkeypatch.setattr("lit_model.plan.generation._GENERATION_TRACES", {})
     older = (trace_training(spec).phases, plan_generation(config, 20, 10, dtype="32-true", device_type="cpu", detect=False))
     assert older[0] == today[0]
     assert older[1].phase_categories == today[1].phase_categories and older[1].engine == "trace"
@@ -590,7 +594,8 @@ def test_generation_trace_is_what_real_tensors_hold(config: Config, precision: s
     from lit_model.infer.decode import forward_last
     from lit_model.infer.kv_cache import set_kv_cache
     from lit_model.infer.sampling import sample
-    from lit_model.plan.trace import TRACED_TOP_P, _Tracker, trace_generation
+    from lit_model.plan.trace_generation import TRACED_TOP_P, trace_generation
+    from lit_model.plan.tracker import _Tracker
     from lit_model.core.precision import param_dtype
 
     dtype, prompt_length, new = param_dtype(precision), 40, 24
@@ -691,7 +696,7 @@ def test_cuda_reserve_counts_the_loss_logits_and_a_compiled_steps_temporaries_wh
     vocabulary-wide blocks (torchtune's 7B LoRA run on an H200 reserved 0.61 GB where 12 % of its moving tensors
     gave 0.31) and torchao's compiled AdamW4bit step on the largest parameter (pythia-160m: 1.27 GB against 0.47)."""
     from lit_model.plan.calibration import MB, OVERHEAD
-    from lit_model.plan.planner import cuda_overhead_bytes, cuda_step_fresh_bytes
+    from lit_model.plan.overhead import cuda_overhead_bytes, cuda_step_fresh_bytes
 
     fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces
     cats = {"parameters": 10**9, "activations": 200 * MB, "logits_loss": 100 * MB}
@@ -799,7 +804,7 @@ def test_plan_refuses_the_batches_training_refuses(micro, global_batch, devices,
 
 def test_check_plan_fits_fails_only_when_nothing_fits():
     from lit_model.core.errors import UserError
-    from lit_model.plan import check_plan_fits
+    from lit_model.plan.report import check_plan_fits
 
     hopeless = plan_training(LLAMA2, args(), device_memory="1MB", engine="analytic")
     assert not hopeless.fits and not hopeless.suggestions
@@ -1075,7 +1080,7 @@ def test_fsdp_planned_inside_a_process_group_is_traced_in_a_fresh_process(tmp_pa
 
 def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
     from lit_model.plan.calibration import OVERHEAD
-    from lit_model.plan.planner import dequantized_bytes
+    from lit_model.plan.overhead import dequantized_bytes
 
     config = tiny()
     run = resolved(config, args(precision="bf16-true"), "lora", "cpu", quantize="bnb.nf4")
@@ -1092,7 +1097,7 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
 
 def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_run_its_own_term():
     from lit_model.plan.calibration import OVERHEAD
-    from lit_model.plan.planner import cpu_overhead_terms, gathered_bytes
+    from lit_model.plan.overhead import cpu_overhead_terms, gathered_bytes
 
     config = tiny()
     fsdp = args(devices=2, strategy="fsdp")

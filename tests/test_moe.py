@@ -21,7 +21,7 @@ from moe_plan import MODEL, predict  # noqa: E402
 from plan_accuracy import run_worker, settings_for  # noqa: E402
 
 from lit_model import Config  # noqa: E402
-from lit_model.plan import plan_training  # noqa: E402
+from lit_model.plan.training import plan_training  # noqa: E402
 from lit_model.model.gpt import LLaMAMoE  # noqa: E402
 from lit_model.methods.load import load_gpt  # noqa: E402
 

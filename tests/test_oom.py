@@ -203,11 +203,11 @@ def test_rehearsal_keeps_the_losses(tiny_setup, tmp_path):
 
 
 def test_auto_micro_batch_size_keeps_the_global_batch(tiny_setup, tmp_path):
-    from lit_model.plan import max_micro_batch_size
+    from lit_model.plan.search import max_micro_batch_size
     from lit_model.run import resolve_run
     from lit_model.train.args import TrainArgs
 
-    from lit_model.plan import plan_training
+    from lit_model.plan.training import plan_training
 
     config = Config.from_file(tiny_setup["config"])
     peaks = [plan_training(config, TrainArgs(micro_batch_size=m, global_batch_size=8), device_type="cpu", engine="analytic",
@@ -245,7 +245,7 @@ def test_two_processes_recover_together(tiny_setup, tmp_path, monkeypatch):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_auto_micro_batch_size_with_fsdp_on_two_processes(tiny_setup, tmp_path, monkeypatch):
-    from lit_model.plan import max_micro_batch_size
+    from lit_model.plan.search import max_micro_batch_size
     from lit_model.run import resolve_run
     from lit_model.train.args import TrainArgs
 

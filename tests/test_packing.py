@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 from lit_model import GPT, Config
 from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.data.instruct import IGNORE_INDEX, InstructDataset, PackedDataset, collate, pack_best_fit, padding_fraction
-from lit_model.plan.planner import plan_run
+from lit_model.plan.training import plan_run
 from lit_model.run import resolve_run
 from lit_model.train.recovery import SIMULATED_CAP_ENV
 import test_finetune

@@ -68,7 +68,7 @@ class Overhead:
     # every phase. One run: an estimate (larger models and caches unmeasured).
     cuda_compiled_decode: int = 288 * MiB
     cuda_compiled_decode_kv_copies: float = 1.0
-    # CPU, per process: what a training process holds besides the model's tensors, in named terms (plan.py
+    # CPU, per process: what a training process holds besides the model's tensors, in named terms (overhead.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
     # runtime: the libraries a script imports (torch, lightning, numpy, tokenizers, lit_model's training modules):

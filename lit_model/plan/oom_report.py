@@ -11,7 +11,8 @@ import torch
 
 from lit_model.core.units import detect_device_memory, format_bytes, parse_memory
 from lit_model.run import Run
-from lit_model.plan.planner import SUGGESTION_MARGIN, plan_run, suggest_changes
+from lit_model.plan.search import SUGGESTION_MARGIN, suggest_changes
+from lit_model.plan.training import plan_run
 from lit_model.train.resumable import lineage
 from lit_model.train.snapshot import write_snapshot
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lit_model.plan.closed_form import CATEGORIES
 
 if TYPE_CHECKING:
-    from lit_model.plan.planner import Plan
+    from lit_model.plan.report import Plan
 
 COLORS = {
     "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#c44e52",

@@ -10,8 +10,9 @@ and cpu_offload included). The model carries no switch for the planner.
 Rules learned the hard way (../shared/README.md): fake tensors live on device "cpu" (fake "cuda" tensors abort
 in autograd), so the model is handed the planned device's ``KernelPolicy`` (``traced_policy``); the model is built in
 its target dtype with ``torch.set_default_dtype`` (``.to(dtype)`` cannot swap fake parameters); at least two
-steps run (the first has no optimizer state). What the trace cannot see is added by ``plan.py``: the process's
-runtime and allocator overhead, DDP buckets, the full state dict FSDP gathers when saving.
+steps run (the first has no optimizer state). What the trace cannot see is added by ``planner.py`` and ``overhead.py``:
+the process's runtime and allocator overhead, DDP buckets, the full state dict FSDP gathers when saving. The tracker
+(``tracker.py``) and generation's trace (``trace_generation.py``) stand apart, without the training stack.
 """
 
 from __future__ import annotations
@@ -27,26 +28,15 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import HalfPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.model_parallel import _FSDPNoSync
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModState, _RefType
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_map_only
 
-from lit_model.core.config import Config
-from lit_model.infer.decode import forward_last
-from lit_model.infer.kv_cache import set_kv_cache
-from lit_model.infer.sampling import sample
-from lit_model.kernels.ops import cuda_attention_kernel
-from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import apply_lora
 from lit_model.model.gpt import GPT, default_dtype
@@ -54,202 +44,11 @@ from lit_model.parallel.apply import offloading_of, parallelize
 from lit_model.parallel.fsdp import fsdp_mesh
 from lit_model.plan.calibration import quantized_step_bytes
 from lit_model.plan.modules import QuantLinearSim, quantize_model_sim
+from lit_model.plan.tracker import CPU, _cuda_kernels, _Ref, _Tracker, traced_policy
 from lit_model.run import Run
 from lit_model.train.optimizers import InBackwardOptimizer, build_optimizer
 from lit_model.train.session import objective as session_objective
 from lit_model.train.step import TrainStep, evaluation_sums, freeze_layers
-
-try:
-    from torch._guards import active_fake_mode
-except ImportError:  # pragma: no cover
-    from torch._subclasses.fake_tensor import active_fake_mode  # type: ignore
-
-
-class _Ref(_RefType):
-    """MemTracker's categories plus two of ours. Values equal MemTracker's, so its internal keys match."""
-
-    PARAM = "Parameter"
-    BUFFER = "Buffer"
-    GRAD = "Gradient"
-    ACT = "Activation"
-    TEMP = "Temp"
-    OPT = "Optstate"
-    OTH = "Other"
-    LOGITS = "Logits"
-    QUANT = "Quant"
-    HOST = "Host"  # what the real run keeps in host memory (FSDP cpu_offload's gradient shards): no device bytes
-
-
-CPU = torch.device("cpu")
-
-
-class _Tracker(MemTracker):
-    """MemTracker that files the tensors with the vocabulary as last dimension (logits, their softmax and its
-    gradient) as logits/loss memory and those created inside ``push_category("quant")`` scopes (the bitsandbytes
-    stand-ins) as quantization memory, and keeps only the global peak (module-level peaks cost time).
-
-    ``tied_shapes``: the shapes of trained parameters used in two places (a tied embedding and head). Autograd sums
-    the two gradients of such a parameter before accumulating them; a real run sums them in place (the engine's
-    input buffer holds the only reference), but under any dispatch mode, this tracker's included, the engine adds
-    out of place, which would count a third tensor of the embedding's size at that moment. That add does not
-    update the peaks: its result takes the first operand's place, as in the run.
-
-    ``keep_gradients_on_host``: FSDP's cpu_offload moves each gradient shard to host memory once it is
-    reduce-scattered; from the first moment a shard is the parameter's gradient, its bytes are filed as host memory
-    and the peaks are of the device's bytes alone."""
-
-    def __init__(self, vocab_size: int, tied_shapes: frozenset[tuple[int, ...]] = frozenset()) -> None:
-        super().__init__()
-        self._ref_class = _Ref
-        self._scopes: list[str] = []
-        self.vocab_size = vocab_size
-        self.tied_shapes = tied_shapes
-        self.host_gradients: tuple[nn.Parameter, ...] = ()
-        self._filed: dict[nn.Parameter, int] = {}  # the id of each parameter's gradient filed as host memory
-        self.values_read = 0  # how often the traced code read a tensor's value (stand-ins answered)
-        self.failed_in: Optional[str] = None
-
-    def keep_gradients_on_host(self, params: Iterable[nn.Parameter]) -> None:
-        self.host_gradients = tuple(params)
-
-    def _file_host_gradients(self) -> None:
-        for param in self.host_gradients:
-            grad = param.grad
-            if grad is not None and self._filed.get(param) != id(grad):
-                self._filed[param] = id(grad)
-                self._update_and_maybe_create_winfos(grad, _Ref.HOST)  # a DTensor: its local shard's storage
-
-    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: _RefType, update_existing: bool = False):  # type: ignore[no-untyped-def]
-        # host memory stays host memory when MemTracker files the same gradient again (before the optimizer steps)
-        if self.host_gradients and reftype is not _Ref.HOST:
-            known = (self._WINFO.get(storage, (None, None))[0] for storage in get_untyped_storages(t))
-            if any(info is not None and info.reftype is _Ref.HOST for info in known):
-                reftype = _Ref.HOST
-        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-
-    def push_category(self, name: str) -> None:
-        self._scopes.append(name)
-
-    def pop_category(self) -> None:
-        if self._scopes:
-            self._scopes.pop()
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        # MemTracker's own version hooks every parameter, which fails on frozen ones (LoRA, QLoRA, freezing).
-        def grad_hook(grad: torch.Tensor) -> None:
-            self._update_and_maybe_create_winfos(grad, _Ref.GRAD)
-
-        param_memory = 0
-        for param in module.parameters():
-            winfos = self._update_and_maybe_create_winfos(param, _Ref.PARAM)
-            param_memory += sum(w.mem_consumed for w in winfos)
-            if param.grad is not None:
-                self._update_and_maybe_create_winfos(param.grad, _Ref.GRAD)
-            if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                self._param_to_grad_hook_handles[param] = (
-                    param.register_hook(grad_hook),
-                    # an optimizer stepping in backward may have freed the gradient already (its hook came first)
-                    param.register_post_accumulate_grad_hook(lambda p: None if p.grad is None else grad_hook(p.grad)),
-                )
-        buffer_memory = 0
-        for buffer in module.buffers():
-            winfos = self._update_and_maybe_create_winfos(buffer, _Ref.BUFFER)
-            buffer_memory += sum(w.mem_consumed for w in winfos)
-        return param_memory, buffer_memory
-
-    debug = False
-
-    def __enter__(self) -> "_Tracker":
-        if self._depth == 0:
-            self.region_peaks: dict[str, dict] = {}
-            self._region: tuple[int, str] = (0, "")
-        super().__enter__()
-        if self._depth == 1:  # what __torch_dispatch__ compares with; MemTracker records it itself from torch 2.12
-            self._fake_mode_on_entry = active_fake_mode()
-        return self
-
-    def _mode(self) -> str:
-        return "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
-
-    def _region_key(self) -> str:
-        """The stretch of the step this moment belongs to: the n-th run of forward, backward or optimizer ops."""
-        mode = self._mode()
-        index, last = self._region
-        if mode != last:
-            self._region = (index + 1, mode)
-        return f"{self._region[0]}:{mode}"
-
-    def _update_peak_stats(self, peak_state) -> None:
-        # The global peak, and the peak of each stretch of forward, backward or optimizer ops (trace_by_layers
-        # extrapolates each stretch's peak: where in a stretch the peak falls does not depend on the depth).
-        snap = self._curr_mem_snap.get(CPU)
-        if snap is not None:
-            key = self._region_key()
-            peak = self.region_peaks.get(key)
-            if peak is None or _device_bytes(peak) < _device_bytes(snap):
-                self.region_peaks[key] = dict(snap)
-        for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < _device_bytes(dev_snap):
-                self._peak_mem[dev] = _device_bytes(dev_snap)
-                self._peak_mem_snap[dev] = dict(dev_snap)
-                if self.debug:
-                    self.peak_where = (sorted(self._mod_tracker.parents), self._mod_tracker.is_bw, list(self._scopes))
-
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # The step runs the root module once per micro batch; MemTracker's per-module statistics refuse that, and
-        # only the global peak is kept: forget the root's statistics when a new forward through it starts.
-        name = self._mod_tracker.get_known_fqn(module)
-        if not self._mod_tracker.is_bw and module in self.memory_tracking and set(self._mod_tracker.parents) == {"Global", name}:
-            del self.memory_tracking[module]
-        super()._pre_fw_hook(module, inputs)
-
-    def _track_output(self, reftype: _RefType, tensor: torch.Tensor) -> None:
-        if reftype in (_Ref.ACT, _Ref.TEMP) and tensor.dim() and tensor.shape[-1] == self.vocab_size:
-            reftype = _Ref.LOGITS
-        self._track(reftype, tensor)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
-            return self._stand_in(args[0])
-        try:
-            res = func(*args, **(kwargs or {}))
-        except Exception:
-            self.failed_in = self._mode()  # where the step stops if nothing in it catches this (TraceFailed)
-            raise
-        if active_fake_mode() is self._fake_mode_on_entry:
-            if self._in_opt:
-                reftype = _Ref.OPT
-            elif self._scopes:
-                reftype = _Ref.QUANT
-            elif self._mod_tracker.is_bw and not self._in_ac:
-                reftype = _Ref.TEMP
-            else:
-                reftype = _Ref.ACT
-            tree_map_only(torch.Tensor, partial(self._track_output, reftype), res)
-            if self.host_gradients:
-                self._file_host_gradients()
-            if not self._sums_tied_gradients(func, args, res):
-                self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
-        return res
-
-    def _stand_in(self, tensor: torch.Tensor) -> Union[bool, int, float]:
-        """A value for code that reads one from a fake tensor (``.item()``, ``if tensor:``), which fake tensors cannot
-        answer: Adafactor's step count, a learning-rate-free optimizer's estimates. False (the usual path past a check
-        for non-finite values) or 1; what the code allocates rarely depends on it, but where it does the trace may
-        miss a branch (plan.py says so and rounds up)."""
-        self.values_read += 1
-        if tensor.dtype is torch.bool:
-            return False
-        return 1.0 if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 1
-
-    def _sums_tied_gradients(self, func, args: tuple, res: Any) -> bool:  # type: ignore[no-untyped-def]
-        return (func is torch.ops.aten.add.Tensor and self._mod_tracker.is_bw and isinstance(res, torch.Tensor)
-                and tuple(res.shape) in self.tied_shapes and len(args) == 2
-                and all(isinstance(a, torch.Tensor) and a.shape == res.shape for a in args))
-
-
-def _device_bytes(snap: dict) -> int:
-    return snap[_TOTAL_KEY] - snap.get(_Ref.HOST, 0)
 
 
 class TraceFailed(RuntimeError):
@@ -259,7 +58,7 @@ class TraceFailed(RuntimeError):
         super().__init__(cause if isinstance(cause, str) else f"{type(cause).__name__}: {str(cause)[:200]}")
         self.part = part
 
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # crosses from a fresh process (plan._trace_tensors)
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # crosses from a fresh process (planner._trace_tensors)
         return TraceFailed, (self.part, str(self))
 
 
@@ -363,34 +162,6 @@ def _build_optimizer(model: nn.Module, run: Run, notes: list[str]) -> torch.opti
                            rank=run.optimizer_rank, in_backward=run.optimizer_in_backward)
 
 
-@contextlib.contextmanager
-def _cuda_kernels():
-    """Dropout and attention as CUDA runs them. Dropout: ``native_dropout`` keeps a boolean mask for backward (the CPU
-    kernel keeps a noise tensor of the input's dtype, which would overstate a GPU run's LoRA dropout memory).
-    Attention: the CPU's fused kernel keeps what CUDA's flash and memory-efficient kernels keep (the output and its
-    logsumexp); where CUDA would take the math kernel (``cuda_attention_kernel``), the trace takes it too."""
-    dropout_function, attention_function = F.dropout, F.scaled_dot_product_attention
-
-    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        if not training or p == 0.0:
-            return input
-        return torch.native_dropout(input, p, True)[0]
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                  *args: Any, enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
-        shared = enable_gqa and k.size(-3) != q.size(-3)
-        if cuda_attention_kernel(q.dtype, q.size(-1), attn_mask is not None, shared) != "math":
-            return attention_function(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
-        with sdpa_kernel(SDPBackend.MATH):
-            return attention_function(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kwargs)
-
-    F.dropout, F.scaled_dot_product_attention = dropout, attention
-    try:
-        yield
-    finally:
-        F.dropout, F.scaled_dot_product_attention = dropout_function, attention_function
-
-
 def _adapt(model: GPT, run: Run, tracker: "_Tracker") -> None:
     """What the scripts do to the model before Fabric sets it up: quantize while loading (bitsandbytes' layers as
     stand-ins of the same tensors), then LoRA or the adapter, or freezing."""
@@ -449,7 +220,7 @@ def _fake_process_group(run: Run) -> Iterator[Optional[DeviceMesh]]:
     if not run.parallel.fsdp:
         yield None
         return
-    if dist.is_initialized():  # plan._trace_tensors traces such a run in a fresh process
+    if dist.is_initialized():  # planner._trace_tensors traces such a run in a fresh process
         raise RuntimeError("this process already belongs to a process group: trace the FSDP run in a fresh process")
     dist.init_process_group("fake", rank=0, world_size=run.world_size, store=FakeStore())
     try:
@@ -485,12 +256,6 @@ def trace_training(run: Run, phases: tuple[str, ...] = ("train_step", "evaluatio
     ``parallelize`` over a fake process group of the run's ranks."""
     with _fake_process_group(run) as mesh:
         return _trace(run, phases, mesh)
-
-
-def traced_policy(device_type: str) -> KernelPolicy:
-    """The planned device's kernels, which the model takes on the CPU's fake tensors; SDPA stands for flash_attn,
-    whose kernel does not run on fake tensors."""
-    return replace(kernel_policy(device_type), flash_attn=False)
 
 
 def _trace(run: Run, phases: tuple[str, ...], mesh: Optional[DeviceMesh]) -> TraceResult:
@@ -680,80 +445,3 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 for t in values.values() if isinstance(t, torch.Tensor)}
     return sum(storages.values())
 
-
-# ---- generation ------------------------------------------------------------------------------------------------
-GENERATION_PHASES = ("prefill", "decode")
-TRACED_TOP_P = 0.5  # the trace samples with nucleus filtering: of the sampling paths, the one that allocates the most
-
-
-@dataclass
-class GenerationTrace:
-    """generate/base.py's model on one device: what each part of it holds (``resident``: "embed", "blocks.<i>",
-    "norm_f", "lm_head" and "rope", the RoPE tables, -> category -> bytes; a weight shared by two parts counts in
-    the first) and, per phase, what is in flight at that phase's peak beyond them (``transient``)."""
-
-    resident: dict[str, dict[str, int]]
-    transient: dict[str, dict[str, int]]
-    seconds: float
-
-
-def trace_generation(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int, dtype: torch.dtype,
-                     compute_dtype: torch.dtype, quantize: Optional[str], device_type: str) -> GenerationTrace:
-    """Trace what generate/base.py runs (``generation.forward_last`` and ``generation.sample``) on the model as
-    ``generation.load_model`` builds it (weights in ``dtype``, linear layers quantized with ``quantize``; RoPE
-    tables for prompt + new positions) with its KV cache (``set_kv_cache``, in ``compute_dtype``): the prefill of
-    the prompt, then the decoding step that peaks, the last one, whose attention reads the whole cache. Under
-    autocast where ``compute_dtype`` is not ``dtype`` (bf16's on the CPU, which keeps fp16's bytes)."""
-    start = time.perf_counter()
-    total = prompt_length + max_new_tokens
-    with FakeTensorMode():
-        with default_dtype(dtype):
-            model = GPT(config)
-            model.max_seq_length = total
-        model.set_kernel_policy(traced_policy(device_type))
-        tracker = _Tracker(vocab_size=config.padded_vocab_size)
-        if quantize is not None:
-            quantize_model_sim(model, quantize, tracker)
-        model.eval().requires_grad_(False)
-        set_kv_cache(model, batch_size, total, compute_dtype)
-        resident = _resident_bytes(model)
-        prompt = torch.randint(0, config.padded_vocab_size, (batch_size, prompt_length))
-        tracker.track_external(model, prompt)
-        steps = {"prefill": (prompt, torch.arange(prompt_length), prompt_length),
-                 "decode": (prompt[:, -1:], torch.tensor([total - 1]), total)}
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype != dtype
-                    else contextlib.nullcontext())
-        kernels = _cuda_kernels if device_type == "cuda" else contextlib.nullcontext
-        transient = {}
-        with torch.no_grad(), autocast, kernels():
-            for phase, (idx, input_pos, input_pos_maxp1) in steps.items():
-                with tracker:
-                    tracker.reset_mod_stats()
-                    sample(forward_last(model, idx, input_pos, input_pos_maxp1), temperature=1.0, top_p=TRACED_TOP_P)
-                    peak = tracker.get_tracker_snapshot("peak")[CPU]
-                get = lambda ref: int(peak.get(ref, 0))  # noqa: E731
-                transient[phase] = {"activations": get(_Ref.ACT) + get(_Ref.TEMP) + get(_Ref.OTH),
-                                    "logits_loss": get(_Ref.LOGITS), "quantization": get(_Ref.QUANT)}
-    return GenerationTrace(resident=resident, transient=transient, seconds=time.perf_counter() - start)
-
-
-def _resident_bytes(model: GPT) -> dict[str, dict[str, int]]:
-    """Each part's parameters and buffers by category: the KV cache, bitsandbytes' statistics, the rest."""
-    parts: dict[str, nn.Module] = {"embed": model.embed, **{f"blocks.{i}": b for i, b in enumerate(model.blocks)},
-                                   "norm_f": model.norm_f, "lm_head": model.lm_head}
-    seen: set[int] = set()
-    resident = {}
-    for part, module in parts.items():
-        categories = {"parameters": 0, "quantization": 0, "kv_cache": 0}
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            leaf = name.rsplit(".", 2)
-            category = ("kv_cache" if leaf[-2:-1] == ["kv_cache"] else
-                        "quantization" if leaf[-1] == "quant_statistics" else "parameters")
-            categories[category] += tensor.numel() * tensor.element_size()
-        resident[part] = categories
-    resident["rope"] = {"parameters": sum(t.numel() * t.element_size() for t in (model.cos, model.sin)),
-                        "quantization": 0, "kv_cache": 0}
-    return resident

@@ -18,14 +18,11 @@ from lit_model.core.units import detect_device_memory, format_bytes, parse_memor
 from lit_model.infer.engine import Generator, Sampling
 from lit_model.infer.load import Precision
 from lit_model.methods.load import load_gpt
-from lit_model.plan import (
-    check_plan_fits,
-    max_loss_chunk_size,
-    max_micro_batch_size,
-    plan_generation,
-    plan_run,
-    plot_plan,
-)
+from lit_model.plan.generation import plan_generation
+from lit_model.plan.plot import plot_plan
+from lit_model.plan.report import check_plan_fits
+from lit_model.plan.search import max_loss_chunk_size, max_micro_batch_size
+from lit_model.plan.training import plan_run
 from lit_model.run import Run
 from lit_model.train import session
 from lit_model.train.args import TrainArgs

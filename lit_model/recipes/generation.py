@@ -22,6 +22,8 @@ from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.quantize import QUANTIZE_MODES
 from lit_model.model.gpt import GPT
+from lit_model.plan.generation import plan_generation
+from lit_model.plan.report import check_plan_fits
 
 
 @dataclass
@@ -98,9 +100,6 @@ class GenerationSetup:
 def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_tokens: int, batch_size: int) -> None:
     """generate/base.py's and chat.py's ``--plan text|json``: the predicted peak memory of generating
     ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings."""
-    # the planner imports the training stack (lightning: 2.4 s more at every start), so only --plan loads it
-    from lit_model.plan import check_plan_fits, plan_generation
-
     args = setup.args
     plan = plan_generation(setup.config, prompt_length, max_new_tokens, batch_size, setup.precision.name,
                            args.quantize, args.device_memory, setup.device_type, devices=args.devices, compile=args.compile)

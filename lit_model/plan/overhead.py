@@ -1,0 +1,173 @@
+"""The framework's memory on top of a plan's tensor bytes, by backend: a CPU process's terms (the runtime, the data,
+what glibc's heap keeps), a CUDA rank's (the context, the workspaces, the caching allocator's reserve); the
+constants behind them live in ``calibration.py``. It imports nothing of the training stack."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from lit_model.kernels.ops import onednn_kernel_cache_bytes
+from lit_model.plan import closed_form
+from lit_model.plan.calibration import OVERHEAD, cpu_optimizer_library_bytes, quantized_step_bytes
+from lit_model.plan.closed_form import CATEGORIES
+from lit_model.run import CPU_HEAP_TOP_PAD, Run
+
+
+def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
+                       gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
+                       new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
+                       transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
+                       compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc") -> dict[str, int]:
+    """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
+    imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
+    the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
+    what FSDP's all-gathers allocate and free in that pass). ``gradients_persist``: the gradients live in buffers
+    allocated once (DDP's buckets; each gradient autograd makes is copied in and freed at once), so the step frees no
+    gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own).
+    ``new_shapes``: the products change shape from step to step (a mixture of experts' routed rows in 16 bits, on
+    oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``).
+    ``optimizer_library``: what the optimizer's library adds to the process (``calibration.cpu_optimizer_library_bytes``).
+    ``generation``: a generation process (generate/base.py), whose runtime is its own and which reads no training
+    data. ``transient_high``: the most transient bytes (activations, logits, gradients) of any stretch of the phase
+    (its forward, backward, optimizer step): glibc keeps heap from what was freed before the peak too, where the peak
+    falls in a stretch that holds fewer (an 8-bit optimizer's step, after the activations are freed), at its own rate.
+    ``compiled_trainable_bytes``: the trainable parameters' bytes when the blocks run torch.compile's code
+    (--compile), else None: the compiler's own memory and the heap its kernels leave, which in a LoRA or adapter
+    fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
+    adapters save fewer of). ``compiled_decode_parameters``: a generation process's parameter count when it compiles
+    its decode step (generate --compile), else None. ``cpu_heap``: how glibc's heap behaves in the process
+    (``Run.cpu_heap``): where the run sets it ("lit_model"), what a trim leaves at the heap's top
+    (``run.CPU_HEAP_TOP_PAD``) is counted whole; where the user's mmap threshold returns freed blocks at once
+    ("returns_freed"), little is retained."""
+    gradients = 0 if gradients_persist else categories.get("gradients", 0)
+    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
+    after_backward = transient_high + gathered > transient
+    transient = max(transient, transient_high + gathered)
+    if cpu_heap == "returns_freed":
+        retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
+    elif generation:
+        retained = OVERHEAD.cpu_generation_retention * transient
+    else:
+        rate = OVERHEAD.cpu_allocator_retention_after_backward if after_backward else OVERHEAD.cpu_allocator_retention
+        retained = rate * transient + OVERHEAD.cpu_allocator_retention_dequantized * dequantized
+    if generation:
+        terms = {"runtime": OVERHEAD.cpu_generation_runtime, "allocator_retention": int(retained)}
+        if compiled_decode_parameters is not None:
+            terms["compiled_code"] = int(OVERHEAD.cpu_generation_compile_runtime
+                                         + OVERHEAD.cpu_generation_compile_per_parameter * compiled_decode_parameters)
+        return terms
+    terms = {
+        "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
+        "data": OVERHEAD.cpu_data,
+        "allocator_retention": int(retained),
+    }
+    if cpu_heap == "lit_model":
+        terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
+    if adapters:
+        terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
+    if new_shapes:
+        terms["kernel_cache"] = onednn_kernel_cache_bytes()
+    if optimizer_library:
+        terms["optimizer_library"] = optimizer_library
+    if compiled_trainable_bytes is not None:
+        # an adapter fine-tune's compiled blocks save fewer activations than its eager ones (calibration.py), so
+        # only a full training's compiler grows with them
+        activations = 0 if adapters else categories.get("activations", 0) + categories.get("logits_loss", 0)
+        compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * compiled_trainable_bytes
+                    + OVERHEAD.cpu_compile_per_activation_byte * activations)
+        terms["compiled_code"] = int(max(compiler - terms.get("adapter_fine_tuning", 0), 0))
+    return terms
+
+
+def dequantized_bytes(spec: Run) -> int:
+    """The weights a quantized run dequantizes (to the compute dtype) in one pass through the model: every
+    block's linear layers (the head stays unquantized)."""
+    if spec.quantize is None:
+        return 0
+    counts = closed_form.param_counts(spec.config)
+    return counts.block_linear_weights * counts.n_layer * spec.param_bytes
+
+
+def gathered_bytes(spec: Run) -> int:
+    """What FSDP's all-gathers allocate and free on a rank in one pass through the model (calibration.py):
+    ``cpu_fsdp_gather_copies`` x the unsharded parameters."""
+    if not spec.parallel.fsdp:
+        return 0
+    return int(OVERHEAD.cpu_fsdp_gather_copies * closed_form.param_counts(spec.config).total * spec.param_bytes)
+
+
+def cuda_overhead_bytes(categories: dict[str, int], world_size: int = 1, cuda_alloc_conf: Optional[str] = None,
+                        step_fresh: int = 0) -> int:
+    """What a CUDA rank holds besides a phase's tensor bytes (see calibration.py): the context, cuBLAS's workspaces,
+    NCCL's buffers, and the caching allocator's reserve, which follows its settings (``Run.cuda_alloc_conf``);
+    ``step_fresh`` is what is mapped anew on top of that reserve: an optimizer step's temporaries
+    (``cuda_step_fresh_bytes``) or a compiled decoding step's own memory (``Overhead.cuda_compiled_decode``). The
+    CPU's overhead is ``cpu_overhead_terms``."""
+    # the weights are allocated once, at load, and pack without gaps: the reserve follows the other tensors
+    moving = sum(size for category, size in categories.items() if category not in ("overhead", "parameters", "logits_loss"))
+    fixed = OVERHEAD.cuda_context + OVERHEAD.cuda_workspaces + (OVERHEAD.cuda_nccl_buffers if world_size > 1 else 0)
+    settings = (cuda_alloc_conf or "").replace(" ", "").lower()
+    expandable = "expandable_segments:true" in settings and "max_split_size_mb" not in settings
+    fragmentation = OVERHEAD.cuda_fragmentation_expandable if expandable else OVERHEAD.cuda_fragmentation
+    logits = OVERHEAD.cuda_logits_reserve * categories.get("logits_loss", 0)
+    return int(fixed + fragmentation * moving + logits + step_fresh)
+
+
+def cuda_step_fresh_bytes(spec: Run) -> int:
+    """CUDA: the temporaries an optimizer step makes for the largest trainable tensor (a rank's shard under FSDP),
+    which the caching allocator cannot place in the gaps the freed activations leave (calibration.py,
+    ``cuda_step_fresh_copies``); 0 for steps that make none."""
+    if spec.device_type != "cuda":
+        return 0
+    largest = max(closed_form.model_bytes(spec).trainable_tensors, default=0)
+    if spec.parallel.fsdp:
+        largest = math.ceil(largest / spec.world_size)
+    return int(OVERHEAD.cuda_step_fresh_copies * quantized_step_bytes(spec.optimizer, largest, spec.param_bytes, "cuda"))
+
+
+def _gradients_in_buckets(spec: Run) -> bool:
+    """DDP's gradients are views into its buckets, allocated once when it wraps the model (they persist)."""
+    return spec.parallel.ddp
+
+
+def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
+    """``cpu_overhead_terms``' keywords for a phase of this run: the phases that run the model (the step and the
+    evaluation) dequantize and all-gather weights; the save and the sample do not."""
+    runs_model = phase in ("train_step", "evaluation")
+    return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
+            "gathered": gathered_bytes(spec) if runs_model else 0,
+            "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
+            "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
+            "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer,
+                                                             lambda: closed_form.model_bytes(spec).trainable),
+            "compiled_trainable_bytes": (closed_form.model_bytes(spec).trainable * spec.param_bytes if spec.compile
+                                         else None)}
+
+
+def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """``cpu_overhead_terms``' keywords for a phase of a training run (``transient_highs``: the trace's most transient
+    bytes of any stretch of each phase), or of a generation process."""
+    if generation:
+        return {"generation": True, "cpu_heap": spec.cpu_heap,
+                "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
+    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap}
+
+
+def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,
+                   transient_highs: Optional[dict[str, int]] = None) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """Each phase's categories with its overhead added, and (CPU) that overhead by term, per phase."""
+    out, terms = {}, {}
+    for name, cats in phases.items():
+        cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
+        if spec.device_type == "cpu":
+            terms[name] = cpu_overhead_terms(cats, spec.world_size, **_cpu_terms(name, spec, generation, transient_highs))
+            cats["overhead"] = sum(terms[name].values())
+        else:
+            fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
+            if generation and spec.compile:  # the compiled decode step's own memory, on top of the prefill's reserve
+                fresh += int(OVERHEAD.cuda_compiled_decode + OVERHEAD.cuda_compiled_decode_kv_copies * cats["kv_cache"])
+            cats["overhead"] = cuda_overhead_bytes(cats, spec.world_size, spec.cuda_alloc_conf, fresh)
+        out[name] = cats
+    return out, terms
+
