@@ -159,6 +159,34 @@ def test_greedy_generations_equal_lm_evals_hf_model(models):
     assert any(got) and all("\n" not in text for text in got)
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_renders_and_scores_as_lm_evals_hf_model(checkpoint, tasks, tmp_path):
+    """--apply_chat_template: the conversation lm-eval builds (few-shot examples as turns, a prefilled reply left
+    open) renders as transformers renders the checkpoint's template, and the task scores the same."""
+    from transformers import AutoTokenizer
+
+    chat = tmp_path / "chat"
+    model = load_model(checkpoint, ["cpu"], torch.float32)
+    save_checkpoint_dir(lit_state_dict(model, model.config), model.config, chat, tokenizer_dir=checkpoint)
+    (chat / "chat_template.jinja").write_text(CHATML)
+    hf_dir = lit_to_hf(chat, tmp_path / "hf")
+    lit, tokenizer = ours(chat), AutoTokenizer.from_pretrained(hf_dir)
+    history = [{"role": "system", "content": "Answer in Python."}, {"role": "user", "content": "import"},
+               {"role": "assistant", "content": " os"}, {"role": "user", "content": "for i in"}]
+    for messages, opened in ((history, True), ([*history, {"role": "assistant", "content": " range"}], False)):
+        assert lit.apply_chat_template(messages, add_generation_prompt=opened) == tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=opened, continue_final_message=not opened)
+
+    hf = HFLM(pretrained=str(hf_dir), backend="causal", device="cpu", dtype="float32", batch_size=3, max_length=BLOCK)
+    results = [simple_evaluate(model=lm, tasks=[str(tasks["mc"])], task_manager=TaskManager(include_defaults=False),
+                               num_fewshot=1, apply_chat_template=True, bootstrap_iters=0, log_samples=False)
+               for lm in (lit, hf)]
+    assert results[0]["results"]["tiny_mc"] == results[1]["results"]["tiny_mc"]
+
+
 def test_an_unmerged_lora_scores_what_its_merged_checkpoint_scores(checkpoint, tmp_path):
     from lit_model.recipes.finetune import gather_trainable
 
