@@ -1,4 +1,4 @@
-"""Score a checkpoint on lm-evaluation-harness tasks: results.json and a table under --out_dir (default CHECKPOINT_DIR/eval).
+"""Score a checkpoint on lm-evaluation-harness tasks: results.json and a table under --out_dir (CHECKPOINT_DIR/eval).
 
     python evaluate/main.py --checkpoint_dir out/lora/final --tasks hellaswag,arc_easy --limit 100
     python evaluate/main.py --checkpoint_dir DIR --tasks my_task.yaml --num_fewshot 5 --batch_size auto

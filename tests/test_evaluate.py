@@ -51,7 +51,8 @@ def offline():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("HF_DATASETS_OFFLINE", "1")
-        for module, name in (("datasets.config", "HF_DATASETS_OFFLINE"), ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
+        for module, name in (("datasets.config", "HF_DATASETS_OFFLINE"),
+                             ("huggingface_hub.constants", "HF_HUB_OFFLINE")):
             if module in sys.modules:  # read once at import: a test before this one may have imported it
                 patch.setattr(sys.modules[module], name, True)
         yield

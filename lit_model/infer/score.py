@@ -40,21 +40,22 @@ class Scorer:
         self.requests, self.tokens, self.seconds = 0, 0, 0.0
 
     @property
-    def context(self) -> int:
+    def context_size(self) -> int:
         """The most tokens one row feeds the model: its context."""
         return self.model.max_seq_length
 
     def continuations(self, pairs: Sequence[Pair], on_scored: Callable[[int], object] = lambda n: None) -> list[Score]:
         """The score of each (context, continuation) pair, as lm-eval's ``hf`` model computes it: the model reads
-        the last ``context`` tokens of context + continuation but the final one (earlier context is cut off), and
-        the continuation tokens are scored at the positions that predict them. ``on_scored(n)``: after each batch."""
+        the last ``context_size`` tokens of context + continuation but the final one (earlier context is cut off),
+        and the continuation tokens are scored at the positions that predict them. ``on_scored(n)``: after each
+        batch."""
         for context, continuation in pairs:
             if not context or not continuation:
                 raise ValueError("every pair needs a context (at least the prefix token) and a continuation")
-            if len(continuation) > self.context:
+            if len(continuation) > self.context_size:
                 raise UserError(
                     f"A request scores a continuation of {len(continuation)} tokens, more than the model's context of "
-                    f"{self.context} tokens holds. The task does not suit this model; evaluate it on other tasks."
+                    f"{self.context_size} tokens holds. The task does not suit this model; evaluate it on other tasks."
                 )
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         scores: list[Optional[Score]] = [None] * len(pairs)
@@ -71,7 +72,7 @@ class Scorer:
                     size //= 2  # the longest rows come first: a size that fits them fits every later batch
                     continue
                 raise UserError(
-                    f"Out of memory while scoring {len(rows)} sequence(s) of up to {self.context} tokens. Pass a "
+                    f"Out of memory while scoring {len(rows)} sequence(s) of up to {self.context_size} tokens. Pass a "
                     "smaller --batch_size (or auto), or load the weights in 4 bits with --quantize bnb.nf4."
                 ) from None
             for i, score in zip(rows, batch):
@@ -86,7 +87,7 @@ class Scorer:
                 on_scored: Callable[[int], object] = lambda n: None) -> list[float]:
         """The log-likelihood of each whole token sequence (``rolling_windows`` of the model's context, all texts'
         windows batched together); ``on_scored(n)``: after each batch, ``n`` windows."""
-        windows = [rolling_windows(tokens, prefix_token, self.context) for tokens in texts]
+        windows = [rolling_windows(tokens, prefix_token, self.context_size) for tokens in texts]
         scores = iter(self.continuations([pair for text in windows for pair in text], on_scored))
         return [sum(next(scores).logprob for _ in text) for text in windows]
 
@@ -98,7 +99,7 @@ class Scorer:
 
     @torch.inference_mode()
     def _score_batch(self, pairs: Sequence[Pair]) -> list[Score]:
-        inputs = [[*context, *continuation][-(self.context + 1) : -1] for context, continuation in pairs]
+        inputs = [[*context, *continuation][-(self.context_size + 1) : -1] for context, continuation in pairs]
         lengths = [len(continuation) for _, continuation in pairs]
         idx = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)  # right-padded with token 0
         for row, tokens in enumerate(inputs):

@@ -27,7 +27,8 @@ from tqdm import tqdm
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.core.files import atomic_write, check_out_dir_path
 from lit_model.infer.engine import Generator, Sampling
-from lit_model.infer.load import DEFAULT_CHECKPOINT, Precision, load_model, resolve_devices, resolve_generation_precision
+from lit_model.infer.load import (DEFAULT_CHECKPOINT, Precision, load_model, resolve_devices,
+                                  resolve_generation_precision)
 from lit_model.infer.score import Scorer
 from lit_model.infer.stream import TextStream
 from lit_model.io.download import resolve_checkpoint
@@ -174,8 +175,8 @@ def load_tasks(specs: list[str]) -> tuple[Any, list[Any]]:
     except Exception as error:  # lm-eval's, the data set library's, the network's: the tasks named cannot be read
         raise UserError(
             f"lm-eval could not load the tasks {', '.join(specs)}: {type(error).__name__}: {error}. A built-in task "
-            "downloads its data set from the Hugging Face Hub on first use (check the connection, or HF_DATASETS_OFFLINE "
-            "with a cached copy); a task file must be a valid lm-eval task YAML."
+            "downloads its data set from the Hugging Face Hub on first use (check the connection, or "
+            "HF_DATASETS_OFFLINE with a cached copy); a task file must be a valid lm-eval task YAML."
         ) from error
     children = {child for kids in loaded.get("group_map", {}).values() for child in kids}
     members = {**loaded.get("groups", {}), **loaded["tasks"]}
@@ -259,8 +260,8 @@ class HarnessModel:
             max_new = kwargs["max_gen_toks"]
             if max_new >= context_size:
                 raise UserError(
-                    f"A task asks for up to {max_new} new tokens (max_gen_toks), which leaves no room for its prompt in "
-                    f"the model's context of {context_size} tokens. Evaluate this model on other tasks."
+                    f"A task asks for up to {max_new} new tokens (max_gen_toks), which leaves no room for its prompt "
+                    f"in the model's context of {context_size} tokens. Evaluate this model on other tasks."
                 )
             prompt = prompts[i][-(context_size - max_new):] or [self.prefix_token_id]  # lm-eval cuts from the left
             stream = TextStream(self.tokenizer, kwargs["until"], context=prompt[-4:])
