@@ -20,10 +20,10 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from conftest import run_captured  # noqa: E402
-from lit_model import GPT, Config  # noqa: E402
+from lit_model import GPT, Config, UserError  # noqa: E402
 from lit_model.entry import main as lit_model_main  # noqa: E402
 from lit_model.infer.load import Precision, load_model  # noqa: E402
-from lit_model.infer.score import rolling_windows  # noqa: E402
+from lit_model.infer.score import Scorer, rolling_windows  # noqa: E402
 from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir  # noqa: E402
 from lit_model.io.convert import lit_to_hf  # noqa: E402
 from lit_model.io.prompts import PromptStyle  # noqa: E402
@@ -158,6 +158,30 @@ def test_greedy_generations_equal_lm_evals_hf_model(models):
     got = lit.generate_until(requests("generate_until", prompts))
     assert got == hf.generate_until(requests("generate_until", prompts))
     assert any(got) and all("\n" not in text for text in got)
+
+
+def test_auto_batch_size_halves_until_a_batch_fits(checkpoint, monkeypatch):
+    """--batch_size auto: a batch that runs out of memory is retried at half the rows; the scores stay the same."""
+    model = load_model(checkpoint, ["cpu"], torch.float32)
+    pairs = [(list(range(1, 3 + i)), [5, 6]) for i in range(20)]
+    expected = Scorer(model, FP32, batch_size=1).continuations(pairs)
+    auto, sizes = Scorer(model, FP32, batch_size=None), []
+    score_batch = auto._score_batch
+
+    def tight(batch):
+        sizes.append(len(batch))
+        if len(batch) > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return score_batch(batch)
+
+    monkeypatch.setattr(auto, "_score_batch", tight)
+    got = auto.continuations(pairs)
+    assert sizes == [20, 10, 5, 5, 5, 5] and auto.requests == 20
+    assert [s.logprob for s in got] == pytest.approx([s.logprob for s in expected], abs=1e-5)
+    fixed = Scorer(model, FP32, batch_size=16)  # a batch size given is kept: running out of memory is a message
+    monkeypatch.setattr(fixed, "_score_batch", tight)
+    with pytest.raises(UserError, match="Out of memory while scoring 16 sequence.* smaller --batch_size"):
+        fixed.continuations(pairs)
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -21,7 +21,7 @@ from lit_model.infer.load import Precision
 from lit_model.model.gpt import GPT
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
-AUTO_BATCH_SIZE = 64  # batch_size=None tries this many rows first and halves it while a batch runs out of memory
+AUTO_BATCH_SIZE = 64  # batch_size=None: batches of up to this many rows, halved while one runs out of memory
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,9 @@ class Score:
 
 
 class Scorer:
-    """A loaded model that scores token sequences under ``precision``, ``batch_size`` rows at a time (None: the largest
-    of 64, 32, ... 1 that fits the device's memory, found on the longest batch of each call). Counts the requests,
-    the tokens run through the model and the seconds, for ``summary``."""
+    """A loaded model that scores token sequences under ``precision``, ``batch_size`` rows at a time (None: up to 64,
+    halved while the longest batch of a call runs out of memory). Counts the requests, the tokens run through the
+    model and the seconds, for ``summary``."""
 
     def __init__(self, model: GPT, precision: Precision, batch_size: Optional[int] = None) -> None:
         self.model, self.precision, self.batch_size = model, precision, batch_size
@@ -68,8 +68,8 @@ class Scorer:
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_out_of_memory(error):
                     raise
-                if self.batch_size is None and size > 1:
-                    size //= 2  # the longest rows come first: a size that fits them fits every later batch
+                if self.batch_size is None and len(rows) > 1:
+                    size = len(rows) // 2  # the longest rows come first: what fits them fits every later batch
                     continue
                 raise UserError(
                     f"Out of memory while scoring {len(rows)} sequence(s) of up to {self.context_size} tokens. Pass a "

@@ -52,7 +52,7 @@ class EvaluateArgs:
             hellaswag,arc_easy or my_task.yaml
         num_fewshot: examples shown before each question (default: each task's own, else 0)
         limit: score at most this many examples per task (a quick look: the scores are not the benchmark's)
-        batch_size: sequences scored together; auto: the largest of 64, 32, ... 1 that fits the device's memory
+        batch_size: sequences scored together; auto: up to 64, halved while a batch runs out of memory
         out_dir: where results.json and results.md go (default: CHECKPOINT_DIR/eval)
         overwrite: replace the results.json and results.md an earlier evaluation wrote to --out_dir
         precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true; default: the cheapest the device runs
