@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 # mlflow-skinny is MLflow's client without the server and UI (a fraction of the size), all --logger mlflow needs
 LOGGERS = ["tensorboard", "wandb", "mlflow-skinny"]
+LM_EVAL = "lm-eval>=0.4.13,<0.5"
 
 # torch is left unpinned here so a GPU machine keeps its CUDA build; on a CPU-only machine install
 # `torch==2.13.0` (the CPU wheel) first, as the README says, and this requirement is already met.
@@ -40,10 +41,17 @@ setup(
         "flash": ["flash-attn"],
         "data": ["datasets>=3"],  # --data NAME, .parquet/.csv and save_to_disk directories
         "loggers": LOGGERS,  # --logger tensorboard, wandb, mlflow
+        # `lit-model evaluate`. litgpt pins lm-eval below 0.4.9.1 only because its test evaluates a Hub task (logiqa)
+        # whose data set needs a loading script. Running remote code stays opt-in in 0.4.13: trust_remote_code
+        # defaults to False (only lm-eval's own CLI flag sets it, and we call simple_evaluate with a model object,
+        # never passing it), and with datasets >= 4 script data sets do not load at all (0.4.13 drops the key from a
+        # task's dataset_kwargs there). Our tests use local tasks; <0.5: 0.5 may change the LM and task APIs we use.
+        "evaluate": [LM_EVAL],
         # peft: the DoRA parity test's reference implementation; trl: the preference losses' (tests only, like
         # transformers)
         "test": ["pytest", "transformers>=5", "peft>=0.17", "trl>=1.16", "bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18",
-                 "matplotlib", "datasets>=3", *LOGGERS],
-        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18", "matplotlib", "datasets>=3", *LOGGERS],
+                 "matplotlib", "datasets>=3", *LOGGERS, LM_EVAL],
+        "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18", "matplotlib", "datasets>=3", *LOGGERS,
+                LM_EVAL],
     },
 )

@@ -1,6 +1,7 @@
 """``lit-model``: one command for every script.
 
-    lit-model pretrain | finetune lora|full|adapter|dpo | generate | chat | plan COMMAND | download | convert | merge | config
+    lit-model pretrain | finetune lora|full|adapter|dpo | generate | chat | evaluate | plan COMMAND | download |
+              convert | merge | config
 
 Each command runs exactly what its script runs: the training and generation commands call the recipe the script
 is a shim over (``lit_model/recipes/pretrain.py`` ...) with the same arguments, so flags, ``--config`` files,
@@ -24,7 +25,7 @@ from lit_model.core.config import CONFIG_DIR, Config
 from lit_model.core.errors import UsageError, run_cli
 from lit_model.download import main as download_main
 from lit_model.methods.lora import cli as lora_cli
-from lit_model.recipes import chat, finetune_adapter, finetune_dpo, finetune_full, finetune_lora, generate, pretrain
+from lit_model.recipes import chat, evaluate, finetune_adapter, finetune_dpo, finetune_full, finetune_lora, generate, pretrain
 from lit_model.plan.closed_form import param_counts
 
 # command -> (the script users know, the recipe's command line that the script runs)
@@ -36,6 +37,7 @@ SCRIPTS: dict[str, tuple[str, Callable[..., None]]] = {
     "finetune dpo": ("finetune/dpo.py", finetune_dpo.cli),
     "generate": ("generate/base.py", generate.cli),
     "chat": ("generate/chat.py", chat.cli),
+    "evaluate": ("evaluate/main.py", evaluate.cli),
 }
 FINETUNE_METHODS = ("lora", "full", "adapter", "dpo")
 HELP = {
@@ -43,6 +45,7 @@ HELP = {
     "finetune": "fine-tune: finetune lora | full | adapter | dpo (finetune/*.py)",
     "generate": "continue a prompt (generate/base.py)",
     "chat": "chat with a model (generate/chat.py)",
+    "evaluate": "score a checkpoint on lm-evaluation-harness tasks (evaluate/main.py)",
     "plan": "predict a run's peak memory without running it: plan pretrain|finetune M|generate|chat [flags]",
     "download": "download ORG/NAME from the Hugging Face Hub and convert it (python -m lit_model.download)",
     "convert": "convert checkpoints: convert hf_to_lit | lit_to_hf (python -m lit_model.convert)",
@@ -72,10 +75,13 @@ def dispatch(argv: list[str]) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "plan":
+        if rest[:1] == ["evaluate"]:
+            raise UsageError("`lit-model plan` plans pretrain, finetune lora|full|adapter|dpo, generate or chat; evaluate "
+                             "has no --plan (it loads the model as generate does: `lit-model plan generate` sizes that).")
         script, rest = _script_for(rest, "lit-model plan")
         asks = any(arg in ("--plan", "-h", "--help") or arg.startswith("--plan=") for arg in rest)
         return script(rest if asks else [*rest, "--plan", "text"])
-    if command in ("pretrain", "finetune", "generate", "chat"):
+    if command in ("pretrain", "finetune", "generate", "chat", "evaluate"):
         script, rest = _script_for(argv, "lit-model")
         return script(rest)
     modules: dict[str, Callable[[list[str]], None]] = {

@@ -42,7 +42,8 @@ def test_help_lists_every_command() -> None:
     result = run_entry("--help")
     assert result.returncode == 0
     listed = re.findall(r"^  (\S+)  ", result.stdout, flags=re.MULTILINE)
-    assert listed == ["pretrain", "finetune", "generate", "chat", "plan", "download", "convert", "merge", "config"]
+    assert listed == ["pretrain", "finetune", "generate", "chat", "evaluate", "plan", "download", "convert", "merge",
+                      "config"]
     assert listed == list(HELP)
     assert run_entry().returncode == 2 and run_entry().stdout == result.stdout
 
@@ -117,6 +118,7 @@ def test_finetune_help_names_the_methods() -> None:
         (("fintune",), "Unknown command 'fintune'. Did you mean finetune?"),
         (("plan",), "needs a command to plan"),
         (("plan", "download"), "cannot run 'download'"),
+        (("plan", "evaluate"), "evaluate has no --plan"),
     ],
 )
 def test_bad_commands(args: tuple[str, ...], message: str) -> None:

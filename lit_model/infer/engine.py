@@ -147,10 +147,16 @@ def out_of_memory_hint(what: str) -> Iterator[None]:
     try:
         yield
     except (torch.OutOfMemoryError, RuntimeError) as error:
-        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+        if not is_out_of_memory(error):
             raise
         raise UserError(
             f"Out of memory while {what}. Reduce --max_new_tokens or --num_samples (the KV cache grows with "
             "both), load the weights in 4 bits with --quantize bnb.nf4, or spread the blocks over more GPUs with "
             "--devices N."
         ) from None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A GPU's out-of-memory error, or the CPU allocator's (a RuntimeError that says it could not allocate)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))

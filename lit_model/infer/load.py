@@ -17,6 +17,7 @@ from lit_model.io.checkpoint import model_parts
 from lit_model.kernels.ops import decoding_column_major
 from lit_model.kernels.policy import kernel_policy
 from lit_model.methods.adapter import load_saved_adapter
+from lit_model.methods.lora import load_saved_lora
 from lit_model.methods.quantize import QUANTIZE_MODES, check_quantize, load_weights
 from lit_model.model.gpt import GPT, plain_linear
 from lit_model.run import resolve_devices as run_devices
@@ -105,6 +106,7 @@ def load_model(
     column_major = column_major_weights(model, dtype, parts) if decoding and quantize is None else frozenset()
     load_weights(model, checkpoint_dir, dtype, parts, quantize, column_major=column_major)
     load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
+    load_saved_lora(model, checkpoint_dir)  # an unmerged LoRA (lora.yaml with merged: false), over the base weights
     model.reset_rope_cache(devices[0])
     model.set_kernel_policy(kernel_policy(torch.device(devices[0]).type))
     return model.eval().requires_grad_(False)

@@ -232,6 +232,36 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
     return names
 
 
+def load_saved_lora(model: GPT, checkpoint_dir: Path) -> bool:
+    """If ``checkpoint_dir`` carries an unmerged LoRA (``lora.yaml`` with ``merged: false`` beside
+    ``lora.safetensors``), make ``model``'s targeted layers LoRA layers holding it (frozen, eval use): the model
+    computes what the merged checkpoint would. Returns whether it did; a merged LoRA (a LoRA run's final/) is in the
+    weights already."""
+    from safetensors.torch import load_file
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / LORA_CONFIG).is_file():
+        return False
+    config = LoRAConfig.from_dir(checkpoint_dir)
+    if config.merged:
+        return False
+    if not (checkpoint_dir / LORA_WEIGHTS).is_file():
+        raise UserError(f"{checkpoint_dir} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
+    apply_lora(model, config, dtype=model.embed.weight.dtype)
+    weights = load_file(str(checkpoint_dir / LORA_WEIGHTS))
+    expected = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    if set(weights) != expected:
+        raise UserError(
+            f"{checkpoint_dir / LORA_WEIGHTS} does not fit {LORA_CONFIG} and this model: it holds {len(weights)} "
+            f"tensors, the adapted layers {len(expected)}. Re-create the LoRA checkpoint, or merge it where it was "
+            "trained."
+        )
+    for name, tensor in weights.items():  # each copied to its layer's device (blocks may sit on several GPUs)
+        model.get_parameter(name).data.copy_(tensor)
+    model.requires_grad_(False)
+    return True
+
+
 def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:
     """Base weights with the adapter added (in fp32, stored back in each weight's dtype; DoRA: each row scaled to
     its trained magnitude); trained biases replace the base ones. ``base`` and its adapted weights are changed in

@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
 from lit_model.data.sources import check_data_flags
 from lit_model.core.errors import UsageError
+from lit_model.core.files import check_out_dir_path
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.core.units import parse_memory
 from lit_model.run import DEFAULT_OPTIMIZER_RANK, canonical_name
@@ -224,20 +224,3 @@ def check_plan_flags(args: TrainArgs) -> None:
     path = Path(args.plan_plot)
     if path.is_dir() or not path.parent.is_dir():
         raise UsageError(f"--plan_plot {path}: give a file name in an existing directory, e.g. plan.png.")
-
-
-def check_out_dir_path(out_dir: Path) -> None:
-    """``out_dir`` can be a directory this process creates and writes into (whether it holds another run is
-    check_out_dir's business)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out_dir {out_dir} is a file, not a directory. Pick another --out_dir.")
-    existing = out_dir
-    while not existing.exists():  # the nearest ancestor that exists is where the directories get created
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"--out_dir {out_dir}: {existing} is a file, so no directory can be made under it. "
-                         "Pick another --out_dir.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out_dir {out_dir}: {existing} is not writable by this user. Pick a directory you "
-                         "can write to, or change its permissions.")
