@@ -35,7 +35,7 @@ NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?")
 # A measured quantity in the prose: a ratio, a size in MB, a speed or a percentage
 MEASURED = re.compile(r"\d(?:[\d,]*\.\d+|[\d,]*)\s?(?:×|MB\b|tok/s|%)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-TRAINING_SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py")
+TRAINING_SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py", "finetune/dpo.py")
 ENTRY_POINTS = (*TRAINING_SCRIPTS, "generate/base.py", "generate/chat.py", "lit_model.convert hf_to_lit",
                 "lit_model.convert lit_to_hf")
 # Being added to the training scripts by another change (micro batch auto is a value of an existing flag); until
