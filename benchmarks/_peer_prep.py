@@ -6,6 +6,7 @@ the benchmark's own process imports neither torch nor a peer (its peak RSS stays
     _peer_prep.py hf_config MODEL_YAML OUT_DIR            # lit-model's env: the equivalent transformers config.json
     _peer_prep.py lit_to_hf CHECKPOINT OUT_DIR            # lit-model's env: its converter to a transformers dir
     _peer_prep.py instruct CORPUS_DIR TOKENIZER N OUT     # lit-model's env: a deterministic instruction JSON
+    _peer_prep.py pairs INSTRUCT TOKENIZER BLOCK OUT     # lit-model's env: preference pairs (.jsonl) from it
     _peer_prep.py litgpt_data DATA_DIR TOKENIZER BLOCK    # litgpt's env: TextFiles.prepare_data (litdata chunks)
     _peer_prep.py litgpt_from_hf HF_DIR MODEL_YAML OUT    # litgpt's env: its own HF->litgpt weight copy
 """
@@ -72,6 +73,39 @@ def instruct(corpus: str, tokenizer_dir: str, count: str, out: str) -> None:
     Path(out).write_text(json.dumps(records, indent=1))
     Path(out).with_suffix(".stats.json").write_text(json.dumps({"mean_tokens": statistics.mean(lengths),
                                                                 "max_tokens": max(lengths), "records": len(records)}))
+
+
+def pairs(instruct_path: str, tokenizer_dir: str, block: str, out: str) -> None:
+    """Preference pairs from the instruction records: the prompt is a record's instruction and input, chosen its
+    output, rejected the next record's output, each completion cut (by tokens) so that the prompt, the completion,
+    the alpaca template's end and the end of text fit ``block``. The mean tokens of a pair (its chosen and its
+    rejected row, as lit-model's alpaca template tokenizes them) are written beside it (``.stats.json``)."""
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+
+    tok, style = Tokenizer(tokenizer_dir), PromptStyle.from_name("alpaca")
+    records = json.loads(Path(instruct_path).read_text())
+
+    def row_length(prompt: str, completion: str) -> int:
+        return len(tok.encode(style.apply(prompt) + completion + style.end)) + 1  # + the end of text
+
+    def fit(prompt: str, completion: str) -> str:
+        ids = tok.encode(completion).tolist()
+        while row_length(prompt, completion) > int(block):
+            ids = ids[:-1]
+            completion = tok.decode(ids)
+        return completion
+
+    lines, sizes = [], []
+    for i, record in enumerate(records):
+        prompt = f"{record['instruction']}\n\n{record['input']}"
+        chosen = fit(prompt, record["output"])
+        rejected = fit(prompt, records[(i + 1) % len(records)]["output"])
+        lines.append(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}))
+        sizes.append(row_length(prompt, chosen) + row_length(prompt, rejected))
+    Path(out).write_text("\n".join(lines) + "\n")
+    Path(out).with_suffix(".stats.json").write_text(json.dumps({"mean_pair_tokens": statistics.mean(sizes),
+                                                                "max_pair_tokens": max(sizes), "pairs": len(lines)}))
 
 
 def litgpt_data(data_dir: str, tokenizer_dir: str, block: str) -> None:

@@ -10,7 +10,8 @@ default threads.
 
 Peers: litgpt (``litgpt pretrain``, ``litgpt finetune_lora``, ``litgpt generate``; pinned, in
 benchmarks/.venv-litgpt), Hugging Face ``Trainer`` on the equivalent ``LlamaForCausalLM`` (benchmarks/_hf_trainer_peer.py,
-with peft for LoRA; lit-model's environment), and torchtune (``tune run``, in benchmarks/.venv-torchtune) where it runs.
+with peft for LoRA; lit-model's environment), TRL's ``DPOTrainer`` with peft LoRA for DPO
+(benchmarks/_trl_dpo_peer.py; lit-model's environment), and torchtune (``tune run``, in benchmarks/.venv-torchtune) where it runs.
 
 What is measured, and how:
 
@@ -30,7 +31,8 @@ What is measured, and how:
   time between the lines of steps W and N-1. Step N is left out because some loops evaluate before they log it.
   Pretraining counts micro batch x block tokens a step (every sample is a full window). Fine-tuning counts
   micro batch x the mean tokenized length of a record (records are cut to equal token counts, so padding is
-  small for every implementation): real tokens, whatever an implementation pads.
+  small for every implementation): real tokens, whatever an implementation pads. DPO counts pairs x the mean
+  tokenized length of a pair's chosen row plus its rejected row (the same token sequences on both sides).
 - Generation tokens/s is new tokens over the time from the start of generation to the last token (the prefill
   of the short prompt included), from each implementation's own report: litgpt prints it; lit-model prints the
   time to the first token and the decode rate after it, from which the same quantity follows.
@@ -74,11 +76,12 @@ ARCH = dict(vocab_size=4096, padded_vocab_size=4096, n_layer=4, n_embd=256, n_he
 PRETRAIN = dict(lr=3e-3, min_lr=3e-4, warmup=10, weight_decay=0.1, grad_clip=1.0, seed=1337)
 # No gradient clipping in fine-tuning: litgpt's finetune_lora has none (it refuses --train.max_norm), so none clips.
 FINETUNE = dict(lr=1e-3, min_lr=1e-4, warmup=10, weight_decay=0.0, grad_clip=0.0, seed=1337, r=8, alpha=16, dropout=0.05)
+DPO_BETA = 0.1  # TRL's default; the DPO rows take FINETUNE's schedule and LoRA settings
 INSTRUCT_RECORDS = 2000
 GENERATE = dict(prompt="def fibonacci(n):\n", max_new_tokens=224)  # + the prompt: within the base's block of 256
 TORCHTUNE = ("torchtune==0.6.1", "torchao==0.11.0")  # torchao 0.12+ dropped the NF4 module torchtune 0.6.1 imports
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-IMPLS = ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc")
+IMPLS = ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc", "trl")
 # lit_model_glibc: lit-model with glibc's default heap, to measure what the heap settings the training scripts give a
 # CPU run do (lit_model.run.CPU_HEAP). Any MALLOC_* variable turns those off; MALLOC_PERTURB_=0 is glibc's default
 # (no perturbation) and, unlike setting a threshold or the top pad to its default value, leaves glibc's adaptive
@@ -89,7 +92,7 @@ GLIBC_DEFAULT_HEAP = {"MALLOC_PERTURB_": "0"}
 # ---- rows ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Row:
-    kind: str  # pretrain, lora, generate
+    kind: str  # pretrain, lora, dpo, generate
     block: int
     micro: int
     precision: str
@@ -104,6 +107,7 @@ class Row:
 PRECISIONS = ("32-true", "bf16-true")
 ROWS = [Row("pretrain", block, micro, p) for block in (256, 1024) for micro in (1, 8, 32) for p in PRECISIONS]
 ROWS += [Row("lora", 256, 8, p) for p in PRECISIONS] + [Row("generate", 256, 1, p) for p in PRECISIONS]
+ROWS += [Row("dpo", 256, 4, p) for p in PRECISIONS]  # micro = pairs (two rows each)
 # The default run: the issue's setup (block 256, micro = global 8) in both precisions, the long block at micro 8,
 # fine-tuning and generation: just under an hour on 2 idle cores at 60 steps x 3 repeats (--list prints the estimate;
 # --rows all, the whole matrix, about six hours).
@@ -242,7 +246,7 @@ class Setup:
             if "torchtune" in impls:
                 torchtune_init(block)
         self.instruct = WORK / "instruct.json"
-        if any(row.kind in ("lora", "generate") for row in rows):
+        if any(row.kind in ("lora", "dpo", "generate") for row in rows):
             self.base = base_checkpoint()
             self.base_hf = WORK / "base-hf"
             if not (self.base_hf / "model.safetensors").exists():
@@ -254,6 +258,11 @@ class Setup:
             if not self.instruct.exists():
                 prep(sys.executable, "instruct", CORPUS, TOKENIZER, INSTRUCT_RECORDS, self.instruct)
             self.sample_tokens = json.loads(self.instruct.with_suffix(".stats.json").read_text())["mean_tokens"]
+        self.pairs = WORK / "pairs-b256.jsonl"  # the DPO rows' preference pairs, read by every implementation
+        if any(row.kind == "dpo" for row in rows):
+            if not self.pairs.exists():
+                prep(sys.executable, "pairs", self.instruct, TOKENIZER, 256, self.pairs)
+            self.pair_tokens = json.loads(self.pairs.with_suffix(".stats.json").read_text())["mean_pair_tokens"]
 
 
 def base_checkpoint() -> Path:
@@ -287,10 +296,12 @@ def commands(impl: str, row: Row, run_dir: Path, steps: int, setup: Setup, pytho
         command = lit_model_command(row, run_dir, steps, setup, pythons)
         return replace(command, env={**command.env, **GLIBC_DEFAULT_HEAP})
     return {"lit_model": lit_model_command, "litgpt": litgpt_command, "hf": hf_command,
-            "torchtune": torchtune_command}[impl](row, run_dir, steps, setup, pythons)
+            "torchtune": torchtune_command, "trl": trl_command}[impl](row, run_dir, steps, setup, pythons)
 
 
 def tokens_per_step(row: Row, setup: Setup) -> float:
+    if row.kind == "dpo":
+        return row.micro * setup.pair_tokens
     return row.micro * (row.block if row.kind == "pretrain" else setup.sample_tokens)
 
 
@@ -309,9 +320,11 @@ def lit_model_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons
         argv = ["pretrain/main.py", "--model_config", model_yaml(row.block), "--tokenizer_dir", TOKENIZER,
                 "--data_path", CORPUS, *loop, *common]
     else:
-        argv = ["finetune/lora.py", "--checkpoint_dir", setup.base, "--data_path", setup.instruct,
-                "--prompt_style", "alpaca", "--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"],
-                "--lora_dropout", FINETUNE["dropout"], *lora_targets("lit"), *loop, *common]
+        script, data = ("finetune/dpo.py", setup.pairs) if row.kind == "dpo" else ("finetune/lora.py", setup.instruct)
+        dpo = ["--method", "lora", "--loss", "dpo", "--beta", DPO_BETA] if row.kind == "dpo" else []
+        argv = [script, "--checkpoint_dir", setup.base, "--data_path", data, "--prompt_style", "alpaca", *dpo,
+                "--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"], "--lora_dropout", FINETUNE["dropout"],
+                *lora_targets("lit"), *loop, *common]
     return Command(as_argv(pythons["lit_model"], argv), lit_env(), ROOT, re.compile(r"^step (\d+)/\d+ \|"),
                    tokens_per_step(row, setup))
 
@@ -368,6 +381,18 @@ def hf_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons: dict[
                  "--lora_alpha", FINETUNE["alpha"], "--lora_dropout", FINETUNE["dropout"], *lora_targets("hf"),
                  "--block", row.block]
     return Command(as_argv(sys.executable, argv), lit_env(), run_dir, re.compile(r"^hf-step (\d+)$"),
+                   tokens_per_step(row, setup))
+
+
+def trl_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons: dict[str, str]) -> Command:
+    """TRL's DPOTrainer with peft LoRA (benchmarks/_trl_dpo_peer.py), in this interpreter as the HF Trainer runs."""
+    argv = [str(HERE / "_trl_dpo_peer.py"), "--base_dir", setup.base_hf, "--data_path", setup.pairs,
+            "--block", row.block, "--precision", row.precision, "--micro_batch_size", row.micro, "--steps", steps,
+            "--learning_rate", FINETUNE["lr"], "--min_lr", FINETUNE["min_lr"], "--warmup_steps", FINETUNE["warmup"],
+            "--weight_decay", FINETUNE["weight_decay"], "--grad_clip", FINETUNE["grad_clip"], "--seed", FINETUNE["seed"],
+            "--beta", DPO_BETA, "--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"],
+            "--lora_dropout", FINETUNE["dropout"], *lora_targets("hf"), "--out_dir", run_dir]
+    return Command(as_argv(sys.executable, argv), lit_env(), run_dir, re.compile(r"^trl-step (\d+)$"),
                    tokens_per_step(row, setup))
 
 
@@ -514,6 +539,7 @@ def generation_rate(impl: str, output: str) -> float:
 def impls_for(row: Row, impls: list[str]) -> list[str]:
     supported = {"pretrain": ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc"),
                  "lora": ("lit_model", "litgpt", "hf", "lit_model_glibc"),
+                 "dpo": ("lit_model", "trl"),
                  "generate": ("lit_model", "litgpt")}[row.kind]
     return [impl for impl in impls if impl in supported]
 
@@ -576,7 +602,9 @@ def summarize(row: Row, runs: dict[str, list[tuple[float, Result]]]) -> list[dic
 # to the FLOP per token), and each process's fixed cost (imports, data loading, litgpt's compilation, lit-model's
 # rehearsal and end-of-run sample, torchtune's packing of the corpus, evaluations and saves).
 EST_TOKENS_PER_SEC = {"32-true": 5000, "bf16-true": 7000}
-EST_FIXED_SECONDS = {"lit_model": 15, "litgpt": 40, "hf": 15, "torchtune": 20, "lit_model_glibc": 15}
+EST_FIXED_SECONDS = {"lit_model": 15, "litgpt": 40, "hf": 15, "torchtune": 20, "lit_model_glibc": 15, "trl": 20}
+# DPO: a pair is two rows of about 229 tokens; the reference's forward pass (no backward) adds a third to the work
+EST_PAIR_TOKENS, EST_DPO_COST = 457, 4 / 3
 
 
 def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int, sample_tokens: float = 247) -> float:
@@ -588,7 +616,8 @@ def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int
             if row.kind == "generate":
                 total += repeats * (EST_FIXED_SECONDS[impl] / 2 + 10)
                 continue
-            tokens = steps * row.micro * (row.block if row.kind == "pretrain" else sample_tokens)
+            tokens = steps * row.micro * {"pretrain": row.block, "dpo": EST_PAIR_TOKENS * EST_DPO_COST}.get(row.kind,
+                                                                                                 sample_tokens)
             slower = training_flops_per_token(row.block, **ARCH) / training_flops_per_token(256, **ARCH)
             total += repeats * (EST_FIXED_SECONDS[impl] + tokens * slower / EST_TOKENS_PER_SEC[row.precision])
     return total
@@ -598,6 +627,7 @@ def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int
 def versions(pythons: dict[str, str]) -> dict[str, str]:
     probes = {"lit_model": (pythons.get("lit_model"), "lit-model torch lightning"),
               "hf": (sys.executable, "torch transformers peft"),
+              "trl": (sys.executable, "torch transformers peft trl"),
               "litgpt": (pythons.get("litgpt"), "litgpt torch lightning litdata"),
               "torchtune": (pythons.get("torchtune"), "torchtune torchao torch")}
     found = {}
@@ -632,7 +662,8 @@ def write_report(table: list[dict], commands_used: dict[str, dict[str, str]], fa
         "Threads: each implementation's default (OMP_NUM_THREADS and MKL_NUM_THREADS removed from the environment). "
         "Precision: 32-true and bf16-true are lit-model's and litgpt's own flags; the Hugging Face Trainer runs "
         "32-true in fp32 and bf16-true with the model created in bfloat16 (`dtype=torch.bfloat16`, formerly "
-        "`torch_dtype`; no autocast), as HF users train in bf16 on a CPU; torchtune's `dtype: fp32` / `bf16`.\n",
+        "`torch_dtype`; no autocast), as HF users train in bf16 on a CPU, and so does TRL's DPOTrainer (with `bf16=False`: "
+        "DPOConfig's default is autocast); torchtune's `dtype: fp32` / `bf16`.\n",
         f"CPU: {cpu_description()} (tokens/s and their ratios are of this machine).\n",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load[0])}; after: "
         f"{', '.join(f'{x:.2f}' for x in load[1])}. This benchmark's own peak RSS during the runs: {own_peak / 2**20:.0f} MB.\n",
