@@ -28,7 +28,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, UserError, run_cli
-from lit_model.data.cache import cache_root, cached, checked_record
+from lit_model.data.cache import cache_root, cached, checked_record, sha256_file
 from lit_model.data.preference import PreferenceDataset, collate_pairs, load_preference_data
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, check_checkpoint_dir
@@ -117,7 +117,7 @@ def reference_key(run: Run, reference: Path, dataset: PreferenceDataset) -> str:
     own), the pairs' tokens, the dtypes they are computed in and the loss chunk (summation order)."""
     manifest = reference / MANIFEST_NAME
     weights = manifest if manifest.is_file() else reference / WEIGHTS_NAME
-    identity = {"weights": hashlib.sha256(weights.read_bytes()).hexdigest(), "pairs": dataset.digest(),
+    identity = {"weights": sha256_file(weights), "pairs": dataset.digest(),
                 "precision": run.precision, "chunk": run.loss_chunk_size, "format": 1}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:40]
 

@@ -30,7 +30,7 @@ from lit_model.core.files import atomic_open, atomic_write
 from lit_model.core.units import format_bytes, peak_rss_bytes
 from lit_model.io.checkpoint import save_checkpoint_dir
 from lit_model.kernels.ops import onednn_fp32_linear
-from lit_model.methods.objective import Objective
+from lit_model.methods.objective import LossSums, Objective
 from lit_model.run import Run
 from lit_model.train.args import TrainArgs
 from lit_model.train.loggers import open_loggers
@@ -38,7 +38,8 @@ from lit_model.train.snapshot import start_memory_history
 from lit_model.train.optimizers import lr_at, paused_in_backward, set_group_values, set_lr
 from lit_model.train.recovery import any_rank
 from lit_model.train.resumable import CHECKPOINTS, save_resumable, write_state
-from lit_model.train.step import StepStopped, TrainStep, evaluate, means, release_cached_memory, stop_requested
+from lit_model.train.step import (StepStopped, TrainStep, evaluate, means, release_cached_memory, stop_requested,
+                                  sums_vector)
 
 
 def seed_step(device: torch.device, seed: int) -> None:
@@ -233,8 +234,8 @@ def fit(
                 train_step.update(run.grad_clip)
                 progress.step += 1
 
-                vector = torch.stack([sums.loss.float(), sums.count.float(), *(sums.metrics[n] for n in names),
-                                      sums.tokens.float()])
+                vector = torch.cat([sums_vector(LossSums(sums.loss, sums.count, sums.metrics), names),
+                                    sums.tokens.float().view(1)])
                 reduced = fabric.all_reduce(vector, reduce_op="sum")
                 train_metrics = means(reduced[:-1], names)
                 progress.last_train_loss = train_metrics.pop("loss")
