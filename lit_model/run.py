@@ -45,6 +45,7 @@ OPTIMIZERS = ("AdamW", "SGD", "Lion", "Sophia", "Adafactor", "AdamW8bit", "Paged
               "AdamMini", "AdaLomo", "AdamW4bit", "AdamWFp8")
 # Optimizers built from the model itself (its parameter names, heads, hooks): never one per parameter
 MODEL_OPTIMIZERS = ("AdamMini", "AdaLomo")
+DEFAULT_GRAD_CLIP = 1.0
 
 
 def canonical_name(name: str) -> Optional[str]:
@@ -85,7 +86,7 @@ class Run:
     optimizer_rank: int = DEFAULT_OPTIMIZER_RANK  # GaLore / APOLLO projection rank
     optimizer_in_backward: bool = False
     eval_batch_size: Optional[int] = None
-    grad_clip: float = 1.0
+    grad_clip: float = DEFAULT_GRAD_CLIP
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
     packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
@@ -133,8 +134,7 @@ class Run:
 
     @property
     def steps_in_backward(self) -> bool:
-        """Each parameter steps as its gradient is ready (--optimizer_in_backward, or AdaLomo, which always does)."""
-        return self.optimizer_in_backward or self.optimizer == "AdaLomo"
+        return steps_in_backward(self.optimizer, self.optimizer_in_backward)
 
     @property
     def eval_batch(self) -> int:
@@ -262,6 +262,19 @@ def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
     return PreferenceSpec(loss, float(args.beta), float(args.simpo_gamma), reference)
 
 
+def steps_in_backward(optimizer: str, in_backward: bool) -> bool:
+    """Each parameter steps as its gradient is ready (--optimizer_in_backward, or AdaLomo, which always does)."""
+    return in_backward or canonical_name(optimizer) == "AdaLomo"
+
+
+def resolve_grad_clip(grad_clip: Optional[float], optimizer: str, in_backward: bool) -> float:
+    """--grad_clip, or its default: 1.0, giving way to 0 where the optimizer steps inside backward, before the global
+    gradient norm exists (train/args.check_args notes it; a --grad_clip the user gave is refused there instead)."""
+    if grad_clip is not None:
+        return float(grad_clip)
+    return 0.0 if steps_in_backward(optimizer, in_backward) else DEFAULT_GRAD_CLIP
+
+
 def check_optimizer_run(run: "Run") -> None:
     """What an optimizer that steps inside backward (--optimizer_in_backward, AdaLomo) or needs whole matrices
     cannot serve in this run (the flag-level combinations are refused by the training flags' check). For every
@@ -376,7 +389,7 @@ def resolve_run(
         optimizer_rank=int(getattr(args, "optimizer_rank", DEFAULT_OPTIMIZER_RANK)),
         optimizer_in_backward=bool(getattr(args, "optimizer_in_backward", False)),
         eval_batch_size=args.eval_batch_size,
-        grad_clip=float(args.grad_clip),
+        grad_clip=resolve_grad_clip(args.grad_clip, args.optimizer, bool(getattr(args, "optimizer_in_backward", False))),
         compile=bool(args.compile),
         checkpoint_dir=checkpoint_dir,
         cuda_alloc_conf=cuda_alloc_conf(device_type),

@@ -145,6 +145,20 @@ def test_in_backward_refuses_flags(flags, match):
         check_args(train_args(optimizer_in_backward=True, max_steps=1, **flags))
 
 
+@pytest.mark.parametrize("optimizer, in_backward", [("AdamW", True), ("AdaLomo", False)])
+def test_grad_clip_default_gives_way_to_a_step_in_backward(optimizer, in_backward, capsys):
+    """--grad_clip's default (1.0) gives way, with a note, where the optimizer steps inside backward; one the user
+    gave is refused (test_in_backward_refuses_flags); other runs keep clipping at 1.0."""
+    args = train_args(optimizer=optimizer, optimizer_in_backward=in_backward, grad_clip=None)
+    check_args(args)
+    assert "the gradients are not clipped" in capsys.readouterr().err
+    assert resolve_run(args, Config(**TINY), device_type="cpu").grad_clip == 0.0
+    plain = train_args(grad_clip=None)
+    check_args(plain)
+    assert "clipped" not in capsys.readouterr().err
+    assert resolve_run(plain, Config(**TINY), device_type="cpu").grad_clip == 1.0
+
+
 @pytest.mark.parametrize("flags, match", [
     (dict(micro_batch_size=2), "cannot be accumulated"),
     (dict(micro_batch_size="auto"), "cannot be accumulated"),
@@ -316,13 +330,13 @@ def test_adamw_fp8_names_the_fix_on_an_old_gpu(monkeypatch):
 # ---- the scripts ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_pretrain_in_backward_matches_and_resumes_exactly(tiny_setup, tmp_path):
-    flags = ("--micro_batch_size", "8", "--grad_clip", "0", "--save_interval", "2", "--keep_last", "10")
-    ordinary = pretrain(tiny_setup, tmp_path / "ordinary", *flags)
+    flags = ("--micro_batch_size", "8", "--save_interval", "2", "--keep_last", "10")
+    ordinary = pretrain(tiny_setup, tmp_path / "ordinary", *flags, "--grad_clip", "0")
     assert ordinary.returncode == 0, ordinary.stderr
     full = tmp_path / "full"
-    proc = pretrain(tiny_setup, full, *flags, "--optimizer_in_backward")
+    proc = pretrain(tiny_setup, full, *flags, "--optimizer_in_backward")  # --grad_clip's default gives way, noted
     assert proc.returncode == 0, proc.stderr
-    assert "Rehearsal passed" in proc.stdout
+    assert "Rehearsal passed" in proc.stdout and "the gradients are not clipped" in proc.stderr
     assert losses(full) == losses(tmp_path / "ordinary")  # the same update, to the 4 printed decimals
     interrupted = tmp_path / "interrupted"
     shutil.copytree(full, interrupted)
@@ -333,8 +347,10 @@ def test_pretrain_in_backward_matches_and_resumes_exactly(tiny_setup, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "at step 2" in proc.stdout and losses(interrupted) == losses(full)
 
-    refused = pretrain(tiny_setup, tmp_path / "refused", "--optimizer_in_backward")  # micro batch 2 of 8, grad_clip 1
+    refused = pretrain(tiny_setup, tmp_path / "refused", *flags, "--optimizer_in_backward", "--grad_clip", "1")
     assert refused.returncode == 2 and "--grad_clip 0" in refused.stderr and "Traceback" not in refused.stderr
+    refused = pretrain(tiny_setup, tmp_path / "refused", "--optimizer_in_backward")  # micro batch 2 of 8
+    assert refused.returncode == 2 and "cannot be accumulated" in refused.stderr and "Traceback" not in refused.stderr
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -16,7 +17,7 @@ from lit_model.core.errors import UsageError
 from lit_model.core.files import check_out_dir_path
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.core.units import parse_memory
-from lit_model.run import DEFAULT_OPTIMIZER_RANK, canonical_name
+from lit_model.run import DEFAULT_OPTIMIZER_RANK, canonical_name, steps_in_backward
 from lit_model.train.fabric import DistributedSettings
 from lit_model.train.loggers import check_loggers
 from lit_model.train.optimizers import check_optimizer, check_steps_in_backward
@@ -59,13 +60,14 @@ class TrainArgs(DistributedSettings):
         optimizer_rank: GaLore, APOLLO: rank of the gradient projection; matrices with a side this small or smaller
             keep full state
         optimizer_in_backward: step each parameter as soon as its gradient is ready and free the gradient, so the
-            gradients never all exist at once; one process, micro batch = global batch, --grad_clip 0, and an
+            gradients never all exist at once; one process, micro batch = global batch, no --grad_clip, and an
             out-of-memory inside a step ends the run (the step cannot be redone in smaller micro batches)
         learning_rate: peak learning rate
         min_lr: learning rate at the end of the cosine decay
         warmup_steps: linear warmup steps
         weight_decay: decoupled weight decay (matrices only)
-        grad_clip: clip the global gradient norm to this (0: off)
+        grad_clip: clip the global gradient norm to this (0: off); default 1.0, or 0 where the optimizer steps
+            inside backward (--optimizer_in_backward, AdaLomo), before the global norm exists
         max_steps: length of the run in optimizer steps
         max_tokens: length of the run in training tokens (overrides max_steps when given)
         log_interval: print and log a metrics row every N steps
@@ -109,7 +111,7 @@ class TrainArgs(DistributedSettings):
     min_lr: float = 3e-4
     warmup_steps: int = 20
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: Optional[float] = None
     max_steps: Optional[int] = None
     max_tokens: Optional[int] = None
     log_interval: int = 10
@@ -185,6 +187,10 @@ def check_args(args: TrainArgs) -> None:
     check_activation_flags(args)
     check_optimizer(args.optimizer, args.learning_rate, args.weight_decay)
     check_steps_in_backward(args.optimizer, args.optimizer_in_backward, args.grad_clip)
+    if args.grad_clip is None and steps_in_backward(args.optimizer, args.optimizer_in_backward):
+        print(f"Note: {'--optimizer_in_backward' if args.optimizer_in_backward else '--optimizer AdaLomo'} steps each "
+              "parameter before the global gradient norm exists, so the gradients are not clipped (--grad_clip "
+              "defaults to 0 here, not 1.0).", file=sys.stderr)
     check_loggers(args.logger)
     if args.device_memory is not None:
         parse_memory(args.device_memory)

@@ -30,7 +30,7 @@ import importlib
 import inspect
 import math
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -339,7 +339,7 @@ def check_optimizer(name: str, learning_rate: float, weight_decay: float) -> Non
         ) from None
 
 
-def check_steps_in_backward(name: str, in_backward: bool, grad_clip: float) -> None:
+def check_steps_in_backward(name: str, in_backward: bool, grad_clip: Optional[float]) -> None:
     """The flag combinations an optimizer that steps inside backward cannot serve (the run-level ones, one process
     and no gradient accumulation, are checked in ``resolve_run``)."""
     canonical = canonical_name(name)
@@ -348,7 +348,7 @@ def check_steps_in_backward(name: str, in_backward: bool, grad_clip: float) -> N
         raise UsageError(f"--optimizer {canonical} {reason}: drop --optimizer_in_backward.")
     if in_backward and canonical == "Sophia":
         raise _hessian_in_backward(canonical)
-    if (in_backward or canonical == "AdaLomo") and grad_clip > 0:
+    if (in_backward or canonical == "AdaLomo") and grad_clip is not None and grad_clip > 0:  # one the user gave
         what = "--optimizer_in_backward" if in_backward else "--optimizer AdaLomo"
         raise UsageError(f"{what} steps each parameter as soon as its gradient is ready, before the global gradient "
                          f"norm that --grad_clip {grad_clip:g} clips to is known: add --grad_clip 0.")
