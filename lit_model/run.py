@@ -91,6 +91,8 @@ class Run:
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
     packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
     preference: Optional[PreferenceSpec] = None  # a preference objective (DPO and kin); None: the language-model loss
+    # where seq_len comes from when a plan took it from the data (its longest sample); "": the flag or the model's context
+    seq_len_source: str = ""
 
     def __post_init__(self) -> None:  # every comparison downstream is with the OPTIMIZERS spelling
         object.__setattr__(self, "optimizer", canonical_name(self.optimizer) or self.optimizer)
@@ -407,7 +409,7 @@ FLAG_OF = {
     "parallel.cpu_offload": "cpu_offload", "optimizer": "optimizer", "quantize": "quantize",
     "loss_chunk_size": "loss_chunk_size", "parallel.sharding_strategy": "sharding_strategy",
     "activation_offloading": "activation_offloading", "mlp_tiles": "mlp_tiles",
-    "optimizer_in_backward": "optimizer_in_backward", "grad_clip": "grad_clip",
+    "optimizer_in_backward": "optimizer_in_backward", "grad_clip": "grad_clip", "compile": "compile",
 }
 
 

@@ -25,6 +25,11 @@ TOKENIZER_FILES = (
 )
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a tokenizer's model (what ``Tokenizer`` reads)."""
+    return any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+
+
 class Tokenizer:
     def __init__(self, checkpoint_dir: str | Path) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -239,3 +244,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+class ByteCountTokenizer:
+    """Stands in for the tokenizer of a checkpoint that is not there yet (a --plan of a model not downloaded), to
+    count a data's lengths: one token per UTF-8 byte, plus bos, a SentencePiece word-start piece and eos. Every piece a
+    byte-level BPE or SentencePiece tokenizer makes covers at least one byte (byte fallback: exactly one), so no
+    checkpoint's tokenizer makes more tokens of the same text: the lengths it gives are upper bounds."""
+
+    bos_id, eos_id, use_bos = 1, 2, True
+    eos_ids = (2,)
+
+    def encode(self, text: str, bos: bool | None = None, eos: bool = False, max_length: int = -1) -> torch.Tensor:
+        count = len(text.encode("utf-8", "surrogatepass")) + 1 + (self.use_bos if bos is None else bool(bos)) + eos
+        return torch.zeros(count if max_length < 0 else min(count, max_length), dtype=torch.long)

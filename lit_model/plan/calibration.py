@@ -280,6 +280,9 @@ QUALITY_PENALTY: dict[str, float] = {
 
 # Suggestions that need N GPUs try these counts.
 DEVICE_COUNTS = (2, 4, 8)
+# Host <-> GPU bytes per second that paged optimizer state moves at: PCIe 4.0 x16's usual practical rate, an assumption
+# (not measured here) behind the paged verdict's slowdown estimate
+PCIE_BYTES_PER_S = 25 * GB
 
 
 def calibrate_on_gpu() -> str:  # pragma: no cover - documentation

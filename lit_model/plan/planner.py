@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from lit_model.core.units import format_bytes
+from lit_model.plan.calibration import PCIE_BYTES_PER_S
 from lit_model.io.checkpoint import WEIGHTS_NAME
 from lit_model.plan import closed_form
 from lit_model.plan.closed_form import CATEGORIES
@@ -201,6 +202,7 @@ def _run_summary(spec: Run) -> dict[str, Any]:
         "global_batch_size": spec.global_batch_size,
         "accumulation_steps": spec.accumulation,
         "seq_length": spec.seq_len,
+        "seq_length_source": spec.seq_len_source or "--override_max_seq_length, else the model's context",
         "world_size": spec.world_size,
         "strategy": spec.parallel.strategy_name,
         "sharding_strategy": spec.parallel.sharding_strategy if spec.parallel.fsdp else None,
@@ -252,7 +254,36 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
     host = dict(offloaded or {})
     if spec.device_type == "cuda":
         host["checkpoint_save_rank0"] = closed_form.host_checkpoint_bytes(spec) + merge
-    return plan_of_phases(spec, phases, terms, device_memory, engine, notes, host, _run_summary(spec), kind)
+    plan = plan_of_phases(spec, phases, terms, device_memory, engine, notes, host, _run_summary(spec), kind)
+    if pageable_bytes(plan):
+        _page_optimizer_state(plan)
+    return plan
+
+
+def _page_optimizer_state(plan: Plan) -> None:
+    """PagedAdamW8bit keeps its state in CUDA managed memory, which pages to host memory when the GPU runs short: a
+    run over the device by at most its state fits, with that much of it paged (and slower: the paged part crosses
+    PCIe to be stepped and back every step)."""
+    state = pageable_bytes(plan)
+    over = -plan.headroom_bytes if plan.device_memory is not None else 0
+    if 0 < over <= state:
+        plan.paged_bytes, plan.fits = over, True
+        seconds = 2 * over / PCIE_BYTES_PER_S
+        plan.notes.append(f"PagedAdamW8bit's state lives in CUDA managed memory: the run fits with at least "
+                          f"{format_bytes(over)} of it paged to host memory (that much more host RAM), which crosses PCIe "
+                          f"to be stepped and back every step: about {seconds:.1f} s more per step at "
+                          f"{PCIE_BYTES_PER_S / 1e9:.0f} GB/s (an estimate, not measured).")
+    else:
+        plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
+                          "then CUDA pages it to host memory" + (" (here it would not suffice: the rest of the run is "
+                                                                 "over the device too)." if over > state else "."))
+
+
+def pageable_bytes(plan: Plan) -> int:
+    """What of the plan's peak CUDA may page to host memory rather than run out: PagedAdamW8bit's state."""
+    if plan.planned is None or plan.planned.optimizer != "PagedAdamW8bit" or plan.device_type != "cuda":
+        return 0
+    return plan.by_category.get("optimizer_state", 0)
 
 
 def plan_spec(spec: Run, device_memory: Optional[int] = None, engine: str = "analytic") -> Plan:

@@ -59,6 +59,8 @@ class Plan:
     overhead_terms: dict[str, int] = field(default_factory=dict)  # CPU: the peak phase's overhead by term
     notes: list[str] = field(default_factory=list)
     planned: Optional[Run] = field(default=None, repr=False, compare=False)  # the run this plan is for
+    # optimizer state CUDA must page to host memory for the run to fit (PagedAdamW8bit; fits says so then)
+    paged_bytes: int = 0
 
     @property
     def headroom_bytes(self) -> Optional[int]:
@@ -133,6 +135,7 @@ def _describe(plan: Plan) -> str:
     if r.get("quantize"):
         parts.append(r["quantize"])
     parts.append(f"micro batch {r['micro_batch_size']} x {r['seq_length']} tokens"
+                 + (" (the data's longest sample)" if r.get("seq_length_source", "").startswith("the longest") else "")
                  + (f" ({r['accumulation_steps']} accumulation steps)" if r["accumulation_steps"] > 1 else ""))
     if r["activation_checkpointing_interval"]:
         parts.append(("selective " if r.get("activation_checkpointing_selective") else "") + "activation checkpointing"
@@ -165,6 +168,9 @@ def _format_text(plan: Plan) -> str:
     verdict = f"peak: {format_bytes(plan.peak_bytes)} in {plan.peak_phase}"
     if plan.device_memory is None:
         verdict += " (no device memory to compare with)"
+    elif plan.paged_bytes:
+        verdict += (f" -> FITS in {format_bytes(plan.device_memory)} with at least {format_bytes(plan.paged_bytes)} of "
+                    f"the optimizer's state ({format_bytes(plan.by_category.get('optimizer_state', 0))}) paged to host memory")
     elif plan.fits:
         verdict += f" -> FITS in {format_bytes(plan.device_memory)} ({format_bytes(plan.headroom_bytes)} to spare)"
     else:

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lit_model.core.errors import UsageError
+from lit_model.core.units import format_bytes
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.parallel.dims import resolve_parallel_dims
 from lit_model.plan.calibration import DEVICE_COUNTS, QUALITY_PENALTY, SPEED
-from lit_model.plan.planner import CLOSED_FORM_MARGIN, _traceable, plan_spec
+from lit_model.plan.planner import CLOSED_FORM_MARGIN, _traceable, pageable_bytes, plan_spec
 from lit_model.plan.report import Plan, Suggestion, _resolve_memory
-from lit_model.run import Run, changed_flags, render_flags
+from lit_model.run import (BITSANDBYTES_OPTIMIZERS, WHOLE_MATRIX_OPTIMIZERS, Run, changed_flags, render_flags,
+                           steps_in_backward)
 
 MLP_TILES_FROM = 2048  # suggest --mlp_tiles for sequences this long: below, the MLP's activations are rarely the issue
 SUGGESTION_MARGIN = 0.02  # a suggestion must fit with this share of the device to spare
@@ -119,6 +121,36 @@ def _changed_run(run: Run, changes: dict[str, Any]) -> Run:
         run.parallel.sharding_strategy))
 
 
+def _give_way(run: Run, changes: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``changes`` with what the user gave that they cannot work with changed too, and a note for each: a fix is
+    offered even where one of the user's flags blocks it (check_optimizer_run, train/args.py's combinations); what the
+    combination itself changes is never undone (a combination in conflict with itself is skipped). FSDP
+    (--cpu_offload, --strategy fsdp) steps sharded parameters, which bitsandbytes' and the whole-matrix optimizers
+    cannot, and averages gradients before any step, which a step in backward comes before; accumulated micro batches
+    cannot be stepped in backward either; torch.compile does not trace offloading's hooks."""
+    changed = _changed_run(run, changes)
+    extra: dict[str, Any] = {}
+    notes: list[str] = []
+    if ("optimizer" not in changes and changed.parallel.fsdp
+            and changed.optimizer in (*BITSANDBYTES_OPTIMIZERS, *WHOLE_MATRIX_OPTIMIZERS)):
+        extra["optimizer"] = "AdamW"
+        notes.append(f"--optimizer AdamW: FSDP's sharded parameters cannot be stepped by {changed.optimizer}")
+    accumulates = changed.accumulation > 1 or changed.parallel.fsdp or changed.world_size > 1
+    if ("optimizer_in_backward" not in changes and accumulates
+            and steps_in_backward(extra.get("optimizer", changed.optimizer), changed.optimizer_in_backward)):
+        if changed.optimizer_in_backward:
+            extra["optimizer_in_backward"] = False
+        if changed.optimizer == "AdaLomo" and "optimizer" not in changes:
+            extra["optimizer"] = "AdamW"
+        notes.append("the optimizer steps after backward, once "
+                     + ("FSDP averaged the gradients" if changed.parallel.fsdp or changed.world_size > 1
+                        else "the micro batches' gradients are accumulated"))
+    if "compile" not in changes and changed.compile and changed.activation_offloading is not None:
+        extra["compile"] = False
+        notes.append("no --compile: it does not trace offloading's hooks")
+    return {**changes, **extra}, notes
+
+
 def _speed(name: str, device_type: str) -> float:
     return SPEED[name]["cuda" if device_type == "cuda" else "cpu"]
 
@@ -135,7 +167,7 @@ def _options(run: Run) -> list[_Option]:
                                note="keeps the matmul and attention outputs, recomputes the element-wise ops"))
     # offloading: to host memory from a GPU, to files from the CPU's RAM (not with Sophia's second backward or
     # torch.compile, see train/args.py)
-    if run.activation_offloading is None and run.optimizer != "Sophia" and not run.compile:
+    if run.activation_offloading is None and run.optimizer != "Sophia":  # with --compile: see _give_way
         target = "cpu" if dev == "cuda" else "disk"
         options.append(_Option("activation_offloading", {"activation_offloading": target},
                                _speed(f"activation_offloading_{target}", dev),
@@ -207,7 +239,7 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
     options = _options(run)
     budget = device_memory * (1.0 - SUGGESTION_MARGIN)
     screen = budget if engine == "analytic" else budget * (1.0 + CLOSED_FORM_MARGIN)
-    fitting: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
+    fitting: list[tuple[float, int, tuple[int, ...], Plan, float, list[str]]] = []
     for size in range(1, max_changes + 1):
         for combo in itertools.combinations(range(len(options)), size):
             keys = [options[i].key for i in combo]
@@ -219,16 +251,18 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                 changes.update(options[i].changes)
                 speed *= options[i].speed
                 penalty *= options[i].penalty
+            changes, gave_way = _give_way(run, changes)
             try:
                 plan = plan_spec(_changed_run(run, changes), device_memory, "analytic")
             except UsageError:
                 continue
-            if plan.peak_bytes <= screen:
-                fitting.append((speed * penalty, size, combo, plan, speed))
-    fitting.sort(key=lambda f: (f[0], f[1], f[3].peak_bytes))
-    chosen: list[tuple[float, int, tuple[int, ...], Plan, float]] = []
+            if plan.peak_bytes - pageable_bytes(plan) <= screen:  # PagedAdamW8bit: fits with its state paged
+                fitting.append((speed * penalty, size, combo, plan, speed, gave_way))
+    # the changes that fit the device whole first, then those that fit with paged optimizer state (slower)
+    fitting.sort(key=lambda f: (f[3].peak_bytes > screen, f[0], f[1], f[3].peak_bytes))
+    chosen: list[tuple[float, int, tuple[int, ...], Plan, float, list[str]]] = []
     confirmations = 0
-    for cost, size, combo, plan, speed in fitting:
+    for cost, size, combo, plan, speed, gave_way in fitting:
         if any(set(c[2]) <= set(combo) and c[0] <= cost for c in chosen):
             continue  # dominated: a subset already fits at no higher cost
         if engine != "analytic":
@@ -236,16 +270,19 @@ def suggest_changes(run: Run, device_memory: int, limit: int = 5, max_changes: i
                 break
             confirmations += 1
             plan = plan_spec(plan.planned, device_memory, engine)
-            if plan.peak_bytes > budget:
+            if plan.peak_bytes - pageable_bytes(plan) > budget:
                 continue
-        chosen.append((cost, size, combo, plan, speed))
+        chosen.append((cost, size, combo, plan, speed, gave_way))
         if len(chosen) >= limit:
             break
     suggestions = []
-    for cost, _, combo, plan, speed in chosen:
+    for cost, _, combo, plan, speed, gave_way in chosen:
         changed = plan.planned
         flags = changed_flags(run, changed)
-        notes = [options[i].note for i in combo if options[i].note]
+        notes = [options[i].note for i in combo if options[i].note] + gave_way
+        if plan.peak_bytes > budget:
+            notes.append(f"fits with at least {format_bytes(plan.peak_bytes - budget)} of PagedAdamW8bit's state paged "
+                         "to host memory (slower)")
         suggestions.append(Suggestion(changes=flags, flags=render_flags(flags), peak_bytes=plan.peak_bytes,
                                       speed_factor=round(speed, 3), cost=round(cost, 3), by_category=plan.by_category,
                                       notes=notes, run=changed))

@@ -89,6 +89,8 @@ def plan_run(
         notes.append(f"--loss_chunk_size auto: {chunk} tokens (the largest whose logits fit with a 10 % margin)")
     phases, used, offloaded, highs = _tensor_phases(run, engine, notes)
     plan = _assemble(run, phases, memory, used, notes, offloaded, transient_highs=highs, kind=TrainingPlan)
+    if run.seq_len_source:
+        plan.notes.append(f"Sequence length {run.seq_len}: {run.seq_len_source}.")
     if memory is None:
         plan.notes.append("No device memory given or detected: pass --device_memory (e.g. 24GB) for a verdict.")
     if run.compile:
@@ -101,9 +103,6 @@ def plan_run(
         plan.notes.append("Half-precision matmuls on the CPU make a kernel for every new expert row count, so the "
                           "process grows over the first steps until oneDNN's capped kernel caches are full: the "
                           "kernel cache term counts them full (benchmarks/results/moe_plan.md).")
-    if run.optimizer == "PagedAdamW8bit" and run.device_type == "cuda":
-        plan.notes.append("PagedAdamW8bit's state is counted in GPU memory, where it lives until the GPU runs short; "
-                          "then CUDA pages it to host memory, so the run may fit below this figure (more slowly).")
     if run.device_type == "cuda":
         plan.notes.append(f"GPU overhead: CUDA context {format_bytes(OVERHEAD.cuda_context)}, cuBLAS workspaces "
                           f"{format_bytes(OVERHEAD.cuda_workspaces)} and the caching allocator's reserve "
@@ -125,7 +124,7 @@ def plan_run(
             f"The final checkpoint gathers the full weights into rank 0's CPU memory: "
             f"{format_bytes(plan.host_bytes.get('checkpoint_save_rank0', 0))} of host RAM."
         )
-    if suggest and memory is not None and not plan.fits:
+    if suggest and memory is not None and (not plan.fits or plan.paged_bytes):
         plan.suggestions = suggest_changes(run, memory, max_suggestions, engine=engine)
         if not plan.suggestions:
             plan.notes.append("No combination of up to 3 flag changes fits this device.")

@@ -17,13 +17,14 @@ from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError
 from lit_model.core.units import format_bytes
-from lit_model.data.instruct import InstructData, PackedDataset, collate, load_instruct_data, padding_fraction
+from lit_model.data.instruct import (InstructData, PackedDataset, collate, load_instruct_data, padded_length,
+                                     padding_fraction)
 from lit_model.data.preference import PreferenceData
 from lit_model.data.sources import parse_fields
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import PROMPT_STYLE_FILE, PromptStyle
-from lit_model.io.tokenizer import Tokenizer
+from lit_model.io.tokenizer import ByteCountTokenizer, Tokenizer, has_tokenizer
 from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
 from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
 from lit_model.methods.quantize import check_quantize
@@ -108,9 +109,20 @@ class Setup:
 
 
 
-def resolve(args: FinetuneArgs, method: Trainable) -> Run:
+def read_instruct_data(run: Run, args: FinetuneArgs, tokenizer: Any, style: PromptStyle) -> InstructData:
+    """The instruction samples this run trains and validates on (the standard library's when no data is named)."""
+    return load_instruct_data(args.data_path, tokenizer, style, run.seq_len, args.mask_prompt, args.val_split_fraction,
+                              data=args.data, fields=parse_fields(args.data_fields))
+
+
+# A recipe's data: (run, args, tokenizer, style) -> train/val datasets with ``train.lengths`` and a description
+ReadData = Callable[[Run, Any, Any, PromptStyle], Union[InstructData, PreferenceData]]
+
+
+def resolve(args: FinetuneArgs, method: Trainable, read_data: Optional[ReadData] = read_instruct_data) -> Run:
     """The run, resolved once in the script's main: every flag checked against the checkpoint and the device
-    before any process starts (a plan reads the architecture only)."""
+    before any process starts (a plan reads the architecture, and the data's lengths with ``read_data``: see
+    ``with_data_length``)."""
     if args.freeze_layers is not None and method != "full":
         raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
                          "only its own parameters. Drop --freeze_layers.")
@@ -118,8 +130,8 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
         LoRAConfig.from_flags(args)
     checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
                                                 plan=args.plan is not None, model_config=args.model_config)
-    if args.plan is not None:  # the architecture only: no weights are read
-        return resolve_run(args, config, method)
+    if args.plan is not None:  # the architecture and the data's lengths only: no weights are read
+        return with_data_length(resolve_run(args, config, method), args, checkpoint_dir, read_data)
     continues_adapter = (checkpoint_dir / ADAPTER_CONFIG).is_file()
     if continues_adapter and method != "adapter":
         raise UsageError(
@@ -142,12 +154,29 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     return run
 
 
+def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path], read_data: Optional[ReadData]) -> Run:
+    """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: the longest sample,
+    padded as ``collate`` pads it), not the model's whole context, with where that length comes from. Without the
+    checkpoint's tokenizer (a model not downloaded yet) the samples are counted in UTF-8 bytes, an upper bound of any
+    tokenizer's count. Packed sequences, and a recipe without data to read, are planned at the run's length."""
+    if run.packing or read_data is None:
+        return run
+    tokenizer = Tokenizer(checkpoint_dir) if checkpoint_dir is not None and has_tokenizer(checkpoint_dir) else None
+    counted = run.replace(checkpoint_dir=checkpoint_dir)
+    data = read_data(counted, args, tokenizer or ByteCountTokenizer(), prompt_style(counted, args))
+    length = padded_length(max(data.train.lengths), max_length=run.seq_len)
+    unit = "tokens" if tokenizer is not None else "UTF-8 bytes (no tokenizer yet: an upper bound of its tokens)"
+    return run.replace(seq_len=length, seq_len_source=f"the longest sample of the data, counted in {unit} and padded "
+                                                      f"as batches are ({data.description})")
+
+
 def prompt_style(run: Run, args: FinetuneArgs) -> PromptStyle:
-    """--prompt_style, else the checkpoint's; a base model's "default" style has no turn markers (instructions and
-    answers would run together), so alpaca's instead."""
+    """--prompt_style, else the checkpoint's (the config's when there is none yet, for a plan); a base model's
+    "default" style has no turn markers (instructions and answers would run together), so alpaca's instead."""
     if args.prompt_style is not None:
         return PromptStyle.from_name(args.prompt_style)
-    style = PromptStyle.from_checkpoint(run.checkpoint_dir, run.config)
+    style = (PromptStyle.from_config(run.config) if run.checkpoint_dir is None
+             else PromptStyle.from_checkpoint(run.checkpoint_dir, run.config))
     return style if style.name != "default" else PromptStyle.from_name("alpaca")
 
 
@@ -156,8 +185,7 @@ def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     checkpoint_dir = run.checkpoint_dir
     tokenizer, style = Tokenizer(checkpoint_dir), prompt_style(run, args)
-    data = load_instruct_data(args.data_path, tokenizer, style, run.seq_len, args.mask_prompt, args.val_split_fraction,
-                              data=args.data, fields=parse_fields(args.data_fields))
+    data = read_instruct_data(run, args, tokenizer, style)
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -29,9 +29,10 @@ from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.data.cache import cache_root, cached, checked_record, sha256_file
-from lit_model.data.preference import PreferenceDataset, collate_pairs, load_preference_data
+from lit_model.data.preference import PreferenceData, PreferenceDataset, collate_pairs, load_preference_data
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, check_checkpoint_dir
+from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.lora import apply_lora, save_merged_checkpoint
 from lit_model.methods.preference import reference_log_probs
@@ -92,8 +93,12 @@ def main(args: DPOArgs) -> None:
                          "Use --method lora with --quantize (QLoRA), or drop --quantize.")
     if args.reference_model is not None and args.plan is None:
         check_checkpoint_dir(args.reference_model)
-    run = finetune.resolve(args, args.method)
+    run = finetune.resolve(args, args.method, read_pairs if args.data_path is not None else None)
     common.plan_or_train(run, args, train)
+
+
+def read_pairs(run: Run, args: DPOArgs, tokenizer: Any, style: PromptStyle) -> PreferenceData:
+    return load_preference_data(args.data_path, tokenizer, style, run.seq_len, args.val_split_fraction)
 
 
 def prepare(fabric: Fabric, run: Run, args: DPOArgs) -> tuple[Run, finetune.Setup]:
@@ -101,7 +106,7 @@ def prepare(fabric: Fabric, run: Run, args: DPOArgs) -> tuple[Run, finetune.Setu
     takes them precomputed."""
     run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     tokenizer, style = Tokenizer(run.checkpoint_dir), finetune.prompt_style(run, args)
-    data = load_preference_data(args.data_path, tokenizer, style, run.seq_len, args.val_split_fraction)
+    data = read_pairs(run, args, tokenizer, style)
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
