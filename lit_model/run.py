@@ -30,6 +30,7 @@ from lit_model.core.errors import UsageError
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.methods.grpo import GRPO_LOSSES, SCALE_REWARDS, GRPOSpec
 from lit_model.methods.preference import PREFERENCE_LOSSES, WITH_REFERENCE, PreferenceSpec
 from lit_model.methods.quantize import QUANTIZE_MODES
 from lit_model.parallel.apply import Levers
@@ -90,6 +91,7 @@ class Run:
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
     packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
     preference: Optional[PreferenceSpec] = None  # a preference objective (DPO and kin); None: the language-model loss
+    grpo: Optional[GRPOSpec] = None  # GRPO on rollouts of prompts (finetune/grpo.py); None: another objective
 
     def __post_init__(self) -> None:  # every comparison downstream is with the OPTIMIZERS spelling
         object.__setattr__(self, "optimizer", canonical_name(self.optimizer) or self.optimizer)
@@ -262,6 +264,45 @@ def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
     return PreferenceSpec(loss, float(args.beta), float(args.simpo_gamma), reference)
 
 
+def resolve_grpo(args: Any, trainable: str) -> Optional[GRPOSpec]:
+    """The GRPO settings of a run whose flags name ``--num_generations`` (finetune/grpo.py), else None. With
+    ``--beta`` > 0 the reference is LoRA's base (its adapters off); full fine-tuning has no reference to keep
+    without a second model, so it takes beta 0."""
+    generations = getattr(args, "num_generations", None)
+    if generations is None:
+        return None
+    if args.loss_type not in GRPO_LOSSES:
+        raise UsageError(f"--loss_type {args.loss_type!r}: choose one of {', '.join(GRPO_LOSSES)} (TRL's default: dapo).")
+    if args.scale_rewards not in SCALE_REWARDS:
+        raise UsageError(f"--scale_rewards {args.scale_rewards!r}: choose one of {', '.join(SCALE_REWARDS)}.")
+    if generations < 2:
+        raise UsageError(f"--num_generations {generations}: GRPO compares each completion with the others of its "
+                         "prompt, so it needs at least 2 (TRL's default is 8).")
+    if args.global_batch_size % generations:
+        raise UsageError(f"--global_batch_size {args.global_batch_size} counts completions: make it a multiple of "
+                         f"--num_generations {generations} (each prompt's completions are trained in the same step), "
+                         f"e.g. --global_batch_size {generations * max(1, args.global_batch_size // generations)}.")
+    if args.max_new_tokens < 1 or not args.epsilon > 0 or not args.epsilon_high > 0:
+        raise UsageError(f"--max_new_tokens ({args.max_new_tokens}) must be at least 1, --epsilon ({args.epsilon}) and "
+                         f"--epsilon_high ({args.epsilon_high}) positive (TRL: 0.2).")
+    if args.beta < 0:
+        raise UsageError(f"--beta {args.beta} must be 0 (no reference, the default) or positive.")
+    if args.beta > 0 and trainable != "lora":
+        raise UsageError(f"--beta {args.beta} keeps the policy near a reference, which --method full would need a "
+                         "second model for (rollouts are new every step, so nothing can be computed in advance). Use "
+                         "--method lora (the reference is the base with its adapters off) or --beta 0.")
+    if canonical_name(args.optimizer) == "Sophia":
+        raise UsageError("--optimizer Sophia estimates a Hessian by differentiating the loss twice, which GRPO's loss "
+                         "does not support. Use AdamW (the default) or another first-order optimizer.")
+    if getattr(args, "packing", False):
+        raise UsageError("--packing does not apply to GRPO: each completion is its own row, generated during the run. "
+                         "Drop --packing.")
+    weights = None if args.reward_weights is None else tuple(float(w) for w in args.reward_weights)
+    return GRPOSpec(tuple(args.reward), weights, int(generations), int(args.max_new_tokens), float(args.temperature),
+                    args.top_k, float(args.top_p), args.loss_type, float(args.beta), float(args.epsilon),
+                    float(args.epsilon_high), args.scale_rewards, "adapters" if args.beta > 0 else "none")
+
+
 def check_optimizer_run(run: "Run") -> None:
     """What an optimizer that steps inside backward (--optimizer_in_backward, AdaLomo) or needs whole matrices
     cannot serve in this run (the flag-level combinations are refused by the training flags' check). For every
@@ -383,6 +424,7 @@ def resolve_run(
         cpu_heap=resolve_cpu_heap(device_type),
         packing=bool(getattr(args, "packing", False)),
         preference=resolve_preference(args, trainable),
+        grpo=resolve_grpo(args, trainable),
     )
     check_optimizer_run(run)
     return run
