@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import read_metrics
+from conftest import ROOT, read_metrics
 from test_finetune import MODEL, make_checkpoint, run
 
 from lit_model.core.errors import UserError
@@ -241,7 +244,11 @@ def test_grpo_logs_the_rewards_and_saves_the_merged_model(lora_grpo):
 
 
 def test_grpo_is_reproducible_and_resumes_exactly(prompts, lora_grpo, tmp_path):
-    again = grpo(prompts, tmp_path / "again")
+    """`lit-model finetune grpo` with the same flags and seed: the same rollouts, the same metrics."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LIT_MODEL_CACHE": str(prompts["cache"]), "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([sys.executable, "-m", "lit_model", "finetune", "grpo",
+                            *map(str, grpo_args(prompts, tmp_path / "again"))],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert again.returncode == 0, again.stderr
     assert without_timing(tmp_path / "again") == without_timing(lora_grpo)
 
@@ -361,10 +368,11 @@ def test_bad_flags_are_one_paragraph(prompts, tmp_path, capsys, extra, needle):
     assert "Traceback" not in message and not (tmp_path / "out").exists()
 
 
-def test_the_config_hub_yaml_spells_out_the_defaults():
-    from conftest import ROOT
+def test_the_config_hub_yamls_parse_and_the_default_one_spells_out_the_defaults():
     from lit_model.recipes.cli import parse
     from lit_model.recipes.finetune_grpo import GRPOArgs
 
+    paths = sorted((ROOT / "config_hub" / "finetune").glob("*/grpo.yaml"))
+    assert len(paths) >= 2 and all(parse(GRPOArgs, ["--config", str(path)]).num_generations >= 2 for path in paths)
     path = ROOT / "config_hub" / "finetune" / "lit-model-5m" / "grpo.yaml"
     assert parse(GRPOArgs, ["--config", str(path)]) == parse(GRPOArgs, [])

@@ -100,9 +100,9 @@ def main(args: GRPOArgs) -> None:
     if args.method == "full" and args.quantize is not None:
         raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
                          "Use --method lora with --quantize (QLoRA), or drop --quantize.")
-    if args.max_tokens is not None:
-        raise UsageError("--max_tokens: a GRPO step's tokens are known only once its completions are generated. Give "
-                         "the run's length in steps with --max_steps.")
+    if args.max_tokens is not None or not args.max_steps or args.max_steps < 1:
+        raise UsageError("Give the run's length in steps with --max_steps N: a GRPO step's tokens are known only once "
+                         "its completions are generated, so --max_tokens cannot say when to stop.")
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.temperature == 0:
         raise UsageError("--temperature 0 samples every completion of a prompt alike, so their rewards never differ "
@@ -151,8 +151,10 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     prompts_per_step = run.global_batch_size // spec.num_generations
     train_batches = train_rollouts(rollouts, data.train, prompts_per_step, run.micro_batch_size, fabric.global_rank,
                                    run.world_size, args.seed, progress.step)
-    share = slice(fabric.global_rank, None, run.world_size)  # every rank evaluates its own prompts
-    val_batches = EvaluationRollouts(rollouts, data.val[: args.eval_iters][share], args.seed)
+    # every rank evaluates as many prompts (one group a batch), its own where there are enough
+    count = max(1, min(args.eval_iters, len(data.val)) // run.world_size)
+    first = fabric.global_rank * count
+    val_batches = EvaluationRollouts(rollouts, [data.val[(first + i) % len(data.val)] for i in range(count)], args.seed)
     objective = session.objective(run, optimizer)
     longest = min(data.longest + spec.max_new_tokens, run.seq_len)  # the longest prompt with the longest completion
     rehearsal_batch = tuple(part.to(fabric.device) for part in objective.example_batch(
