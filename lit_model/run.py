@@ -238,6 +238,16 @@ WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
 BITSANDBYTES_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit")
 
 
+def refuse_sophia_and_packing(args: Any, loss: str, rows: str) -> None:
+    """What the preference and GRPO objectives cannot train with: a second derivative of ``loss`` (Sophia), or
+    ``rows`` packed together."""
+    if canonical_name(args.optimizer) == "Sophia":
+        raise UsageError(f"--optimizer Sophia estimates a Hessian by differentiating the loss twice, which {loss} "
+                         "cannot be. Use AdamW (the default) or another first-order optimizer.")
+    if getattr(args, "packing", False):
+        raise UsageError(f"--packing does not apply to {rows}. Drop --packing.")
+
+
 def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
     """The preference objective of a run whose flags name a ``--loss`` (finetune/dpo.py), else None. The reference:
     none for a reference-free loss; LoRA's base (its adapters off) unless ``--reference_model`` names another; else
@@ -249,12 +259,8 @@ def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
         raise UsageError(f"--loss {loss!r}: choose one of {', '.join(PREFERENCE_LOSSES)}.")
     if not args.beta > 0:
         raise UsageError(f"--beta {args.beta} must be positive (DPO's is 0.1; SimPO's 2.0 to 2.5).")
-    if canonical_name(args.optimizer) == "Sophia":
-        raise UsageError("--optimizer Sophia estimates a Hessian by differentiating the loss twice, which the "
-                         "preference losses do not support yet. Use AdamW (the default) or another first-order optimizer.")
-    if getattr(args, "packing", False):
-        raise UsageError("--packing does not apply to preference pairs yet: each pair is its own (2, length) row pair. "
-                         "Drop --packing.")
+    refuse_sophia_and_packing(args, "the preference losses", "preference pairs yet: each pair is its own (2, length) "
+                              "row pair")
     if loss not in WITH_REFERENCE:
         reference = "none"
     elif trainable == "lora" and getattr(args, "reference_model", None) is None:
@@ -291,12 +297,7 @@ def resolve_grpo(args: Any, trainable: str) -> Optional[GRPOSpec]:
         raise UsageError(f"--beta {args.beta} keeps the policy near a reference, which --method full would need a "
                          "second model for (rollouts are new every step, so nothing can be computed in advance). Use "
                          "--method lora (the reference is the base with its adapters off) or --beta 0.")
-    if canonical_name(args.optimizer) == "Sophia":
-        raise UsageError("--optimizer Sophia estimates a Hessian by differentiating the loss twice, which GRPO's loss "
-                         "does not support. Use AdamW (the default) or another first-order optimizer.")
-    if getattr(args, "packing", False):
-        raise UsageError("--packing does not apply to GRPO: each completion is its own row, generated during the run. "
-                         "Drop --packing.")
+    refuse_sophia_and_packing(args, "GRPO's loss", "GRPO: each completion is its own row, generated during the run")
     weights = None if args.reward_weights is None else tuple(float(w) for w in args.reward_weights)
     return GRPOSpec(tuple(args.reward), weights, int(generations), int(args.max_new_tokens), float(args.temperature),
                     args.top_k, float(args.top_p), args.loss_type, float(args.beta), float(args.epsilon),

@@ -143,6 +143,22 @@ def resolve(args: FinetuneArgs, method: Trainable) -> Run:
     return run
 
 
+def check_own_data(args: Any, script: str, what: str, example: str) -> None:
+    """The flags of a fine-tune that reads its own kind of records (``what``, like ``example``) from --data_path
+    (finetune/dpo.py's pairs, grpo.py's prompts): no instruction data, some data unless it only plans, and
+    --quantize only with LoRA."""
+    if args.data is not None or args.data_fields is not None:
+        raise UsageError(f"{script} reads {what} from --data_path (TRL's formats: {example} or chat messages); --data "
+                         f"and --data_fields name instruction data. Save the {what} as .jsonl or .parquet and pass "
+                         "--data_path.")
+    if args.data_path is None and args.plan is None:
+        raise UsageError(f"{script} needs {what}: --data_path FILE with records like {example} (or chat messages, as "
+                         "TRL takes them).")
+    if args.method == "full" and args.quantize is not None:
+        raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
+                         "Use --method lora with --quantize (QLoRA), or drop --quantize.")
+
+
 def prompt_style(run: Run, args: FinetuneArgs) -> PromptStyle:
     """--prompt_style, else the checkpoint's; a base model's "default" style has no turn markers (instructions and
     answers would run together), so alpaca's instead."""

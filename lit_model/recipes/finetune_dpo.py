@@ -29,7 +29,7 @@ from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.data.cache import cache_root, cached, checked_record, sha256_file
-from lit_model.data.preference import PreferenceDataset, collate_pairs, load_preference_data
+from lit_model.data.preference import PAIR_EXAMPLE, PreferenceDataset, collate_pairs, load_preference_data
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, check_checkpoint_dir
 from lit_model.io.tokenizer import Tokenizer
@@ -78,16 +78,7 @@ class DPOArgs(LoRAArgs):
 
 def main(args: DPOArgs) -> None:
     check_args(args)
-    if args.data is not None or args.data_fields is not None:
-        raise UsageError("finetune/dpo.py reads preference pairs from --data_path (TRL's formats: "
-                         '{"prompt": ..., "chosen": ..., "rejected": ...} or chat messages); --data and --data_fields '
-                         "name instruction data. Save the pairs as .jsonl or .parquet and pass --data_path.")
-    if args.data_path is None and args.plan is None:
-        raise UsageError('finetune/dpo.py needs preference pairs: --data_path FILE with records like {"prompt": '
-                         '"...", "chosen": "...", "rejected": "..."} (or chat messages, as TRL takes them).')
-    if args.method == "full" and args.quantize is not None:
-        raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
-                         "Use --method lora with --quantize (QLoRA), or drop --quantize.")
+    finetune.check_own_data(args, "finetune/dpo.py", "preference pairs", PAIR_EXAMPLE)
     if args.reference_model is not None and args.plan is None:
         check_checkpoint_dir(args.reference_model)
     run = finetune.resolve(args, args.method)

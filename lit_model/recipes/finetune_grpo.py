@@ -24,7 +24,7 @@ from typing import ClassVar, Literal, Optional, Union
 from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, run_cli
-from lit_model.data.prompts import load_prompt_data
+from lit_model.data.prompts import PROMPT_EXAMPLE, load_prompt_data
 from lit_model.infer.load import Precision
 from lit_model.infer.rollout import EvaluationRollouts, Rollouts, train_rollouts
 from lit_model.infer.sampling import check_sampling
@@ -90,16 +90,7 @@ class GRPOArgs(LoRAArgs):
 
 def main(args: GRPOArgs) -> None:
     check_args(args)
-    if args.data is not None or args.data_fields is not None:
-        raise UsageError("finetune/grpo.py reads prompts from --data_path (TRL's formats: {\"prompt\": ..., \"answer\": "
-                         "...} or chat messages); --data and --data_fields name instruction data. Save the prompts as "
-                         ".jsonl or .parquet and pass --data_path.")
-    if args.data_path is None and args.plan is None:
-        raise UsageError('finetune/grpo.py needs prompts: --data_path FILE with records like {"prompt": "...", '
-                         '"answer": "..."} (or chat messages, as TRL takes them).')
-    if args.method == "full" and args.quantize is not None:
-        raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
-                         "Use --method lora with --quantize (QLoRA), or drop --quantize.")
+    finetune.check_own_data(args, "finetune/grpo.py", "prompts", PROMPT_EXAMPLE)
     if args.max_tokens is not None or not args.max_steps or args.max_steps < 1:
         raise UsageError("Give the run's length in steps with --max_steps N: a GRPO step's tokens are known only once "
                          "its completions are generated, so --max_tokens cannot say when to stop.")
