@@ -1,6 +1,6 @@
 """``lit-model``: one command for every script.
 
-    lit-model pretrain | finetune lora|full|adapter|dpo | generate | chat | evaluate | plan COMMAND | download |
+    lit-model pretrain | finetune lora|full|adapter|dpo|grpo | generate | chat | evaluate | plan COMMAND | download |
               convert | merge | config
 
 Each command runs exactly what its script runs: the training and generation commands call the recipe the script
@@ -25,7 +25,7 @@ from lit_model.core.config import CONFIG_DIR, Config
 from lit_model.core.errors import UsageError, run_cli
 from lit_model.download import main as download_main
 from lit_model.methods.lora import cli as lora_cli
-from lit_model.recipes import chat, evaluate, finetune_adapter, finetune_dpo, finetune_full, finetune_lora, generate, pretrain
+from lit_model.recipes import chat, evaluate, finetune_adapter, finetune_dpo, finetune_full, finetune_grpo, finetune_lora, generate, pretrain
 from lit_model.plan.closed_form import param_counts
 
 # command -> (the script users know, the recipe's command line that the script runs)
@@ -35,14 +35,15 @@ SCRIPTS: dict[str, tuple[str, Callable[..., None]]] = {
     "finetune full": ("finetune/full.py", finetune_full.cli),
     "finetune adapter": ("finetune/adapter.py", finetune_adapter.cli),
     "finetune dpo": ("finetune/dpo.py", finetune_dpo.cli),
+    "finetune grpo": ("finetune/grpo.py", finetune_grpo.cli),
     "generate": ("generate/base.py", generate.cli),
     "chat": ("generate/chat.py", chat.cli),
     "evaluate": ("evaluate/main.py", evaluate.cli),
 }
-FINETUNE_METHODS = ("lora", "full", "adapter", "dpo")
+FINETUNE_METHODS = ("lora", "full", "adapter", "dpo", "grpo")
 HELP = {
     "pretrain": "pretrain from scratch (pretrain/main.py)",
-    "finetune": "fine-tune: finetune lora | full | adapter | dpo (finetune/*.py)",
+    "finetune": "fine-tune: finetune lora | full | adapter | dpo | grpo (finetune/*.py)",
     "generate": "continue a prompt (generate/base.py)",
     "chat": "chat with a model (generate/chat.py)",
     "evaluate": "score a checkpoint on lm-evaluation-harness tasks (evaluate/main.py)",
@@ -76,7 +77,7 @@ def dispatch(argv: list[str]) -> None:
     command, rest = argv[0], argv[1:]
     if command == "plan":
         if rest[:1] == ["evaluate"]:
-            raise UsageError("`lit-model plan` plans pretrain, finetune lora|full|adapter|dpo, generate or chat; evaluate "
+            raise UsageError("`lit-model plan` plans pretrain, finetune lora|full|adapter|dpo|grpo, generate or chat; evaluate "
                              "has no --plan (it loads the model as generate does: `lit-model plan generate` sizes that).")
         script, rest = _script_for(rest, "lit-model plan")
         asks = any(arg in ("--plan", "-h", "--help") or arg.startswith("--plan=") for arg in rest)
@@ -97,21 +98,21 @@ def dispatch(argv: list[str]) -> None:
 def _script_for(argv: list[str], prog: str) -> tuple[Callable[[list[str]], None], list[str]]:
     """The script a command line names, and the arguments left for it."""
     if not argv:
-        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter|dpo, generate or chat.")
+        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter|dpo|grpo, generate or chat.")
     command, rest = argv[0], argv[1:]
     if command == "finetune":
         if rest[:1] in (["-h"], ["--help"]):
-            print(f"usage: {prog} finetune lora|full|adapter|dpo [flags]   ({prog} finetune lora --help lists the flags)")
+            print(f"usage: {prog} finetune lora|full|adapter|dpo|grpo [flags]   ({prog} finetune lora --help lists the flags)")
             raise SystemExit(0)
         if not rest or rest[0] not in FINETUNE_METHODS:
             given = f" (got {rest[0]!r})" if rest else ""
             raise UsageError(
-                f"`{prog} finetune` needs a method{given}: lora, full, adapter or dpo, e.g. `{prog} finetune lora "
+                f"`{prog} finetune` needs a method{given}: lora, full, adapter, dpo or grpo, e.g. `{prog} finetune lora "
                 "--checkpoint_dir DIR`."
             )
         command, rest = f"finetune {rest[0]}", rest[1:]
     if command not in SCRIPTS:
-        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter|dpo, generate or chat.")
+        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter|dpo|grpo, generate or chat.")
     script, cli = SCRIPTS[command]
     return partial(cli, prog=script.split("/")[-1]), rest  # --help and usage name the script, as it does
 

@@ -30,6 +30,7 @@ from lit_model.core.errors import UsageError
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.lora import TARGETS as LORA_TARGET_FLAGS, LoRAConfig
 from lit_model.core.precision import DTYPE_BYTES, PRECISION_DTYPES, resolve_precision
+from lit_model.methods.grpo import GRPO_LOSSES, SCALE_REWARDS, GRPOSpec
 from lit_model.methods.preference import PREFERENCE_LOSSES, WITH_REFERENCE, PreferenceSpec
 from lit_model.methods.quantize import QUANTIZE_MODES
 from lit_model.parallel.apply import Levers
@@ -93,6 +94,7 @@ class Run:
     preference: Optional[PreferenceSpec] = None  # a preference objective (DPO and kin); None: the language-model loss
     # where seq_len comes from when a plan took it from the data (its longest sample); "": the flag or the model's context
     seq_len_source: str = ""
+    grpo: Optional[GRPOSpec] = None  # GRPO on rollouts of prompts (finetune/grpo.py); None: another objective
 
     def __post_init__(self) -> None:  # every comparison downstream is with the OPTIMIZERS spelling
         object.__setattr__(self, "optimizer", canonical_name(self.optimizer) or self.optimizer)
@@ -238,6 +240,16 @@ WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
 BITSANDBYTES_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit")
 
 
+def refuse_sophia_and_packing(args: Any, loss: str, rows: str) -> None:
+    """What the preference and GRPO objectives cannot train with: a second derivative of ``loss`` (Sophia), or
+    ``rows`` packed together."""
+    if canonical_name(args.optimizer) == "Sophia":
+        raise UsageError(f"--optimizer Sophia estimates a Hessian by differentiating the loss twice, which {loss} "
+                         "cannot be. Use AdamW (the default) or another first-order optimizer.")
+    if getattr(args, "packing", False):
+        raise UsageError(f"--packing does not apply to {rows}. Drop --packing.")
+
+
 def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
     """The preference objective of a run whose flags name a ``--loss`` (finetune/dpo.py), else None. The reference:
     none for a reference-free loss; LoRA's base (its adapters off) unless ``--reference_model`` names another; else
@@ -249,12 +261,8 @@ def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
         raise UsageError(f"--loss {loss!r}: choose one of {', '.join(PREFERENCE_LOSSES)}.")
     if not args.beta > 0:
         raise UsageError(f"--beta {args.beta} must be positive (DPO's is 0.1; SimPO's 2.0 to 2.5).")
-    if canonical_name(args.optimizer) == "Sophia":
-        raise UsageError("--optimizer Sophia estimates a Hessian by differentiating the loss twice, which the "
-                         "preference losses do not support yet. Use AdamW (the default) or another first-order optimizer.")
-    if getattr(args, "packing", False):
-        raise UsageError("--packing does not apply to preference pairs yet: each pair is its own (2, length) row pair. "
-                         "Drop --packing.")
+    refuse_sophia_and_packing(args, "the preference losses", "preference pairs yet: each pair is its own (2, length) "
+                              "row pair")
     if loss not in WITH_REFERENCE:
         reference = "none"
     elif trainable == "lora" and getattr(args, "reference_model", None) is None:
@@ -275,6 +283,40 @@ def resolve_grad_clip(grad_clip: Optional[float], optimizer: str, in_backward: b
     if grad_clip is not None:
         return float(grad_clip)
     return 0.0 if steps_in_backward(optimizer, in_backward) else DEFAULT_GRAD_CLIP
+
+
+def resolve_grpo(args: Any, trainable: str) -> Optional[GRPOSpec]:
+    """The GRPO settings of a run whose flags name ``--num_generations`` (finetune/grpo.py), else None. With
+    ``--beta`` > 0 the reference is LoRA's base (its adapters off); full fine-tuning has no reference to keep
+    without a second model, so it takes beta 0."""
+    generations = getattr(args, "num_generations", None)
+    if generations is None:
+        return None
+    if args.loss_type not in GRPO_LOSSES:
+        raise UsageError(f"--loss_type {args.loss_type!r}: choose one of {', '.join(GRPO_LOSSES)} (TRL's default: dapo).")
+    if args.scale_rewards not in SCALE_REWARDS:
+        raise UsageError(f"--scale_rewards {args.scale_rewards!r}: choose one of {', '.join(SCALE_REWARDS)}.")
+    if generations < 2:
+        raise UsageError(f"--num_generations {generations}: GRPO compares each completion with the others of its "
+                         "prompt, so it needs at least 2 (TRL's default is 8).")
+    if args.global_batch_size % generations:
+        raise UsageError(f"--global_batch_size {args.global_batch_size} counts completions: make it a multiple of "
+                         f"--num_generations {generations} (each prompt's completions are trained in the same step), "
+                         f"e.g. --global_batch_size {generations * max(1, args.global_batch_size // generations)}.")
+    if args.max_new_tokens < 1 or not args.epsilon > 0 or not args.epsilon_high > 0:
+        raise UsageError(f"--max_new_tokens ({args.max_new_tokens}) must be at least 1, --epsilon ({args.epsilon}) and "
+                         f"--epsilon_high ({args.epsilon_high}) positive (TRL: 0.2).")
+    if args.beta < 0:
+        raise UsageError(f"--beta {args.beta} must be 0 (no reference, the default) or positive.")
+    if args.beta > 0 and trainable != "lora":
+        raise UsageError(f"--beta {args.beta} keeps the policy near a reference, which --method full would need a "
+                         "second model for (rollouts are new every step, so nothing can be computed in advance). Use "
+                         "--method lora (the reference is the base with its adapters off) or --beta 0.")
+    refuse_sophia_and_packing(args, "GRPO's loss", "GRPO: each completion is its own row, generated during the run")
+    weights = None if args.reward_weights is None else tuple(float(w) for w in args.reward_weights)
+    return GRPOSpec(tuple(args.reward), weights, int(generations), int(args.max_new_tokens), float(args.temperature),
+                    args.top_k, float(args.top_p), args.loss_type, float(args.beta), float(args.epsilon),
+                    float(args.epsilon_high), args.scale_rewards, "adapters" if args.beta > 0 else "none")
 
 
 def check_optimizer_run(run: "Run") -> None:
@@ -398,6 +440,7 @@ def resolve_run(
         cpu_heap=resolve_cpu_heap(device_type),
         packing=bool(getattr(args, "packing", False)),
         preference=resolve_preference(args, trainable),
+        grpo=resolve_grpo(args, trainable),
     )
     check_optimizer_run(run)
     return run

@@ -107,13 +107,13 @@ def test_module_commands_are_the_modules(tmp_path) -> None:
 
 def test_finetune_help_names_the_methods() -> None:
     result = run_entry("finetune", "--help")
-    assert result.returncode == 0 and result.stdout.startswith("usage: lit-model finetune lora|full|adapter|dpo [flags]")
+    assert result.returncode == 0 and result.stdout.startswith("usage: lit-model finetune lora|full|adapter|dpo|grpo [flags]")
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("finetune",), "needs a method: lora, full, adapter or dpo"),
+        (("finetune",), "needs a method: lora, full, adapter, dpo or grpo"),
         (("finetune", "qlora"), "needs a method (got 'qlora')"),
         (("fintune",), "Unknown command 'fintune'. Did you mean finetune?"),
         (("plan",), "needs a command to plan"),

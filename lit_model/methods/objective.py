@@ -128,3 +128,13 @@ def over_chunks(function: Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tens
         else:
             results.append(function(model, x_chunk, t_chunk))
     return results
+
+
+def token_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Each target's log-probability (batch, time), fp32, 0 where the target is IGNORE_INDEX: a ``GPT.forward``
+    readout for objectives that weigh tokens one by one (GRPO). ``chunk_size`` rows of logits at a time
+    (``over_chunks``): the (tokens x vocab) logits never exist whole."""
+    x, flat = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    chunk = chunk_size if chunk_size > 0 else x.size(0)
+    losses = over_chunks(token_losses, model, x, flat, chunk)
+    return -torch.cat(losses).view(targets.shape)

@@ -47,6 +47,20 @@ def _sample_phase(spec: Run) -> dict[str, int]:
     return {c: generation.get(c, 0) for c in CATEGORIES if c != "overhead"}
 
 
+def _rollout_phase(spec: Run, after_step: dict[str, int]) -> dict[str, int]:
+    """GRPO (``spec.grpo``): a prompt's group of completions generated between steps with the training weights:
+    what a step leaves (the weights, the optimizer state) plus generate/base.py's plan of that batch without its
+    weights: the KV cache of G x (the longest prompt + --max_new_tokens) positions and the prefill's or a decoding
+    step's activations, whichever is larger. The cache is removed before the step (infer/rollout.py)."""
+    grpo = spec.grpo
+    prompt = max(spec.seq_len - grpo.max_new_tokens, 1)
+    generation = plan_generation(spec.config, prompt, grpo.max_new_tokens, grpo.num_generations, spec.precision,
+                                 spec.quantize, device_type=spec.device_type, detect=False).phase_categories
+    kept = ("parameters", "quantization", "optimizer_state")
+    largest = max(generation.values(), key=lambda c: sum(v for k, v in c.items() if k not in (*kept, "overhead")))
+    return {c: after_step.get(c, 0) if c in kept else largest.get(c, 0) for c in CATEGORIES if c != "overhead"}
+
+
 def _not_traceable(spec: Run) -> Optional[str]:
     """Why the trace cannot plan this run (None: it can)."""
     if not _traced_whole(spec) and not _traced_by_layers(spec):
@@ -245,6 +259,8 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
         save = phases["checkpoint_save"]
         phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
                   "sample": _sample_phase(spec)}
+    if spec.grpo is not None and "checkpoint_save" in phases:
+        phases = {**phases, "rollout": _rollout_phase(spec, phases["checkpoint_save"])}
     phases, terms = _finish_phases(phases, spec, transient_highs=transient_highs)
     sample = sum(phases.get("sample", {}).values())
     if device_memory is not None and sample > device_memory:  # recipes/common.py sample_text skips it

@@ -20,13 +20,14 @@ from lit_model.core.units import format_bytes
 from lit_model.data.instruct import (InstructData, PackedDataset, collate, load_instruct_data, padded_length,
                                      padding_fraction)
 from lit_model.data.preference import PreferenceData
+from lit_model.data.prompts import PromptData
 from lit_model.data.sources import parse_fields
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.io.tokenizer import ByteCountTokenizer, Tokenizer, has_tokenizer
 from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
-from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig
+from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig, apply_lora, save_merged_checkpoint
 from lit_model.methods.quantize import check_quantize
 from lit_model.model.gpt import GPT
 from lit_model.plan.oom_report import out_of_memory_report
@@ -34,7 +35,7 @@ from lit_model.recipes import common
 from lit_model.run import Run, Trainable, resolve_run
 from lit_model.train import session
 from lit_model.train.args import TrainArgs
-from lit_model.train.loop import Progress, fit, write_summary
+from lit_model.train.loop import Progress, fit, save_final, write_summary
 from lit_model.train.resumable import STATE_NAME
 from lit_model.train.step import unwrap
 
@@ -103,7 +104,7 @@ class Setup:
     checkpoint_dir: Path
     tokenizer: Tokenizer
     style: PromptStyle
-    data: Union[InstructData, PreferenceData]
+    data: Union[InstructData, PreferenceData, PromptData]
     padding: dict[str, float]  # summary.json's padding fractions: this run's, and without and with packing
 
 
@@ -170,6 +171,22 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
                                                       f"as batches are ({data.description})")
 
 
+def check_own_data(args: Any, script: str, what: str, example: str) -> None:
+    """The flags of a fine-tune that reads its own kind of records (``what``, like ``example``) from --data_path
+    (finetune/dpo.py's pairs, grpo.py's prompts): no instruction data, some data unless it only plans, and
+    --quantize only with LoRA."""
+    if args.data is not None or args.data_fields is not None:
+        raise UsageError(f"{script} reads {what} from --data_path (TRL's formats: {example} or chat messages); --data "
+                         f"and --data_fields name instruction data. Save the {what} as .jsonl or .parquet and pass "
+                         "--data_path.")
+    if args.data_path is None and args.plan is None:
+        raise UsageError(f"{script} needs {what}: --data_path FILE with records like {example} (or chat messages, as "
+                         "TRL takes them).")
+    if args.method == "full" and args.quantize is not None:
+        raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
+                         "Use --method lora with --quantize (QLoRA), or drop --quantize.")
+
+
 def prompt_style(run: Run, args: FinetuneArgs) -> PromptStyle:
     """--prompt_style, else the checkpoint's (the config's when there is none yet, for a plan); a base model's
     "default" style has no turn markers (instructions and answers would run together), so alpaca's instead."""
@@ -231,17 +248,10 @@ def _strip_wrappers(name: str) -> str:
 
 def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.Module, optimizer: Any,
           trainable_only: bool, collate_fn: Callable[..., tuple[torch.Tensor, ...]] = collate) -> tuple[Progress, Run]:
-    """Resume if asked, then fit. ``trainable_only``: the resumable checkpoints hold only the trainable
-    parameters and their optimizer state (the frozen base comes from ``--checkpoint_dir``). FSDP saves its
-    sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint. ``collate_fn(items,
+    """Resume if asked (``resume``), then fit. ``collate_fn(items,
     max_length=...)``: the micro batches of the data's samples (preference pairs: ``collate_pairs``)."""
     data, progress = setup.data, Progress()
-    save_filter, check = None, None
-    if trainable_only and not run.parallel.fsdp:
-        names = trainable_names(model)
-        save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
-        check = partial(check_resumable, model=model, names=names)
-    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
+    save_filter = resume(fabric, run, args, model, optimizer, progress, trainable_only)
     pad = partial(collate_fn, max_length=run.seq_len)
     train_batches = session.train_batches(fabric, data.train, run, args, progress.step, pad, data.train.lengths)
     val_batches = session.val_batches(fabric, data.val, run, args, pad)
@@ -262,6 +272,20 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
     return fit(fabric, run, model, optimizer, session.objective(run, optimizer), train_batches, val_batches, args,
                max_steps, progress, out_of_memory_report,
                save_filter=save_filter, rehearsal_batch=rehearsal_batch)
+
+
+def resume(fabric: Fabric, run: Run, args: FinetuneArgs, model: nn.Module, optimizer: Any, progress: Progress,
+           trainable_only: bool) -> Optional[dict[str, Any]]:
+    """Resume if asked; returns what the resumable checkpoints hold (``fit``'s ``save_filter``): with
+    ``trainable_only`` only the trainable parameters and their optimizer state (the frozen base comes from
+    ``--checkpoint_dir``). FSDP saves its sharded checkpoints whole: Fabric cannot load a filtered sharded checkpoint."""
+    save_filter, check = None, None
+    if trainable_only and not run.parallel.fsdp:
+        names = trainable_names(model)
+        save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
+        check = partial(check_resumable, model=model, names=names)
+    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
+    return save_filter
 
 
 def check_resumable(path: Path, model: nn.Module, names: set[str]) -> None:
@@ -289,11 +313,34 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def make_trainable(fabric: Fabric, run: Run, model: GPT) -> None:
+    """LoRA's adapters on the frozen model (``run.lora``), else every weight trainable: the preference and GRPO
+    fine-tunes, which take either."""
+    if run.lora is not None:
+        layers = apply_lora(model, run.lora)
+        fabric.print(f"LoRA r={run.lora.r} alpha={run.lora.alpha:g} on {len(layers)} layers")
+    else:
+        model.requires_grad_(True)
+
+
+def save_trained(fabric: Fabric, run: Run, setup: Setup, model: nn.Module, final_dir: Path) -> None:
+    """final/ of a ``make_trainable`` model: LoRA's merged into the base weights, else the whole model."""
+    if run.lora is not None:
+        adapter_weights = gather_trainable(model)
+        if fabric.global_rank == 0:  # merged from the full-precision base weights, never from a quantized copy
+            save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, run.lora, final_dir, setup.style.save,
+                                   DERIVED_FILES, overwrite=True)  # this run's own final/ (check_out_dir)
+        fabric.barrier()
+    else:
+        save_final(fabric, model, run.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
+
+
 def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress: Progress, final_dir: Path) -> None:
     """Summary, an answer to the fixed validation instruction from the saved model, and where things are."""
     what = run.trainable if run.quantize is None or run.trainable != "lora" else f"qlora ({run.quantize})"
     what += " + DoRA" if run.lora is not None and run.lora.dora else ""
     what = f"{run.preference.loss} ({what})" if run.preference is not None else what
+    what = f"grpo ({what})" if run.grpo is not None else what
     answer = common.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
     summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})

@@ -29,12 +29,12 @@ from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.data.cache import cache_root, cached, checked_record, sha256_file
-from lit_model.data.preference import PreferenceData, PreferenceDataset, collate_pairs, load_preference_data
+from lit_model.data.preference import (PAIR_EXAMPLE, PreferenceData, PreferenceDataset, collate_pairs,
+                                      load_preference_data)
 from lit_model.infer.load import load_model as load_checkpoint_model
 from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, check_checkpoint_dir
 from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
-from lit_model.methods.lora import apply_lora, save_merged_checkpoint
 from lit_model.methods.preference import reference_log_probs
 from lit_model.recipes import common, finetune
 from lit_model.recipes.cli import parse
@@ -42,7 +42,6 @@ from lit_model.recipes.finetune_lora import LoRAArgs
 from lit_model.run import Run
 from lit_model.train import session
 from lit_model.train.args import check_args
-from lit_model.train.loop import save_final
 
 REFERENCE_CACHE = "reference"  # under cache_root(): one file of float32 (pairs, 2) per reference and data
 
@@ -81,16 +80,7 @@ class DPOArgs(LoRAArgs):
 
 def main(args: DPOArgs) -> None:
     check_args(args)
-    if args.data is not None or args.data_fields is not None:
-        raise UsageError("finetune/dpo.py reads preference pairs from --data_path (TRL's formats: "
-                         '{"prompt": ..., "chosen": ..., "rejected": ...} or chat messages); --data and --data_fields '
-                         "name instruction data. Save the pairs as .jsonl or .parquet and pass --data_path.")
-    if args.data_path is None and args.plan is None:
-        raise UsageError('finetune/dpo.py needs preference pairs: --data_path FILE with records like {"prompt": '
-                         '"...", "chosen": "...", "rejected": "..."} (or chat messages, as TRL takes them).')
-    if args.method == "full" and args.quantize is not None:
-        raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
-                         "Use --method lora with --quantize (QLoRA), or drop --quantize.")
+    finetune.check_own_data(args, "finetune/dpo.py", "preference pairs", PAIR_EXAMPLE)
     if args.reference_model is not None and args.plan is None:
         check_checkpoint_dir(args.reference_model)
     run = finetune.resolve(args, args.method, read_pairs if args.data_path is not None else None)
@@ -185,11 +175,7 @@ def train(fabric: Fabric, run: Run, args: DPOArgs) -> None:
     fabric.seed_everything(args.seed)  # the same adapter initialisation on every rank
     model = finetune.load_model(fabric, run, setup)
     spec = run.preference
-    if run.lora is not None:
-        layers = apply_lora(model, run.lora)
-        fabric.print(f"LoRA r={run.lora.r} alpha={run.lora.alpha:g} on {len(layers)} layers")
-    else:
-        model.requires_grad_(True)
+    finetune.make_trainable(fabric, run, model)
     reference = {"adapters": "the model with its LoRA adapters off", "none": "none (a reference-free loss)",
                  "precomputed": f"{args.reference_model or setup.checkpoint_dir}, computed once"}[spec.reference]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -201,15 +187,7 @@ def train(fabric: Fabric, run: Run, args: DPOArgs) -> None:
         return
 
     final_dir = args.out_dir / "final"
-    if run.lora is not None:
-        adapter_weights = finetune.gather_trainable(model)
-        if fabric.global_rank == 0:  # merged from the full-precision base weights, never from a quantized copy
-            save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, run.lora, final_dir, setup.style.save,
-                                   finetune.DERIVED_FILES, overwrite=True)  # this run's own final/ (check_out_dir)
-        fabric.barrier()
-        del adapter_weights
-    else:
-        save_final(fabric, model, run.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
+    finetune.save_trained(fabric, run, setup, model, final_dir)
     del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
     finetune.finish(fabric, run, args, setup, progress, final_dir)
 

@@ -21,6 +21,7 @@ from lit_model.core.errors import UserError
 from lit_model.data.instruct import LengthGroupedSampler
 from lit_model.data.text import GlobalBatchSampler
 from lit_model.methods.lora import adapters_disabled
+from lit_model.methods.grpo import GRPO
 from lit_model.methods.objective import CausalLM, Objective
 from lit_model.methods.preference import Preference
 from lit_model.kernels.policy import kernel_policy
@@ -67,6 +68,8 @@ def objective(run: Run, optimizer: Any) -> Objective:
     """What the run trains: the language-model loss (its loss chunk, packed samples' positions, a loss that the
     optimizer can differentiate again where it needs to: Sophia's Hessian), or a preference loss (``run.preference``),
     whose reference is the model with its adapters off or comes in the batches."""
+    if run.grpo is not None:  # GRPO on rollouts; with beta > 0 its reference is the model with its adapters off
+        return GRPO(run.grpo, run.loss_chunk_size, adapters_disabled if run.grpo.reference == "adapters" else None)
     if run.preference is None:
         return CausalLM(run.loss_chunk_size, needs_create_graph(optimizer), packed=run.packing)
     spec = run.preference

@@ -1,0 +1,130 @@
+"""GRPO's rollouts, generated in the training process by the inference engine with the training weights themselves
+(LoRA's adapters on their shared base, no copy): each prompt's group of G completions is sampled in one batch with
+a KV cache of exactly G x (prompt + --max_new_tokens) positions, allocated for the group and removed before anything
+else runs, so it never adds to the training step's memory. The completions are decoded, scored by the rewards and
+turned into a training batch (``methods/grpo.py``'s layout).
+
+Rollouts are seeded per (run seed, step, rank, prompt): the same run draws the same completions, and a resumed one
+those the uninterrupted run would have drawn from the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from lit_model.data.instruct import IGNORE_INDEX, PAD_MULTIPLE, padded_length
+from lit_model.data.prompts import Prompt
+from lit_model.data.text import GlobalBatchSampler
+from lit_model.infer.engine import Generator, Sampling
+from lit_model.infer.load import Precision
+from lit_model.methods.grpo import GRPOSpec, group_advantages, row_weights
+from lit_model.methods.objective import Batch
+from lit_model.methods.rewards import Reward, score
+from lit_model.model.gpt import GPT
+
+
+VALIDATION = 1 << 40  # the "step" of the validation rollouts' seeds: never a training step
+
+
+def rollout_seed(*keys: int) -> int:
+    """A sampling seed for ``keys`` (run seed, step, rank, prompt), independent for every combination."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
+
+
+class Rollouts:
+    """Generates and scores groups of completions with ``model`` (the bare ``GPT`` that training updates) and
+    returns them as a training batch on ``device``. ``announce`` (if given) hears one line per call."""
+
+    def __init__(self, model: GPT, tokenizer: Any, precision: Precision, spec: GRPOSpec, rewards: Sequence[Reward],
+                 weights: torch.Tensor, seq_len: int, device: torch.device,
+                 announce: Optional[Callable[[str], Any]] = None) -> None:
+        self.model, self.tokenizer, self.precision, self.spec = model, tokenizer, precision, spec
+        self.rewards, self.weights, self.seq_len, self.device, self.announce = rewards, weights, seq_len, device, announce
+
+    def generate(self, prompts: Sequence[Prompt], seeds: Sequence[int]) -> list[list[int]]:
+        """G completions' token ids per prompt (the eos that ended one kept: the policy is trained to stop), in
+        eval mode and without gradients; the KV cache is removed afterwards, whatever happens."""
+        spec, model = self.spec, self.model
+        was_training, completions = model.training, []
+        model.eval()
+        try:
+            for prompt, seed in zip(prompts, seeds):
+                generator = Generator(model, self.precision, Sampling(spec.temperature, spec.top_k, spec.top_p, seed))
+                generator.allocate(spec.num_generations, len(prompt.ids) + spec.max_new_tokens)
+                result = generator.generate(torch.from_numpy(prompt.ids), spec.max_new_tokens, self.tokenizer.eos_ids,
+                                            num_samples=spec.num_generations)
+                eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
+                completions += [tokens + eos if stopped else tokens for tokens, stopped in zip(result.tokens, result.stopped)]
+        finally:
+            model.clear_kv_cache()
+            model.train(was_training)
+        return completions
+
+    def __call__(self, prompts: Sequence[Prompt], seeds: Sequence[int], announce: bool = True) -> Batch:
+        """The batch of ``prompts``' completions: (input_ids, targets, advantages, weights, stats), G rows per prompt
+        in the prompts' order; ``announce``: tell ``self.announce`` how it went."""
+        start = time.perf_counter()
+        completion_ids = self.generate(prompts, seeds)
+        seconds = time.perf_counter() - start
+        group = self.spec.num_generations
+        rows = [p for p in prompts for _ in range(group)]
+        eos = set(self.tokenizer.eos_ids)
+        texts = [self.tokenizer.decode([t for t in ids if t not in eos]) for ids in completion_ids]
+        # as TRL hands them over: a conversational prompt's completions as assistant messages
+        completions = [[{"role": "assistant", "content": text}] if isinstance(p.prompt, list) else text
+                       for p, text in zip(rows, texts)]
+        keys = sorted({key for p in prompts for key in p.fields})
+        fields = {key: [p.fields.get(key) for p in rows] for key in keys}
+        per_reward = score(self.rewards, [p.prompt for p in rows], completions, {**fields, "completion_ids": completion_ids})
+        rewards = per_reward @ self.weights
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float32)
+        std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
+        stats = torch.cat([rewards[:, None], std.expand(len(rows), 1), per_reward, lengths[:, None]], dim=1)
+        if announce and self.announce is not None:
+            self.announce(f"Rollout: {len(prompts)} prompt(s) x {group} completions, {int(lengths.sum())} tokens in "
+                          f"{seconds:.1f} s ({lengths.sum().item() / max(seconds, 1e-9):,.0f} tok/s), reward "
+                          f"{rewards.mean().item():.3f} (std {std.item():.3f})")
+        input_ids, targets = self.rows([p.ids for p in rows], completion_ids)
+        batch = (input_ids, targets, group_advantages(rewards, group, self.spec.scale_rewards),
+                 row_weights(self.spec.loss_type, lengths, self.spec.max_new_tokens), stats)
+        return tuple(part.to(self.device) for part in batch)
+
+    def rows(self, prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids and targets of prompt + completion rows, right-padded: the completion's tokens the only targets."""
+        sequences = [np.concatenate([p, np.asarray(c, dtype=np.int64)]) for p, c in zip(prompt_ids, completion_ids)]
+        length = padded_length(max(len(s) for s in sequences) - 1, PAD_MULTIPLE, self.seq_len)
+        input_ids = torch.zeros(len(sequences), length, dtype=torch.long)
+        targets = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
+        for row, (sequence, prompt) in enumerate(zip(sequences, prompt_ids)):
+            input_ids[row, : len(sequence) - 1] = torch.from_numpy(sequence[:-1])
+            targets[row, len(prompt) - 1 : len(sequence) - 1] = torch.from_numpy(sequence[len(prompt):])
+        return input_ids, targets
+
+
+def train_rollouts(rollouts: Rollouts, prompts: Sequence[Prompt], prompts_per_step: int, micro_batch_size: int,
+                   rank: int, world_size: int, seed: int, start_step: int) -> Iterator[Batch]:
+    """An endless iterator of this rank's micro batches from optimizer step ``start_step`` on: each step's prompts
+    (``GlobalBatchSampler``: the same for any world size, resumable by step) are rolled out when its first micro
+    batch is asked for, then handed out ``micro_batch_size`` completions at a time."""
+    per_rank = prompts_per_step // world_size
+    sampler = GlobalBatchSampler(len(prompts), prompts_per_step, per_rank, rank, world_size, seed, start_step)
+    for step, indices in enumerate(sampler, start_step):
+        batch = rollouts([prompts[i] for i in indices], [rollout_seed(seed, step, rank, i) for i in indices])
+        yield from zip(*(part.split(micro_batch_size) for part in batch))
+
+
+class EvaluationRollouts:
+    """The validation prompts' rollouts as evaluation batches, one prompt's group each: generated anew with the
+    current weights every time they are iterated (every evaluation), from the same seeds, so the validation reward
+    follows the policy."""
+
+    def __init__(self, rollouts: Rollouts, prompts: Sequence[Prompt], seed: int) -> None:
+        self.rollouts, self.prompts, self.seed = rollouts, prompts, seed
+
+    def __iter__(self) -> Iterator[Batch]:
+        for index, prompt in enumerate(self.prompts):
+            yield self.rollouts([prompt], [rollout_seed(self.seed, VALIDATION, index)], announce=False)
