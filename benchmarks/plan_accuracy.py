@@ -472,8 +472,9 @@ def draw_case(rng: random.Random) -> Case:
     ac = rng.choice(("off", "off", "every", "every-2", "selective"))
     devices, strategy = rng.choice(((1, "auto"), (1, "auto"), (1, "auto"), (2, "ddp"), (2, "fsdp")))
     precision = rng.choice(("32-true", "bf16-true"))
+    lengths = (128, 256, 512) if method.startswith("dpo") else (64, 128, 256, 512)  # a pair's prompt is ~80 tokens
     return Case(
-        method, rng.choice(RANDOM_MODELS), precision, rng.choice((1, 2, 4, 8)), rng.choice((64, 128, 256, 512)),
+        method, rng.choice(RANDOM_MODELS), precision, rng.choice((1, 2, 4, 8)), rng.choice(lengths),
         ac=ac != "off", devices=devices, strategy=strategy, optimizer=rng.choice(RANDOM_OPTIMIZERS),
         compile=precision == "32-true" and rng.random() < 0.15,  # PyTorch 2.13's CPU compiler fails on some bf16 kernels
         ac_interval=2 if ac == "every-2" else 1, ac_selective=ac == "selective",
