@@ -213,7 +213,8 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
         names = trainable_names(model)
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
         check = partial(check_resumable, model=model, names=names)
-    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
+    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check,
+                            base=run.checkpoint_dir)
     pad = partial(collate_fn, max_length=run.seq_len)
     train_batches = session.train_batches(fabric, data.train, run, args, progress.step, pad, data.train.lengths)
     val_batches = session.val_batches(fabric, data.val, run, args, pad)
@@ -238,7 +239,10 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
 
 def check_resumable(path: Path, model: nn.Module, names: set[str]) -> None:
     """A trainable-only checkpoint (verified) loads non-strictly: check first that it holds exactly these parameters."""
-    saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
+    try:
+        saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
+    except session.LOAD_ERRORS as error:
+        raise session.unloadable(path / STATE_NAME, error) from None
     shapes = {n: tuple(p.shape) for n, p in unwrap(model).named_parameters() if n in names}
     found = {_strip_wrappers(n): tuple(t.shape) for n, t in saved.items()}
     if found != shapes:

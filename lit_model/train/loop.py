@@ -288,7 +288,7 @@ def fit(
             if (args.save_interval and progress.step % args.save_interval == 0) or is_last or stopped:
                 progress.fit_seconds = time.perf_counter() - fit_start
                 with STOPS.patience():  # the other ranks wait while rank 0 writes: let the save finish
-                    saved = progress.step, save_resumable(fabric, args, state, config, progress.step, save_filter)
+                    saved = progress.step, save_resumable(fabric, args, state, config, progress.step, save_filter, run.checkpoint_dir)
             if stopped:
                 break
         progress.fit_seconds = time.perf_counter() - fit_start
@@ -307,7 +307,7 @@ def stop_run(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs, max_
     and the command that continues the run. ``progress.stopped`` is set after the save, so no checkpoint holds it."""
     if saved is None or saved[0] != progress.step:
         with STOPS.patience():
-            saved = progress.step, save_resumable(fabric, args, state, run.config, progress.step, save_filter)
+            saved = progress.step, save_resumable(fabric, args, state, run.config, progress.step, save_filter, run.checkpoint_dir)
     progress.stopped = True
     command = resume_command(sys.argv)
     write_summary(fabric, run, progress, args, {"stopped": True, "resume_command": command})
