@@ -19,7 +19,8 @@ from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, Offl
 from lit_model.data.cache import cache_root, cached
 from lit_model.core.errors import UsageError, UserError
 
-TABLE_SUFFIXES = (".parquet", ".csv")
+TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
+DELIMITERS = {".csv": ",", ".tsv": "\t"}  # the tables read as delimited text
 Kind = Literal["instruct", "text"]
 
 
@@ -163,20 +164,33 @@ def load_table(path: Path) -> Any:
         if path.is_dir():
             table = datasets.load_from_disk(str(path))
         else:
-            # CSV cells stay text (pandas would make an answer "3" an int); Parquet keeps its own types
-            options = {"features": _text_columns(path), "keep_default_na": False} if path.suffix == ".csv" else {}
-            table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", **options)
+            # CSV/TSV cells stay text (pandas would make an answer "3" an int); Parquet keeps its own types
+            delimiter = DELIMITERS.get(path.suffix)
+            options = {} if delimiter is None else {"features": _text_columns(path, delimiter), "sep": delimiter,
+                                                    "keep_default_na": False}
+            builder = "parquet" if delimiter is None else "csv"
+            table = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except (OSError, ValueError, csv.Error, datasets.exceptions.DatasetGenerationError) as error:
         raise UserError(f"{path} could not be read as a dataset ({type(error).__name__}: {error}). Fix or "
                         "replace the file.") from None
     return _train_split(table, str(path))
 
 
-def _text_columns(path: Path) -> Any:
-    """Every column of a CSV file as a string column (its header names them)."""
+def _text_columns(path: Path, delimiter: str) -> Any:
+    """Every column of a CSV (TSV) file as a string column (its header names them), after checking that every row has
+    the header's number of fields: pandas takes a longer row's extra leading fields as its index and pads a shorter
+    one with empty cells, so a ragged row would become another record's fields or an empty pair without a word."""
     datasets = _datasets()
     with path.open(newline="", encoding="utf-8") as handle:
-        header = next(csv.reader(handle), [])
+        reader = csv.reader(handle, delimiter=delimiter)
+        header, line = next(reader, []), reader.line_num + 1
+        for row in reader:
+            if row and len(row) != len(header):  # pandas skips blank lines
+                raise UserError(
+                    f"Line {line} of {path} has {len(row)} field(s) where the header has {len(header)} "
+                    f"({', '.join(header)}): a {'comma' if delimiter == ',' else 'tab'} inside a field needs the field "
+                    "in double quotes, and every row one field per column. Fix that row, or save the data as .jsonl.")
+            line = reader.line_num + 1
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
