@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
+from huggingface_hub.errors import GatedRepoError, HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
 from lit_model.data.cache import cache_root, cached
 from lit_model.core.errors import UsageError, UserError
@@ -206,13 +206,39 @@ def load_named(name: str, kind: Kind) -> Any:
     except GatedRepoError:
         raise UserError(f"{source.repo} is gated: accept its terms on https://huggingface.co/datasets/{source.repo} "
                         f"and log in (hf auth login, or set HF_TOKEN). Or: {local}") from None
-    except (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError) as error:
-        raise UserError(f"--data {name} could not be fetched from the Hugging Face hub ({source.repo}) and is not in "
-                        f"the datasets cache: no network or offline mode ({type(error).__name__}). {local}") from None
     except datasets.exceptions.DatasetNotFoundError as error:
         gated = " It is gated: accept its terms on the hub and log in (hf auth login)." if source.gated else ""
         raise UserError(f"--data {name}: {error}.{gated} {local}") from None
+    except (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError, FileNotFoundError, HFValidationError,
+            RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "script" not in str(error):
+            raise
+        raise _fetch_error(name, hub_repo(name), error, local) from None
     return _train_split(table, source.repo)
+
+
+def _fetch_error(name: str, repo: str, error: BaseException, local: str) -> UserError:
+    """The paragraph for a named dataset that ``load_dataset`` could not fetch: the hub's HTTP status when it
+    answered with one (huggingface_hub retried 5xx answers for about 20 s), a loading script, a repo id that names
+    nothing, or no network."""
+    first = (str(error).splitlines() or [type(error).__name__])[0][:300]
+    chain, cause = [], error
+    while cause is not None and len(chain) < 20:  # datasets wraps the hub's HTTP error in its own FileNotFoundError
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for cause in chain:
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if isinstance(status, int):
+            later = "the hub is down or overloaded: try again later" if status >= 500 else "check the dataset's name"
+            return UserError(f"--data {name}: the Hugging Face hub answered HTTP {status} for {repo} ({later}). {local}")
+    if isinstance(error, RuntimeError):
+        return UserError(f"--data {name}: {repo} is read by a loading script ({first}), which the installed datasets "
+                         f"no longer runs. {local}")
+    offline = any(isinstance(c, (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError)) for c in chain)
+    if not offline:
+        return UserError(f"--data {name}: {repo} is neither a local dataset nor a dataset on the hub ({first}). {local}")
+    return UserError(f"--data {name} could not be fetched from the Hugging Face hub ({repo}) and is not in the datasets "
+                     f"cache: no network or offline mode ({type(error).__name__}). {local}")
 
 
 def _train_split(table: Any, what: str) -> Any:
