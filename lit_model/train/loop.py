@@ -219,7 +219,8 @@ def fit(
     # The rate step progress.step ran with: what the row of an evaluation redone on resume reports.
     lr = lr_at(max(progress.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
-    with STOPS.deferred(), open_loggers(args, fabric.global_rank == 0, progress.step) as log_row:
+    # the loggers open before stops are deferred: a stop while one starts (a slow server) ends the run at once
+    with open_loggers(args, fabric.global_rank == 0, progress.step) as log_row, STOPS.deferred():
         while progress.step < max_steps or progress.evaluation_due:
             if not progress.evaluation_due:  # else: resumed from a stop during this step's evaluation
                 seed_step(fabric.device, args.seed + 1_000_003 * progress.step + 7919 * fabric.global_rank)
