@@ -1,0 +1,226 @@
+"""Training runs against bad inputs and a hostile environment: a second run on an out_dir in use, a resume whose data,
+data-shaping flags or base checkpoint changed, a damaged LoRA state, ragged tables, hub datasets that cannot be
+fetched, and logger servers that do not answer. Each ends with one paragraph (exit 1 or 2), no traceback, nothing
+written or mixed; a wait ends within seconds.
+
+Most cases run the scripts in this process (``run_script_inprocess``) on the tiny checkpoint of test_finetune.py;
+the races with a real second process are marked slow."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from conftest import ROOT, read_metrics, run_script, run_script_inprocess
+from test_bad_input import tree
+from test_bad_input_data import RECORD, write
+from test_finetune import ft, make_checkpoint  # noqa: F401 - ft: the session's tiny checkpoint and data (a fixture)
+from test_signals import environment, read_until, start, train_args
+from lit_model.data import sources
+from lit_model.io.checkpoint import write_manifest
+from lit_model.train import loggers
+from lit_model.train.resumable import CHECKPOINTS, DATA_ORDER_NAME, LOCK_NAME, out_dir_lock
+
+SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py", "finetune/dpo.py")
+SMALL = ("--micro_batch_size", "2", "--global_batch_size", "4", "--eval_iters", "1", "--log_interval", "1",
+         "--warmup_steps", "1")
+
+
+def one_paragraph(proc: subprocess.CompletedProcess, code: int, fragment: str) -> str:
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == code, proc.stderr[-3000:] + proc.stdout[-2000:]
+    assert fragment in message, message
+    assert "Traceback" not in proc.stderr + proc.stdout and "error: " in proc.stderr
+    return message
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Add {a} and 1.", "chosen": str(a + 1), "rejected": str(a)}) + "\n"
+                            for a in range(24)))
+    return path
+
+
+def command(script: str, out: Path, ft: dict[str, Path], tiny_setup: dict[str, Path], pairs: Path, *extra: str) -> list[str]:
+    """A valid, tiny run of ``script`` into ``out``."""
+    if script == "pretrain/main.py":
+        return [str(a) for a in train_args(tiny_setup, out, "--max_steps", "1", "--global_batch_size", "2", *extra)]
+    data = pairs if script == "finetune/dpo.py" else ft["data"]
+    return [script, "--checkpoint_dir", str(ft["base"]), "--data_path", str(data), "--out_dir", str(out),
+            "--max_steps", "1", *SMALL, *extra]
+
+
+# ---- 1. one run per out_dir ------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_second_run_on_an_out_dir_in_use_stops_naming_the_first(script, ft, tiny_setup, pairs_file, tmp_path,
+                                                                 monkeypatch):
+    out = tmp_path / "out"
+    with out_dir_lock(out):  # the first run, in this process (flock: another open of the file is another owner)
+        before = tree(out)
+        proc = run_script_inprocess(*command(script, out, ft, tiny_setup, pairs_file), cache=ft["cache"],
+                                    monkeypatch=monkeypatch)
+        one_paragraph(proc, 1, f"{out} is in use by another run (PID {os.getpid()} on {socket.gethostname()}, started ")
+        assert "Wait for that run to end (or stop it), or pick another --out_dir" in " ".join(proc.stderr.split())
+        assert tree(out) == before  # nothing written, the holder's lock file untouched
+    assert not out.exists()  # the first run's lock went with it, and the directory it made for it
+
+
+def test_the_lock_leaves_an_existing_out_dir_and_a_run_leaves_no_lock_file(ft, tiny_setup, pairs_file, tmp_path,
+                                                                           monkeypatch):
+    out = tmp_path / "out"
+    (out / "notes.txt").parent.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    proc = run_script_inprocess(*command("finetune/lora.py", out, ft, tiny_setup, pairs_file), cache=ft["cache"],
+                                monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "notes.txt").read_text() == "mine\n" and not (out / LOCK_NAME).exists() and (out / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_do_not_mix_and_a_killed_run_resumes(tiny_setup, tmp_path):
+    out = tmp_path / "out"
+    first = start(tiny_setup, out, "--max_steps", "12", "--global_batch_size", "2", "--save_interval", "2")
+    try:
+        read_until(first, "Training ")  # past the out_dir check, nothing but the lock written yet
+        second = run_script(*train_args(tiny_setup, out, "--max_steps", "2"), env=environment(tiny_setup))
+        one_paragraph(second, 1, f"{out} is in use by another run (PID {first.pid} on ")
+        assert "Saved" not in second.stdout
+        while not list((out / CHECKPOINTS).glob("step-*/state.pt")):
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            time.sleep(0.05)
+        first.kill()  # SIGKILL: the lock file stays, the lock goes with the process
+        first.wait(timeout=60)
+    finally:
+        first.kill()
+    assert (out / LOCK_NAME).exists()
+    resumed = run_script(*train_args(tiny_setup, out, "--max_steps", "4", "--global_batch_size", "2", "--resume", "auto"),
+                         env=environment(tiny_setup))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from" in resumed.stdout and "Saved" in resumed.stdout
+    steps = [int(row["step"]) for row in read_metrics(out)]
+    assert steps == sorted(set(steps)) and steps[-1] == 4  # one run's rows, in order
+    assert not (out / LOCK_NAME).exists()
+
+
+# ---- 2. a resume checks what decides the samples, the targets and the model ------------------------------
+@pytest.fixture(scope="module")
+def lora_run(ft, tmp_path_factory) -> dict[str, Path]:
+    """A 2-step LoRA run that saved a checkpoint at each step, on its own copy of the data."""
+    root = tmp_path_factory.mktemp("lora-run")
+    shutil.copy(ft["data"], root / "data.jsonl")
+    argv = ["finetune/lora.py", "--checkpoint_dir", str(ft["base"]), "--data_path", str(root / "data.jsonl"),
+            "--out_dir", str(root / "out"), "--max_steps", "2", "--save_interval", "1", *SMALL]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        proc = run_script_inprocess(*argv, cache=ft["cache"], monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    return {"root": root, "out": root / "out", "data": root / "data.jsonl", "argv": argv}
+
+
+def resume(run: dict[str, Any], out: Path, **changes: str) -> list[str]:
+    """The run's command line resuming into ``out``, with flags changed (or added)."""
+    argv, values = list(run["argv"]), {"--out_dir": str(out), "--resume": "auto", "--max_steps": "4", **changes}
+    for flag, value in values.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return argv
+
+
+@contextlib.contextmanager
+def appended(path: Path, text: str) -> Iterator[None]:
+    original = path.read_bytes()
+    path.write_bytes(original + text.encode())
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
+
+
+def another_base(ft: dict[str, Path], tmp: Path) -> dict[str, str]:
+    """A checkpoint of the same config as the run's base, other weights."""
+    return {"--checkpoint_dir": str(make_checkpoint(tmp / "base2", ft["tokenizer"], seed=1))}
+
+
+RESUME_CASES = [
+    ("data-content-changed", None, "--data_path {data} holds other content than the checkpoint's run had (SHA-256 now"),
+    ("prompt-style", lambda ft, tmp: {"--prompt_style": "chatml"}, "--prompt_style chatml (the checkpoint's run: None)"),
+    ("mask-prompt", lambda ft, tmp: {"--mask_prompt": "false"}, "--mask_prompt False (the checkpoint's run: True)"),
+    ("data-fields", lambda ft, tmp: {"--data_fields": "instruction=instruction,output=output"},
+     "--data_fields instruction=instruction,output=output (the checkpoint's run: None)"),
+    ("packing", lambda ft, tmp: {"--packing": "true"}, "--packing True (the checkpoint's run: False)"),
+    ("another-base-checkpoint", another_base, "--checkpoint_dir {tmp}/base2 holds other content than the checkpoint's"),
+]
+
+
+@pytest.mark.parametrize("name, change, fragment", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
+def test_a_resume_with_other_data_flags_or_base_is_refused(name, change, fragment, lora_run, ft, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(lora_run["out"], out)
+    before = tree(out)
+    changes = change(ft, tmp_path) if change is not None else {}
+    with appended(lora_run["data"], json.dumps(RECORD) + "\n") if change is None else contextlib.nullcontext():
+        proc = run_script_inprocess(*resume(lora_run, out, **changes), cache=ft["cache"], monkeypatch=monkeypatch)
+    message = one_paragraph(proc, 2, fragment.format(data=lora_run["data"], tmp=tmp_path))
+    assert f"--resume {out / CHECKPOINTS}/step-00000002: " in message
+    assert "Resume with that run's values and files, or start over with --overwrite or another --out_dir" in message
+    assert tree(out) == before  # nothing resumed, moved or written
+
+
+def test_a_resume_of_an_older_checkpoint_without_the_new_records_still_works(lora_run, ft, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(lora_run["out"], out)
+    older = ("data_path", "global_batch_size", "seed", "override_max_seq_length", "val_split_fraction", "packing")
+    for checkpoint in (out / CHECKPOINTS).glob("step-*"):
+        order = json.loads((checkpoint / DATA_ORDER_NAME).read_text())
+        (checkpoint / DATA_ORDER_NAME).write_text(json.dumps({k: order[k] for k in older}))  # as an older version wrote it
+        write_manifest(checkpoint)
+    proc = run_script_inprocess(*resume(lora_run, out), cache=ft["cache"], monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    assert "does not record data, data_fields, prompt_style, mask_prompt, data_sha256, base_checkpoint_sha256 (an " \
+           "older version wrote it): resuming without checking them" in " ".join(proc.stderr.split())
+    assert [row["step"] for row in read_metrics(out)][-1] == "4"
+
+
+def test_a_pretraining_resume_on_changed_corpus_files_is_refused(tiny_setup, tmp_path, monkeypatch):
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(tiny_setup["data"], data)
+    setup = {**tiny_setup, "data": data}
+    argv = [str(a) for a in train_args(setup, out, "--max_steps", "1", "--global_batch_size", "2")]
+    cache = tmp_path / "cache"
+    assert run_script_inprocess(*argv, cache=cache, monkeypatch=monkeypatch).returncode == 0
+    with open(data / "shlex.txt", "a") as handle:
+        handle.write("# one more line\n")
+    before = tree(out)
+    proc = run_script_inprocess(*argv, "--resume", "auto", "--max_steps", "2", cache=cache, monkeypatch=monkeypatch)
+    one_paragraph(proc, 2, f"--data_path {data} holds other content than the checkpoint's run had")
+    assert tree(out) == before
+
+
+# ---- 3. a damaged LoRA state is a message, loaded with weights_only ----------------------------------------
+def test_a_damaged_lora_state_without_manifest_is_one_paragraph(lora_run, ft, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(lora_run["out"], out)
+    checkpoint = out / CHECKPOINTS / "step-00000002"
+    (checkpoint / "manifest.json").unlink()  # as an older version wrote it
+    state = checkpoint / "state.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    before = tree(out)
+    proc = run_script_inprocess(*resume(lora_run, out), cache=ft["cache"], monkeypatch=monkeypatch)
+    one_paragraph(proc, 1, f"{state} could not be loaded (")
+    assert "it is damaged, or its run differs from this one" in " ".join(proc.stderr.split())
+    assert tree(out) == before
