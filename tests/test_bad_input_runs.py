@@ -224,3 +224,126 @@ def test_a_damaged_lora_state_without_manifest_is_one_paragraph(lora_run, ft, tm
     one_paragraph(proc, 1, f"{state} could not be loaded (")
     assert "it is damaged, or its run differs from this one" in " ".join(proc.stderr.split())
     assert tree(out) == before
+
+
+# ---- 4. tables whose rows do not fit their header, and hub datasets that cannot be fetched ------------------
+def parquet(relative: str, rows: list[dict[str, Any]]) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        import datasets
+
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp / relative))
+    return setup
+
+
+def finetune_on(data: str, script: str = "finetune/lora.py") -> tuple[str, ...]:
+    return (script, "--checkpoint_dir", "{checkpoint}", "--out_dir", "{out}", "--max_steps", "1", "--data_path", data)
+
+
+PAIR = {"prompt": "Add 1 and 2.", "chosen": "3", "rejected": "4"}
+TABLE_CASES = [
+    ("csv-long-row-then-short-rows", write("d.csv", "instruction,output\na,b,c,d,e\nx\ny\n"), finetune_on("{tmp}/d.csv"),
+     "Line 2 of {tmp}/d.csv has 5 field(s) where the header has 2 (instruction, output)"),
+    ("csv-short-row", write("d.csv", "instruction,output\nAdd 1 and 2.,3\nAdd 2 and 2.\n"), finetune_on("{tmp}/d.csv"),
+     "Line 3 of {tmp}/d.csv has 1 field(s) where the header has 2"),
+    ("csv-row-after-a-quoted-multiline-field", write("d.csv", 'instruction,output\n"Add\n1 and 2.",3\nAdd, 2 and 2.,4\n'),
+     finetune_on("{tmp}/d.csv"), "Line 4 of {tmp}/d.csv has 3 field(s)"),
+    ("csv-unquoted-comma", write("d.csv", "instruction,input,output\nSum these.,1, 2,3\n"), finetune_on("{tmp}/d.csv"),
+     "a comma inside a field needs the field in double quotes"),
+    ("tsv-ragged-row", write("d.tsv", "instruction\toutput\na\tb\nc\td\te\n"), finetune_on("{tmp}/d.tsv"),
+     "Line 3 of {tmp}/d.tsv has 3 field(s) where the header has 2"),
+    ("csv-in-a-directory", lambda tmp: (write("d/a.jsonl", json.dumps(RECORD) + "\n")(tmp),
+                                        write("d/b.csv", "instruction,output\na,b,c\n")(tmp)),
+     finetune_on("{tmp}/d"), "Line 2 of {tmp}/d/b.csv has 3 field(s)"),
+    ("full-csv-ragged", write("d.csv", "instruction,output\na,b\nc,d,e\n"), finetune_on("{tmp}/d.csv", "finetune/full.py"),
+     "Line 3 of {tmp}/d.csv has 3 field(s)"),
+    ("dpo-csv-ragged", write("p.csv", "prompt,chosen,rejected\nAdd 1 and 2.,3,4\nAdd 2, and 2.,4,5\n"),
+     finetune_on("{tmp}/p.csv", "finetune/dpo.py"), "Line 3 of {tmp}/p.csv has 4 field(s) where the header has 3"),
+    ("pretrain-csv-ragged", write("c.csv", "text\nhello there\na,b\n"),
+     ("pretrain/main.py", "--model_config", "{config}", "--tokenizer_dir", "{tokenizer}", "--out_dir", "{out}",
+      "--data_path", "{tmp}/c.csv"), "Line 3 of {tmp}/c.csv has 2 field(s) where the header has 1 (text)"),
+    ("jsonl-list-row", write("d.jsonl", json.dumps(RECORD) + "\n[1, 2]\n"), finetune_on("{tmp}/d.jsonl"),
+     "line 2 of {tmp}/d.jsonl has a JSON list, not an object"),
+    ("jsonl-string-row", write("d.jsonl", json.dumps(RECORD) + '\n"Add 1 and 2."\n'), finetune_on("{tmp}/d.jsonl"),
+     "line 2 of {tmp}/d.jsonl has a JSON str, not an object"),
+    ("jsonl-null-row", write("d.jsonl", json.dumps(RECORD) + "\nnull\n"), finetune_on("{tmp}/d.jsonl"),
+     "line 2 of {tmp}/d.jsonl has a JSON NoneType, not an object"),
+    ("dpo-jsonl-list-row", write("p.jsonl", json.dumps(PAIR) + "\n[1]\n"), finetune_on("{tmp}/p.jsonl", "finetune/dpo.py"),
+     "a JSON list"),
+    ("parquet-int-output", parquet("d.parquet", [{"instruction": f"Add {a} and 2.", "output": a + 2} for a in range(3)]),
+     finetune_on("{tmp}/d.parquet"), "{tmp}/d.parquet row 0 has keys ['instruction', 'output'] ('output' is a JSON int)"),
+    ("parquet-without-the-fields", parquet("d.parquet", [{"question": f"Add {a} and 2.", "reply": "3"} for a in range(3)]),
+     finetune_on("{tmp}/d.parquet"), "{tmp}/d.parquet row 0 has keys ['question', 'reply']"),
+]
+
+
+@pytest.mark.parametrize("name, setup, argv, fragment", TABLE_CASES, ids=[case[0] for case in TABLE_CASES])
+def test_a_table_row_that_does_not_fit_is_named(name, setup, argv, fragment, tiny_setup, tiny_checkpoint, tmp_path,
+                                               monkeypatch):
+    setup(tmp_path)
+    places = {"tmp": tmp_path, "out": tmp_path / "out", "checkpoint": tiny_checkpoint, **tiny_setup}
+    proc = run_script_inprocess(*(arg.format(**places) for arg in argv), cache=tmp_path / "cache", monkeypatch=monkeypatch)
+    one_paragraph(proc, 1, fragment.format(**places))
+    assert not (tmp_path / "out").exists()
+
+
+def script_dataset(tmp: Path) -> str:
+    (tmp / "scripted").mkdir()
+    (tmp / "scripted" / "scripted.py").write_text("import datasets\n")
+    return str(tmp / "scripted")
+
+
+HUB_CASES = [
+    ("loading-script", script_dataset, "{repo} is read by a loading script (Dataset scripts are no longer supported"),
+    ("invalid-repo-id", lambda tmp: "bad//id..", "{repo} is neither a local dataset nor a dataset on the hub"),
+]
+
+
+@pytest.mark.parametrize("name, repo, fragment", HUB_CASES, ids=[case[0] for case in HUB_CASES])
+def test_a_hub_dataset_that_cannot_be_read_is_one_paragraph(name, repo, fragment, tiny_checkpoint, tmp_path, monkeypatch):
+    import datasets
+
+    where = repo(tmp_path)
+    monkeypatch.setattr(sources, "hub_repo", lambda name: where)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.chdir(tmp_path)
+    proc = run_script_inprocess("finetune/lora.py", "--checkpoint_dir", str(tiny_checkpoint), "--data", "alpaca",
+                                "--out_dir", str(tmp_path / "out"), cache=tmp_path / "cache", monkeypatch=monkeypatch)
+    one_paragraph(proc, 1, f"--data alpaca: {fragment.format(repo=where)}")
+    assert not (tmp_path / "out").exists()
+
+
+class Unavailable(BaseHTTPRequestHandler):
+    def do_HEAD(self) -> None:
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def server(handler: type) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 answering with ``handler``; its URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.slow  # huggingface_hub retries a 5xx answer 5 times with backoff: ~23 s
+def test_a_hub_answering_503_is_one_paragraph_naming_the_status(tiny_checkpoint, tmp_path):
+    with server(Unavailable) as url:
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0",
+               "HF_DATASETS_CACHE": str(tmp_path / "hf-cache"), "LIT_MODEL_CACHE": str(tmp_path / "cache")}
+        env.pop("HF_TOKEN", None)
+        proc = run_script("finetune/lora.py", "--checkpoint_dir", tiny_checkpoint, "--data", "alpaca", "--out_dir",
+                          tmp_path / "out", env=env, timeout=120)
+    one_paragraph(proc, 1, "--data alpaca: the Hugging Face hub answered HTTP 503 for tatsu-lab/alpaca (the hub is "
+                           "down or overloaded: try again later)")
+    assert not (tmp_path / "out").exists()
