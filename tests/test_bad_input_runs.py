@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from conftest import ROOT, read_metrics, run_script, run_script_inprocess
+from conftest import ROOT, read_metrics, run_script_inprocess
 from test_bad_input import tree
 from test_bad_input_data import RECORD, write
 from test_finetune import ft, make_checkpoint  # noqa: F401 - ft: the session's tiny checkpoint and data (a fixture)
-from test_signals import environment, read_until, start, train_args
+from test_signals import environment, read_until, slow_setup, start, train_args  # noqa: F401 - slow_setup: a fixture
 from lit_model.data import sources
 from lit_model.io.checkpoint import write_manifest
 from lit_model.train import loggers
@@ -37,6 +37,12 @@ from lit_model.train.resumable import CHECKPOINTS, DATA_ORDER_NAME, LOCK_NAME, o
 SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py", "finetune/dpo.py")
 SMALL = ("--micro_batch_size", "2", "--global_batch_size", "4", "--eval_iters", "1", "--log_interval", "1",
          "--warmup_steps", "1")
+
+
+def run_with(env: dict[str, str], script: str, *args: Any, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``script`` in a new interpreter with exactly ``env``."""
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
 
 
 def one_paragraph(proc: subprocess.CompletedProcess, code: int, fragment: str) -> str:
@@ -91,14 +97,14 @@ def test_the_lock_leaves_an_existing_out_dir_and_a_run_leaves_no_lock_file(ft, t
 
 
 @pytest.mark.slow
-def test_two_runs_started_together_do_not_mix_and_a_killed_run_resumes(tiny_setup, tmp_path):
+def test_two_runs_started_together_do_not_mix_and_a_killed_run_resumes(slow_setup, tmp_path):
     out = tmp_path / "out"
-    first = start(tiny_setup, out, "--max_steps", "12", "--global_batch_size", "2", "--save_interval", "2")
+    first = start(slow_setup, out, "--max_steps", "200", "--global_batch_size", "2", "--save_interval", "2")
     try:
-        read_until(first, "Training ")  # past the out_dir check, nothing but the lock written yet
-        second = run_script(*train_args(tiny_setup, out, "--max_steps", "2"), env=environment(tiny_setup))
+        read_until(first, "Training ")  # past the out_dir check; its first step a moment later
+        second = run_with(environment(slow_setup), *train_args(slow_setup, out, "--max_steps", "2"))
         one_paragraph(second, 1, f"{out} is in use by another run (PID {first.pid} on ")
-        assert "Saved" not in second.stdout
+        assert "Saved" not in second.stdout and first.poll() is None
         while not list((out / CHECKPOINTS).glob("step-*/state.pt")):
             assert first.poll() is None, first.stderr.read()[-3000:]
             time.sleep(0.05)
@@ -107,12 +113,13 @@ def test_two_runs_started_together_do_not_mix_and_a_killed_run_resumes(tiny_setu
     finally:
         first.kill()
     assert (out / LOCK_NAME).exists()
-    resumed = run_script(*train_args(tiny_setup, out, "--max_steps", "4", "--global_batch_size", "2", "--resume", "auto"),
-                         env=environment(tiny_setup))
+    last = max(int(p.name.split("-")[1]) for p in (out / CHECKPOINTS).glob("step-*"))
+    resumed = run_with(environment(slow_setup), *train_args(slow_setup, out, "--max_steps", str(last + 1),
+                                                            "--global_batch_size", "2", "--resume", "auto"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from" in resumed.stdout and "Saved" in resumed.stdout
     steps = [int(row["step"]) for row in read_metrics(out)]
-    assert steps == sorted(set(steps)) and steps[-1] == 4  # one run's rows, in order
+    assert steps == sorted(set(steps)) and steps[-1] == last + 1  # one run's rows, in order
     assert not (out / LOCK_NAME).exists()
 
 
@@ -342,8 +349,8 @@ def test_a_hub_answering_503_is_one_paragraph_naming_the_status(tiny_checkpoint,
         env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0",
                "HF_DATASETS_CACHE": str(tmp_path / "hf-cache"), "LIT_MODEL_CACHE": str(tmp_path / "cache")}
         env.pop("HF_TOKEN", None)
-        proc = run_script("finetune/lora.py", "--checkpoint_dir", tiny_checkpoint, "--data", "alpaca", "--out_dir",
-                          tmp_path / "out", env=env, timeout=120)
+        proc = run_with(env, "finetune/lora.py", "--checkpoint_dir", tiny_checkpoint, "--data", "alpaca", "--out_dir",
+                        tmp_path / "out", timeout=120)
     one_paragraph(proc, 1, "--data alpaca: the Hugging Face hub answered HTTP 503 for tatsu-lab/alpaca (the hub is "
                            "down or overloaded: try again later)")
     assert not (tmp_path / "out").exists()
