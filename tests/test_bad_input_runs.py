@@ -36,7 +36,7 @@ from lit_model.train.resumable import CHECKPOINTS, DATA_ORDER_NAME, LOCK_NAME, o
 
 SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py", "finetune/dpo.py")
 SMALL = ("--micro_batch_size", "2", "--global_batch_size", "4", "--eval_iters", "1", "--log_interval", "1",
-         "--warmup_steps", "1")
+         "--warmup_steps", "1", "--rehearse", "false")
 
 
 def run_with(env: dict[str, str], script: str, *args: Any, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -64,7 +64,8 @@ def pairs_file(tmp_path_factory) -> Path:
 def command(script: str, out: Path, ft: dict[str, Path], tiny_setup: dict[str, Path], pairs: Path, *extra: str) -> list[str]:
     """A valid, tiny run of ``script`` into ``out``."""
     if script == "pretrain/main.py":
-        return [str(a) for a in train_args(tiny_setup, out, "--max_steps", "1", "--global_batch_size", "2", *extra)]
+        return [str(a) for a in train_args(tiny_setup, out, "--max_steps", "1", "--global_batch_size", "2", "--eval_iters", "1",
+                                             "--rehearse", "false", *extra)]
     data = pairs if script == "finetune/dpo.py" else ft["data"]
     return [script, "--checkpoint_dir", str(ft["base"]), "--data_path", str(data), "--out_dir", str(out),
             "--max_steps", "1", *SMALL, *extra]
@@ -354,3 +355,120 @@ def test_a_hub_answering_503_is_one_paragraph_naming_the_status(tiny_checkpoint,
     one_paragraph(proc, 1, "--data alpaca: the Hugging Face hub answered HTTP 503 for tatsu-lab/alpaca (the hub is "
                            "down or overloaded: try again later)")
     assert not (tmp_path / "out").exists()
+
+
+# ---- 5. loggers whose server does not answer ----------------------------------------------------------------
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Fail (TimeoutError raised where the run waits) if the block takes longer than ``seconds``."""
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[str]:
+    """A server that accepts connections and never answers; its URL."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+LOGGER_CASES = [
+    ("mlflow-refused", "mlflow", {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, "pretrain/main.py",
+     "--logger mlflow: MLFLOW_TRACKING_URI=http://127.0.0.1:9 does not answer ("),
+    ("mlflow-refused-lora", "mlflow", {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, "finetune/lora.py",
+     "unset it (a file store in out_dir/logs/mlflow), or drop mlflow from --logger (metrics.csv is written either way)"),
+    ("mlflow-refused-dpo", "mlflow", {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, "finetune/dpo.py",
+     "--logger mlflow: MLFLOW_TRACKING_URI=http://127.0.0.1:9 does not answer ("),
+    ("mlflow-silent", "mlflow", {"MLFLOW_TRACKING_URI": "SILENT"}, "finetune/full.py",
+     "does not answer (timed out; waited at most 3 s)"),
+    ("wandb-online-refused", "wandb", {"WANDB_API_KEY": "x" * 40, "WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9"},
+     "finetune/adapter.py", "--logger wandb: WANDB_BASE_URL=http://127.0.0.1:9 does not answer ("),
+]
+
+
+@pytest.mark.parametrize("name, logger, variables, script, fragment", LOGGER_CASES, ids=[case[0] for case in LOGGER_CASES])
+def test_a_logger_server_that_does_not_answer_stops_the_run_within_seconds(name, logger, variables, script, fragment, ft,
+                                                                           tiny_setup, pairs_file, tmp_path, monkeypatch):
+    pytest.importorskip(logger)
+    out = tmp_path / "out"
+    with silent_server() as silent:
+        for variable, value in variables.items():
+            monkeypatch.setenv(variable, silent if value == "SILENT" else value)
+        started = time.monotonic()
+        with within(20):  # before the fix: minutes of MLflow's retries
+            proc = run_script_inprocess(*command(script, out, ft, tiny_setup, pairs_file, "--logger", f"csv,{logger}"),
+                                        cache=ft["cache"], monkeypatch=monkeypatch)
+    assert time.monotonic() - started < 10
+    one_paragraph(proc, 1, fragment)
+    assert not out.exists()
+
+
+class Failing:
+    """A Lightning logger whose server went away after the run started."""
+
+    def __init__(self) -> None:
+        self.rows, self.finalized = 0, []
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows += 1
+        if step >= 2:
+            raise ConnectionError("server gone")
+
+    def finalize(self, status: str) -> None:
+        self.finalized.append(status)
+
+
+def test_a_logger_failing_mid_run_is_dropped_with_a_warning_and_metrics_csv_goes_on(tiny_setup, tmp_path, monkeypatch):
+    failing = Failing()
+    monkeypatch.setattr(loggers, "start_logger", lambda *args: failing)
+    argv = [str(a) for a in train_args(tiny_setup, tmp_path / "out", "--max_steps", "4", "--global_batch_size", "2",
+                                         "--eval_iters", "1", "--rehearse", "false", "--logger", "csv,tensorboard")]
+    proc = run_script_inprocess(*argv, cache=tiny_setup["root"] / "cache", monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    assert ("Warning: --logger tensorboard failed at step 2 (ConnectionError: server gone); it is dropped for the rest "
+            "of the run, metrics.csv keeps every row.") in " ".join(proc.stderr.split())
+    assert failing.rows == 2 and [row["step"] for row in read_metrics(tmp_path / "out")] == ["1", "2", "3", "4"]
+
+
+def test_loggers_open_before_stops_are_deferred(tiny_setup, tmp_path, monkeypatch):
+    from lit_model.core.errors import STOPS
+
+    deferring = []
+
+    def start_logger(*args: Any) -> Failing:
+        deferring.append(STOPS.deferring)  # a stop here must end the run at once, not wait for the server
+        return Failing()
+
+    monkeypatch.setattr(loggers, "start_logger", start_logger)
+    argv = [str(a) for a in train_args(tiny_setup, tmp_path / "out", "--max_steps", "1", "--global_batch_size", "2",
+                                         "--eval_iters", "1", "--rehearse", "false", "--logger", "tensorboard")]
+    proc = run_script_inprocess(*argv, cache=tiny_setup["root"] / "cache", monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    assert deferring == [False]
+
+
+@pytest.mark.slow
+def test_mlflow_requests_to_a_server_gone_silent_end_within_seconds(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    for variable in loggers.MLFLOW_HTTP_BOUNDS:
+        monkeypatch.delenv(variable, raising=False)
+    with silent_server() as url:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        logger = loggers.start_logger("mlflow", tmp_path / "logs", "run", 0)
+        started = time.monotonic()
+        with within(30), pytest.raises(Exception):
+            logger.log_metrics({"loss": 1.0}, step=1)
+    assert time.monotonic() - started < 10
