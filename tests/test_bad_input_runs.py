@@ -171,6 +171,7 @@ RESUME_CASES = [
     ("data-fields", lambda ft, tmp: {"--data_fields": "instruction=instruction,output=output"},
      "--data_fields instruction=instruction,output=output (the checkpoint's run: None)"),
     ("packing", lambda ft, tmp: {"--packing": "true"}, "--packing True (the checkpoint's run: False)"),
+    ("lora-alpha", lambda ft, tmp: {"--lora_alpha": "32"}, "--lora_alpha 32.0 (the checkpoint's run: 16.0)"),
     ("another-base-checkpoint", another_base, "--checkpoint_dir {tmp}/base2 holds other content than the checkpoint's"),
 ]
 
@@ -199,7 +200,7 @@ def test_a_resume_of_an_older_checkpoint_without_the_new_records_still_works(lor
         write_manifest(checkpoint)
     proc = run_script_inprocess(*resume(lora_run, out), cache=ft["cache"], monkeypatch=monkeypatch)
     assert proc.returncode == 0, proc.stderr
-    assert "does not record data, data_fields, prompt_style, mask_prompt, data_sha256, base_checkpoint_sha256 (an " \
+    assert "does not record data, data_fields, prompt_style, mask_prompt, lora_alpha, data_sha256, base_checkpoint_sha256 (an " \
            "older version wrote it): resuming without checking them" in " ".join(proc.stderr.split())
     assert [row["step"] for row in read_metrics(out)][-1] == "4"
 

@@ -48,8 +48,7 @@ def read_records(path: Path, fields: Optional[dict[str, str]] = None) -> list[tu
     if not path.exists():
         raise UserError(
             f"The data path {path} does not exist. Pass a .json/.jsonl/.parquet/.csv/.tsv file (or a directory of "
-            "them) "
-            "with --data_path, or leave it out to fine-tune on instructions made from the Python standard library."
+            "them) with --data_path, or leave it out to fine-tune on instructions made from the Python standard library."
         )
     if is_table(path):
         return instruct_records(None, path, fields)[0]

@@ -36,9 +36,10 @@ STATE_NAME = "state.pt"
 LINEAGE_NAME = "lineage.json"
 DATA_ORDER_NAME = "data_order.json"
 LOCK_NAME = ".lit-model.lock"  # in out_dir while a run uses it (out_dir_lock)
-# The flags that decide which samples each step sees and what its targets are
+# The flags that decide which samples each step sees and what its targets are, and LoRA's scale (the adapter's
+# shapes are checked against the checkpoint's; its scale would change what the loaded adapter computes)
 DATA_ORDER_FLAGS = ("data_path", "data", "data_fields", "global_batch_size", "seed", "override_max_seq_length",
-                    "val_split_fraction", "packing", "prompt_style", "mask_prompt")
+                    "val_split_fraction", "packing", "prompt_style", "mask_prompt", "lora_alpha")
 # The inputs whose content decides them, recorded by checksum (data_order): an older checkpoint lacks these
 DIGESTS = {"data_sha256": "--data_path", "tokenizer_sha256": "--tokenizer_dir",
            "base_checkpoint_sha256": "--checkpoint_dir", "reference_model_sha256": "--reference_model"}
