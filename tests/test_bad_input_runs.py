@@ -27,13 +27,17 @@ import pytest
 from conftest import ROOT, read_metrics, run_script_inprocess
 from test_bad_input import tree
 from test_bad_input_data import RECORD, write
-from test_finetune import ft, make_checkpoint  # noqa: F401 - ft: the session's tiny checkpoint and data (a fixture)
-from test_signals import environment, read_until, slow_setup, start, train_args  # noqa: F401 - slow_setup: a fixture
+import test_finetune
+import test_signals
+from test_finetune import make_checkpoint
+from test_signals import environment, read_until, start, train_args
 from lit_model.data import sources
 from lit_model.io.checkpoint import write_manifest
 from lit_model.train import loggers
 from lit_model.train.resumable import CHECKPOINTS, DATA_ORDER_NAME, LOCK_NAME, out_dir_lock
 
+ft = test_finetune.ft  # fixtures: the session's tiny checkpoint and instruction data; a slower model for races
+slow_setup = test_signals.slow_setup
 SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py", "finetune/dpo.py")
 SMALL = ("--micro_batch_size", "2", "--global_batch_size", "4", "--eval_iters", "1", "--log_interval", "1",
          "--warmup_steps", "1", "--rehearse", "false")
