@@ -264,8 +264,9 @@ def start_lineage(args: TrainArgs, config: Config, check: Optional[Callable[[Pat
 
 def check_out_dir(out_dir: Path, args: TrainArgs) -> None:
     """Refuse to mix two runs in one directory unless asked to resume or overwrite. Each script calls it before
-    any process starts (Fabric's other ranks re-run it before they join, so rank 0 has written nothing yet); the
-    directory is created only when training starts writing, so bad inputs found before that leave nothing."""
+    any process starts, holding the out_dir lock (Fabric's other ranks re-run it before they join, so rank 0 has
+    written nothing yet); training writes into the directory only once it starts, and a directory made for the lock
+    alone goes with it, so bad inputs found before that leave nothing."""
     holds_run = any((out_dir / name).exists() for name in ("metrics.csv", "summary.json", "final")) or bool(checkpoint_dirs(out_dir))
     if holds_run and args.resume is None and not args.overwrite:
         raise UsageError(
