@@ -13,6 +13,7 @@ build once; a complete cache is read without the lock, so it also works from a r
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 from lit_model.core.errors import UserError
 from lit_model.core.files import atomic_open, atomic_write
+from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME
 
 CACHE_VARIABLE = "LIT_MODEL_CACHE"
 _HASH_CHUNK = 1 << 22
@@ -68,6 +70,33 @@ def sha256_file(path: Path) -> str:
         while chunk := handle.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def content_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, or of a directory's files (their relative names and contents; hidden files
+    left out): what a resumed run compares to know its data is the data its checkpoint was trained on."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
+                                                                          p.relative_to(path).parts)) if path.is_dir() else [path]
+    # hashing a large corpus takes seconds: once per content, which the files' sizes and times stand for
+    return _content_digest(str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _content_digest(root: str, files: tuple[tuple[str, int, int], ...]) -> str:
+    if len(files) == 1 and files[0][0] == root:
+        return sha256_file(Path(root))
+    digest = hashlib.sha256()
+    for name, _, _ in files:
+        digest.update(f"{Path(name).relative_to(root).as_posix()}\0{sha256_file(Path(name))}\0".encode())
+    return digest.hexdigest()
+
+
+def checkpoint_digest(directory: Path) -> str:
+    """What identifies a checkpoint's weights: the SHA-256 of its manifest (which lists every file's), else of its
+    weights file."""
+    manifest = Path(directory) / MANIFEST_NAME
+    return sha256_file(manifest if manifest.is_file() else Path(directory) / WEIGHTS_NAME)
 
 
 def _read_record(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:

@@ -47,15 +47,15 @@ def read_records(path: Path, fields: Optional[dict[str, str]] = None) -> list[tu
     path, fields = Path(path).expanduser(), fields or {}
     if not path.exists():
         raise UserError(
-            f"The data path {path} does not exist. Pass a .json/.jsonl/.parquet/.csv file (or a directory of them) "
-            "with --data_path, or leave it out to fine-tune on instructions made from the Python standard library."
+            f"The data path {path} does not exist. Pass a .json/.jsonl/.parquet/.csv/.tsv file (or a directory of "
+            "them) with --data_path, or leave it out to fine-tune on instructions made from the Python standard library."
         )
     if is_table(path):
         return instruct_records(None, path, fields)[0]
     suffixes = (".json", ".jsonl") + TABLE_SUFFIXES
     files = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file()) if path.is_dir() else [path]
     if not files:
-        raise UserError(f"The directory {path} holds no .json or .jsonl files, nor .parquet or .csv files. Point "
+        raise UserError(f"The directory {path} holds no .json or .jsonl files, nor .parquet, .csv or .tsv files. Point "
                         "--data_path at your data.")
     example = '{"instruction": "...", "output": "..."}'
     return [item for file in files for item in (

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled
+from huggingface_hub.errors import GatedRepoError, HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
 from lit_model.data.cache import cache_root, cached
 from lit_model.core.errors import UsageError, UserError
 
-TABLE_SUFFIXES = (".parquet", ".csv")
+TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
+DELIMITERS = {".csv": ",", ".tsv": "\t"}  # the tables read as delimited text
 Kind = Literal["instruct", "text"]
 
 
@@ -163,20 +164,33 @@ def load_table(path: Path) -> Any:
         if path.is_dir():
             table = datasets.load_from_disk(str(path))
         else:
-            # CSV cells stay text (pandas would make an answer "3" an int); Parquet keeps its own types
-            options = {"features": _text_columns(path), "keep_default_na": False} if path.suffix == ".csv" else {}
-            table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", **options)
+            # CSV/TSV cells stay text (pandas would make an answer "3" an int); Parquet keeps its own types
+            delimiter = DELIMITERS.get(path.suffix)
+            options = {} if delimiter is None else {"features": _text_columns(path, delimiter), "sep": delimiter,
+                                                    "keep_default_na": False}
+            builder = "parquet" if delimiter is None else "csv"
+            table = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except (OSError, ValueError, csv.Error, datasets.exceptions.DatasetGenerationError) as error:
         raise UserError(f"{path} could not be read as a dataset ({type(error).__name__}: {error}). Fix or "
                         "replace the file.") from None
     return _train_split(table, str(path))
 
 
-def _text_columns(path: Path) -> Any:
-    """Every column of a CSV file as a string column (its header names them)."""
+def _text_columns(path: Path, delimiter: str) -> Any:
+    """Every column of a CSV (TSV) file as a string column (its header names them), after checking that every row has
+    the header's number of fields: pandas takes a longer row's extra leading fields as its index and pads a shorter
+    one with empty cells, so a ragged row would become another record's fields or an empty pair without a word."""
     datasets = _datasets()
     with path.open(newline="", encoding="utf-8") as handle:
-        header = next(csv.reader(handle), [])
+        reader = csv.reader(handle, delimiter=delimiter)
+        header, line = next(reader, []), reader.line_num + 1
+        for row in reader:
+            if row and len(row) != len(header):  # pandas skips blank lines
+                raise UserError(
+                    f"Line {line} of {path} has {len(row)} field(s) where the header has {len(header)} "
+                    f"({', '.join(header)}): a {'comma' if delimiter == ',' else 'tab'} inside a field needs the field "
+                    "in double quotes, and every row one field per column. Fix that row, or save the data as .jsonl.")
+            line = reader.line_num + 1
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
@@ -192,13 +206,39 @@ def load_named(name: str, kind: Kind) -> Any:
     except GatedRepoError:
         raise UserError(f"{source.repo} is gated: accept its terms on https://huggingface.co/datasets/{source.repo} "
                         f"and log in (hf auth login, or set HF_TOKEN). Or: {local}") from None
-    except (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError) as error:
-        raise UserError(f"--data {name} could not be fetched from the Hugging Face hub ({source.repo}) and is not in "
-                        f"the datasets cache: no network or offline mode ({type(error).__name__}). {local}") from None
     except datasets.exceptions.DatasetNotFoundError as error:
         gated = " It is gated: accept its terms on the hub and log in (hf auth login)." if source.gated else ""
         raise UserError(f"--data {name}: {error}.{gated} {local}") from None
+    except (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError, FileNotFoundError, HFValidationError,
+            RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "script" not in str(error):
+            raise
+        raise _fetch_error(name, hub_repo(name), error, local) from None
     return _train_split(table, source.repo)
+
+
+def _fetch_error(name: str, repo: str, error: BaseException, local: str) -> UserError:
+    """The paragraph for a named dataset that ``load_dataset`` could not fetch: the hub's HTTP status when it
+    answered with one (huggingface_hub retried 5xx answers for about 20 s), a loading script, a repo id that names
+    nothing, or no network."""
+    first = (str(error).splitlines() or [type(error).__name__])[0][:300]
+    chain, cause = [], error
+    while cause is not None and len(chain) < 20:  # datasets wraps the hub's HTTP error in its own FileNotFoundError
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for cause in chain:
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if isinstance(status, int):
+            later = "the hub is down or overloaded: try again later" if status >= 500 else "check the dataset's name"
+            return UserError(f"--data {name}: the Hugging Face hub answered HTTP {status} for {repo} ({later}). {local}")
+    if isinstance(error, RuntimeError):
+        return UserError(f"--data {name}: {repo} is read by a loading script ({first}), which the installed datasets "
+                         f"no longer runs. {local}")
+    offline = any(isinstance(c, (ConnectionError, OfflineModeIsEnabled, LocalEntryNotFoundError)) for c in chain)
+    if not offline:
+        return UserError(f"--data {name}: {repo} is neither a local dataset nor a dataset on the hub ({first}). {local}")
+    return UserError(f"--data {name} could not be fetched from the Hugging Face hub ({repo}) and is not in the datasets "
+                     f"cache: no network or offline mode ({type(error).__name__}). {local}")
 
 
 def _train_split(table: Any, what: str) -> Any:

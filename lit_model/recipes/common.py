@@ -4,6 +4,7 @@ fit): the planner's uses, which training itself does not import."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from pathlib import Path
@@ -27,18 +28,21 @@ from lit_model.run import Run
 from lit_model.train import session
 from lit_model.train.args import TrainArgs
 from lit_model.train.fabric import launch, setup_fabric
-from lit_model.train.resumable import check_out_dir
+from lit_model.train.resumable import check_out_dir, holds_out_dir_lock, out_dir_lock
 from lit_model.train.step import release_cached_memory
 
 
 def plan_or_train(run: Run, args: TrainArgs, train: Callable[[Fabric, Run, Any], None]) -> None:
     """What every training recipe does with its resolved run: ``--plan`` prints the plan; otherwise the output
-    directory is checked, the processes start and each runs ``train(fabric, run, args)``."""
+    directory is locked (by the first process) and checked, the processes start and each runs
+    ``train(fabric, run, args)``."""
     if args.plan is not None:
         return print_plan(run, args)
-    check_out_dir(args.out_dir, args)
-    fabric = setup_fabric(run)
-    launch(fabric, run, train, run, args)
+    # the lock first: a second run on this out_dir must not pass the check while the first has written nothing yet
+    with out_dir_lock(args.out_dir) if holds_out_dir_lock() else contextlib.nullcontext():
+        check_out_dir(args.out_dir, args)
+        fabric = setup_fabric(run)
+        launch(fabric, run, train, run, args)
     session.finish(fabric)
 
 

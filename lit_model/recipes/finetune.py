@@ -284,13 +284,17 @@ def resume(fabric: Fabric, run: Run, args: FinetuneArgs, model: nn.Module, optim
         names = trainable_names(model)
         save_filter = {"model": lambda name, value: _strip_wrappers(name) in names}
         check = partial(check_resumable, model=model, names=names)
-    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check)
+    session.resume_if_asked(fabric, args, model, optimizer, progress, run.config, strict=save_filter is None, check=check,
+                            base=run.checkpoint_dir)
     return save_filter
 
 
 def check_resumable(path: Path, model: nn.Module, names: set[str]) -> None:
     """A trainable-only checkpoint (verified) loads non-strictly: check first that it holds exactly these parameters."""
-    saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
+    try:
+        saved = torch.load(path / STATE_NAME, map_location="cpu", mmap=True, weights_only=True)["model"]
+    except session.LOAD_ERRORS as error:
+        raise session.unloadable(path / STATE_NAME, error) from None
     shapes = {n: tuple(p.shape) for n, p in unwrap(model).named_parameters() if n in names}
     found = {_strip_wrappers(n): tuple(t.shape) for n, t in saved.items()}
     if found != shapes:

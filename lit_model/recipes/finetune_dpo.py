@@ -28,11 +28,11 @@ import torch
 from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, UserError, run_cli
-from lit_model.data.cache import cache_root, cached, checked_record, sha256_file
+from lit_model.data.cache import cache_root, cached, checked_record, checkpoint_digest
 from lit_model.data.preference import (PAIR_EXAMPLE, PreferenceData, PreferenceDataset, collate_pairs,
                                       load_preference_data)
 from lit_model.infer.load import load_model as load_checkpoint_model
-from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, check_checkpoint_dir
+from lit_model.io.checkpoint import check_checkpoint_dir
 from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.preference import reference_log_probs
@@ -110,9 +110,7 @@ def prepare(fabric: Fabric, run: Run, args: DPOArgs) -> tuple[Run, finetune.Setu
 def reference_key(run: Run, reference: Path, dataset: PreferenceDataset) -> str:
     """What the reference's log-probabilities depend on: its weights (its manifest's checksums, else the weights'
     own), the pairs' tokens, the dtypes they are computed in and the loss chunk (summation order)."""
-    manifest = reference / MANIFEST_NAME
-    weights = manifest if manifest.is_file() else reference / WEIGHTS_NAME
-    identity = {"weights": sha256_file(weights), "pairs": dataset.digest(),
+    identity = {"weights": checkpoint_digest(reference), "pairs": dataset.digest(),
                 "precision": run.precision, "chunk": run.loss_chunk_size, "format": 1}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:40]
 

@@ -19,7 +19,7 @@ from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.core.units import parse_memory
 from lit_model.run import DEFAULT_OPTIMIZER_RANK, canonical_name, steps_in_backward
 from lit_model.train.fabric import DistributedSettings
-from lit_model.train.loggers import check_loggers
+from lit_model.train.loggers import check_logger_servers, check_loggers
 from lit_model.train.optimizers import check_optimizer, check_steps_in_backward
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
@@ -195,8 +195,9 @@ def check_args(args: TrainArgs) -> None:
     if args.device_memory is not None:
         parse_memory(args.device_memory)
     check_plan_flags(args)
-    if args.plan is None:  # a plan writes nothing into out_dir
+    if args.plan is None:  # a plan writes nothing into out_dir, and logs nowhere
         check_out_dir_path(args.out_dir)
+        check_logger_servers(args.logger)
         if args.resume is not None and args.overwrite:
             raise UsageError(
                 f"--resume {args.resume} continues the run in {args.out_dir}, --overwrite starts a new one there: "

@@ -16,6 +16,13 @@ ends in an error).
   --backend-store-uri out_dir/logs/mlflow`` with ``MLFLOW_ALLOW_FILE_STORE=true``, from the full mlflow package).
 
 A resumed run is a new W&B or MLflow run that starts at the resumed step.
+
+A logger's server never holds a run up: before anything starts, each server a logger would talk to (an http(s)
+``MLFLOW_TRACKING_URI``; W&B's ``WANDB_BASE_URL`` when online) must answer within ``PROBE_TIMEOUT_S``, or the run
+stops with one paragraph (``check_logger_servers``): a run asked to track somewhere should not train for hours
+untracked. MLflow's HTTP client gets bounded retries (``MLFLOW_HTTP_BOUNDS``), so a server that goes away
+mid-run costs a few seconds, after which that logger is dropped with a warning (metrics.csv keeps every row).
+The loggers open before the fit loop defers stop signals, so a stop during their start ends the run at once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import contextlib
 import importlib.util
 import netrc
 import os
+import sys
+import urllib.error
+import urllib.request
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Union
@@ -35,6 +45,11 @@ PROJECT = "lit-model"
 # --logger name -> (the module it imports, what pip installs); csv needs nothing
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 LOGGERS = ("csv", *PACKAGES)
+PROBE_TIMEOUT_S = 3.0  # how long a logger's server may take to answer before the run starts
+# MLflow's own HTTP defaults (7 retries with exponential backoff, 120 s a request) keep a run silent for minutes when
+# its server is gone, with stops deferred: at most ~7 s with these (a variable the user set wins)
+MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                      "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 
 def logger_names(value: Union[str, list[str]]) -> list[str]:
@@ -55,6 +70,36 @@ def check_loggers(value: Union[str, list[str]]) -> None:
         if module is not None and importlib.util.find_spec(module) is None:
             raise UsageError(f"--logger {name} needs the {package} package: run `pip install {package}` (or "
                              f"`pip install -e .[loggers]`), or drop {name} from --logger.")
+
+
+def logger_servers(value: Union[str, list[str]]) -> dict[str, str]:
+    """``--logger`` name -> the URL of the server it would talk to, for those that talk to one."""
+    names, servers = logger_names(value), {}
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in names and urlsplit(tracking_uri).scheme in ("http", "https"):
+        servers["mlflow"] = tracking_uri
+    if "wandb" in names and not wandb_offline():
+        servers["wandb"] = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return servers
+
+
+def check_logger_servers(value: Union[str, list[str]]) -> None:
+    """Each logger's server answers (any HTTP answer will do) within PROBE_TIMEOUT_S; else one paragraph, before
+    anything starts. We stop rather than drop the logger: the run was asked to be tracked there."""
+    for name, url in logger_servers(value).items():
+        try:
+            with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S):
+                pass
+        except urllib.error.HTTPError:
+            continue  # it answered: the server is there
+        except (OSError, ValueError) as error:  # URLError, a timeout, a refused connection, a malformed URL
+            reason = getattr(error, "reason", None) or error
+            variable = "MLFLOW_TRACKING_URI" if name == "mlflow" else "WANDB_BASE_URL"
+            fix = ("unset it (a file store in out_dir/logs/mlflow)" if name == "mlflow" else
+                   "set WANDB_MODE=offline (wandb sync uploads the run later)")
+            raise UserError(f"--logger {name}: {variable}={url} does not answer ({reason}; waited at most "
+                            f"{PROBE_TIMEOUT_S:g} s). Start that server or point {variable} at one that runs, {fix}, "
+                            f"or drop {name} from --logger (metrics.csv is written either way).") from None
 
 
 def wandb_offline() -> bool:
@@ -87,6 +132,8 @@ def start_logger(name: str, logs: Path, run_name: str, resume_step: int) -> Any:
                            project=os.environ.get("WANDB_PROJECT", PROJECT))
     from lightning.pytorch.loggers import MLFlowLogger
 
+    for variable, value in MLFLOW_HTTP_BOUNDS.items():
+        os.environ.setdefault(variable, value)
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         tracking_uri = (logs / "mlflow").resolve().as_uri()
@@ -125,8 +172,14 @@ def open_loggers(args: Any, enabled: bool, resume_step: int) -> Iterator[Callabl
 
     def log_row(row: dict[str, Any]) -> None:
         values = {key: float(value) for key, value in row.items() if key != "step"}
-        for _, logger in loggers:
-            logger.log_metrics(values, step=row["step"])
+        for entry in list(loggers):
+            try:
+                entry[1].log_metrics(values, step=row["step"])
+            except Exception as error:  # noqa: BLE001 - a server gone mid-run: metrics.csv keeps the record
+                loggers.remove(entry)
+                first = (str(error).splitlines() or [""])[0][:200]
+                print(f"Warning: --logger {entry[0]} failed at step {row['step']} ({type(error).__name__}: {first}); "
+                      "it is dropped for the rest of the run, metrics.csv keeps every row.", file=sys.stderr, flush=True)
 
     status = "failed"
     try:

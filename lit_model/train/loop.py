@@ -219,7 +219,8 @@ def fit(
     # The rate step progress.step ran with: what the row of an evaluation redone on resume reports.
     lr = lr_at(max(progress.step - 1, 0), args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
     model.train()
-    with STOPS.deferred(), open_loggers(args, fabric.global_rank == 0, progress.step) as log_row:
+    # the loggers open before stops are deferred: a stop while one starts (a slow server) ends the run at once
+    with open_loggers(args, fabric.global_rank == 0, progress.step) as log_row, STOPS.deferred():
         while progress.step < max_steps or progress.evaluation_due:
             if not progress.evaluation_due:  # else: resumed from a stop during this step's evaluation
                 seed_step(fabric.device, args.seed + 1_000_003 * progress.step + 7919 * fabric.global_rank)
@@ -288,7 +289,7 @@ def fit(
             if (args.save_interval and progress.step % args.save_interval == 0) or is_last or stopped:
                 progress.fit_seconds = time.perf_counter() - fit_start
                 with STOPS.patience():  # the other ranks wait while rank 0 writes: let the save finish
-                    saved = progress.step, save_resumable(fabric, args, state, config, progress.step, save_filter)
+                    saved = progress.step, save_resumable(fabric, args, state, config, progress.step, save_filter, run.checkpoint_dir)
             if stopped:
                 break
         progress.fit_seconds = time.perf_counter() - fit_start
@@ -307,7 +308,7 @@ def stop_run(fabric: Fabric, run: Run, progress: Progress, args: TrainArgs, max_
     and the command that continues the run. ``progress.stopped`` is set after the save, so no checkpoint holds it."""
     if saved is None or saved[0] != progress.step:
         with STOPS.patience():
-            saved = progress.step, save_resumable(fabric, args, state, run.config, progress.step, save_filter)
+            saved = progress.step, save_resumable(fabric, args, state, run.config, progress.step, save_filter, run.checkpoint_dir)
     progress.stopped = True
     command = resume_command(sys.argv)
     write_summary(fabric, run, progress, args, {"stopped": True, "resume_command": command})

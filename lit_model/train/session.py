@@ -78,17 +78,28 @@ def objective(run: Run, optimizer: Any) -> Objective:
                       precomputed_reference=spec.reference == "precomputed")
 
 
+# What torch.load raises on a damaged file (a checkpoint without a manifest, an older version's, can be damaged too)
+LOAD_ERRORS = (RuntimeError, ValueError, KeyError, EOFError, OSError, pickle.UnpicklingError)
+
+
+def unloadable(path: Path, error: BaseException) -> UserError:
+    """The message for a resumable state that ``torch.load`` could not read: one paragraph, not a traceback."""
+    return UserError(f"{path} could not be loaded ({str(error).splitlines()[0] if str(error) else repr(error)}): "
+                     "it is damaged, or its run differs from this one. Resume another checkpoint with --resume PATH, "
+                     "or start over with --overwrite or another --out_dir.")
+
+
 def resume_if_asked(
     fabric: Fabric, args: TrainArgs, model: nn.Module, optimizer: Any, progress: Progress, config: Config, strict: bool = True,
-    check: Optional[Callable[[Path], None]] = None,
+    check: Optional[Callable[[Path], None]] = None, base: Optional[Path] = None,
 ) -> None:
-    """Resume the checkpoint ``--resume`` names (verified, and checked against this run's config, data order and
-    ``check``), or start a fresh lineage; rank 0 decides and every rank follows. ``strict=False``: the checkpoint
-    may hold only some of the model's parameters (the trainable ones)."""
+    """Resume the checkpoint ``--resume`` names (verified, and checked against this run's config, data order, the
+    checkpoint ``base`` it started from and ``check``), or start a fresh lineage; rank 0 decides and every rank
+    follows. ``strict=False``: the checkpoint may hold only some of the model's parameters (the trainable ones)."""
     outcome: Any = None
     if fabric.global_rank == 0:
         try:
-            outcome = start_lineage(args, config, check)
+            outcome = start_lineage(args, config, check, base)
         except UserError as error:
             outcome = error
     outcome = fabric.broadcast(outcome)
@@ -104,11 +115,8 @@ def resume_if_asked(
         fabric.load(path / STATE_NAME, state, strict=strict, weights_only=True)
     except torch.OutOfMemoryError:
         raise
-    except (RuntimeError, ValueError, KeyError, EOFError, OSError, pickle.UnpicklingError) as error:
-        # A checkpoint without a manifest (an older version's) can be damaged too: a message, not a traceback
-        raise UserError(f"{path / STATE_NAME} could not be loaded ({str(error).splitlines()[0] if str(error) else repr(error)}): "
-                        "it is damaged, or its run differs from this one. Resume another checkpoint with --resume PATH, "
-                        "or start over with --overwrite or another --out_dir.") from None
+    except LOAD_ERRORS as error:
+        raise unloadable(path / STATE_NAME, error) from None
     if state["run"] is not progress:  # a sharded (FSDP) checkpoint hands the progress back instead of restoring it
         progress.load_state_dict(state["run"])
     fabric.print(f"Resumed from {path} at step {progress.step} ({progress.tokens:,} tokens).")
