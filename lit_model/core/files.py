@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import functools
 import glob
+import math
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator, Optional, Union
+from typing import IO, Any, Iterator, Optional, TypeVar, Union
 
 import yaml
 
@@ -253,3 +255,32 @@ def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
         held = "nothing" if data is None else f"a {type(data).__name__}"
         raise UserError(f"{path} holds {held}, not {what} (one `key: value` per line). Fix it or re-create it.")
     return data
+
+
+Fields = TypeVar("Fields")
+
+
+def dataclass_from_yaml(cls: type[Fields], path: Path, what: str) -> Fields:
+    """``cls`` (a dataclass of bools and numbers with defaults) from the YAML file ``path`` holding ``what``: each
+    value of the type of its field's default (a bool is no number, a quoted or non-finite number no number); keys
+    ``cls`` does not have are left out. Any problem is one paragraph naming the file (exit status 1)."""
+    data = read_yaml_mapping(path, what)
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            continue
+        value, default = data[field.name], field.default
+        if isinstance(default, bool):
+            fits, kind = isinstance(value, bool), "true or false"
+        else:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            fits, kind = number and (isinstance(value, int) or not isinstance(default, int)), \
+                "an integer" if isinstance(default, int) else "a number"
+        if not fits:
+            raise UserError(f"{path}: {field.name}: {value!r} is not {kind}. Fix it, or re-create {path.name} where it "
+                            "was written.")
+        values[field.name] = value
+    try:
+        return cls(**values)
+    except UsageError as error:  # the checks of the flags the file's values came from
+        raise UserError(f"{path}: {error}") from None

@@ -430,6 +430,30 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                         "it, or copy it again from where it was trained.") from None
 
 
+def check_adapter_weights(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, torch.Size],
+                          config_name: str) -> None:
+    """An adapter's ``weights`` (read from ``path``) are what the adapted model's trainable parameters
+    (``expected``) need: the same names and shapes, floating point and finite; else one paragraph naming the
+    tensor. ``config_name``: the file of settings the shapes follow from."""
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise UserError(
+            f"{path} does not fit {config_name} and this model: it holds {len(weights)} tensors, the adapted model "
+            f"{len(expected)} ({f'missing e.g. {missing[0]!r}' if missing else f'no place for e.g. {extra[0]!r}'}). "
+            f"Use the adapter with the base model and {config_name} it was trained with, or re-create it.")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise UserError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, where this model and {config_name} need "
+                f"{tuple(expected[name])}. The adapter belongs to another model or other settings (a LoRA rank r?).")
+        if not tensor.is_floating_point():
+            raise UserError(f"{path}: tensor {name!r} holds {tensor.dtype} values, not floating point weights. "
+                            "Re-create the adapter.")
+        if not torch.isfinite(tensor).all():
+            raise UserError(f"{path}: tensor {name!r} holds NaN or infinite values (a diverged training run?); the "
+                            "model would compute NaN. Use an earlier checkpoint of the adapter.")
+
+
 def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     if getattr(model.config, "tie_embeddings", False):

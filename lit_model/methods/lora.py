@@ -40,9 +40,9 @@ from safetensors.torch import save_file
 from lit_model.core.classes import mixed_class
 from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
-from lit_model.core.files import read_yaml_mapping
+from lit_model.core.files import dataclass_from_yaml
 from lit_model.io.checkpoint import (
-    WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, check_output_dir, derive_checkpoint_dir, read_safetensors,
+    WEIGHTS_NAME, SafetensorsReader, check_adapter_weights, check_checkpoint_dir, check_output_dir, derive_checkpoint_dir, read_safetensors,
     verify_manifest, write_manifest,
 )
 from lit_model.kernels.ops import dropout_before_linear
@@ -119,23 +119,7 @@ class LoRAConfig:
         path = Path(directory) / LORA_CONFIG
         if not path.is_file():
             raise UserError(f"{directory} has no {LORA_CONFIG} (the LoRA hyperparameters); it is not a LoRA checkpoint.")
-        data = read_yaml_mapping(path, "the LoRA hyperparameters (r, alpha, ...)")
-        values = {}
-        for field in fields(cls):
-            if field.name not in data:
-                continue
-            value, default = data[field.name], field.default
-            # YAML's types, as the dataclass's: a bool is no number, a quoted number no number either, .nan none
-            kind = bool if isinstance(default, bool) else int if isinstance(default, int) else (int, float)
-            number = kind is not bool and isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-            if not (number or kind is bool and isinstance(value, bool)):
-                raise UserError(f"{path}: {field.name}: {value!r} is not {'true or false' if kind is bool else 'a number'}"
-                                ". Fix it or re-create the file where the adapter was trained.")
-            values[field.name] = value
-        try:
-            return cls(**values)
-        except UsageError as error:
-            raise UserError(f"{path}: {error}") from None
+        return dataclass_from_yaml(cls, path, "the LoRA hyperparameters (r, alpha, ...)")
 
     def hyperparameters(self) -> dict[str, object]:
         """What the adapter's weights depend on: every field but ``merged``."""
@@ -269,8 +253,7 @@ def save_adapter(directory: Path, weights: dict[str, torch.Tensor], config: LoRA
 
 def read_adapter(directory: Path, config: LoRAConfig, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """The adapter weights of ``directory``, checked against its manifest (a directory without one: used with a
-    note) and against ``expected``, the adapted model's trainable parameters: the same names and shapes, floating
-    point and finite. Anything else is one paragraph naming the tensor."""
+    note) and against ``expected``, the adapted model's trainable parameters (``check_adapter_weights``)."""
     path = directory / LORA_WEIGHTS
     if not path.is_file():
         raise UserError(f"{directory} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
@@ -280,23 +263,7 @@ def read_adapter(directory: Path, config: LoRAConfig, expected: dict[str, torch.
             f"{directory / LORA_CONFIG} holds other hyperparameters than the adapter was trained with ({LORA_MANIFEST}: "
             f"{manifest.get('lora')}). Restore lora.yaml from where the adapter was trained (only merged may change).")
     weights = read_safetensors(path)
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise UserError(
-            f"{path} does not fit {LORA_CONFIG} and this model: it holds {len(weights)} tensors, the adapted layers "
-            f"{len(expected)} ({f'missing e.g. {missing[0]!r}' if missing else f'no place for e.g. {extra[0]!r}'}). "
-            "Re-create the LoRA checkpoint, or use it with the base model and lora.yaml it was trained with.")
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise UserError(
-                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, where this model and {LORA_CONFIG} (r: "
-                f"{config.r}) need {tuple(expected[name])}. The adapter belongs to another model or another rank.")
-        if not tensor.is_floating_point():
-            raise UserError(f"{path}: tensor {name!r} holds {tensor.dtype} values, not floating point weights. "
-                            "Re-create the adapter.")
-        if not torch.isfinite(tensor).all():
-            raise UserError(f"{path}: tensor {name!r} holds NaN or infinite values (a diverged training run?); "
-                            "the merged model would compute NaN. Use an earlier checkpoint of the adapter.")
+    check_adapter_weights(path, weights, expected, LORA_CONFIG)
     return weights
 
 
