@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
-
 from safetensors.torch import save_file
 
 from lit_model.core.classes import mixed_class
@@ -42,8 +41,8 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
 from lit_model.core.files import dataclass_from_yaml
 from lit_model.io.checkpoint import (
-    WEIGHTS_NAME, SafetensorsReader, check_adapter_weights, check_checkpoint_dir, check_output_dir, derive_checkpoint_dir, read_safetensors,
-    verify_manifest, write_manifest,
+    WEIGHTS_NAME, SafetensorsReader, check_adapter_weights, check_checkpoint_dir, check_output_dir,
+    derive_checkpoint_dir, read_safetensors, verify_manifest, write_manifest,
 )
 from lit_model.kernels.ops import dropout_before_linear
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
@@ -251,9 +250,10 @@ def save_adapter(directory: Path, weights: dict[str, torch.Tensor], config: LoRA
     write_manifest(directory, [directory / LORA_WEIGHTS], name=LORA_MANIFEST, lora=config.hyperparameters())
 
 
-def read_adapter(directory: Path, config: LoRAConfig, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def read_adapter(directory: Path, config: LoRAConfig, model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights of ``directory``, checked against its manifest (a directory without one: used with a
-    note) and against ``expected``, the adapted model's trainable parameters (``check_adapter_weights``)."""
+    note) and against the trainable parameters of ``model``, which ``apply_lora`` adapted with ``config``
+    (``check_adapter_weights``)."""
     path = directory / LORA_WEIGHTS
     if not path.is_file():
         raise UserError(f"{directory} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
@@ -263,6 +263,7 @@ def read_adapter(directory: Path, config: LoRAConfig, expected: dict[str, torch.
             f"{directory / LORA_CONFIG} holds other hyperparameters than the adapter was trained with ({LORA_MANIFEST}: "
             f"{manifest.get('lora')}). Restore lora.yaml from where the adapter was trained (only merged may change).")
     weights = read_safetensors(path)
+    expected = {name: parameter.shape for name, parameter in model.named_parameters() if parameter.requires_grad}
     check_adapter_weights(path, weights, expected, LORA_CONFIG)
     return weights
 
@@ -279,8 +280,7 @@ def load_saved_lora(model: GPT, checkpoint_dir: Path) -> bool:
     if config.merged:
         return False
     apply_lora(model, config, dtype=model.embed.weight.dtype)
-    expected = {name: parameter.shape for name, parameter in model.named_parameters() if parameter.requires_grad}
-    weights = read_adapter(checkpoint_dir, config, expected)
+    weights = read_adapter(checkpoint_dir, config, model)
     for name, tensor in weights.items():  # each copied to its layer's device (blocks may sit on several GPUs)
         model.get_parameter(name).data.copy_(tensor)
     model.requires_grad_(False)
@@ -350,10 +350,9 @@ def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None, overwrite: bool 
             f"directory as it is, or merge into the original base weights: copy {LORA_WEIGHTS}, {LORA_CONFIG} (with "
             f"merged: false) and {LORA_MANIFEST} next to them."
         )
-    model = GPT.on_meta(Config.from_checkpoint(checkpoint_dir))
+    model = GPT.on_meta(Config.from_checkpoint(checkpoint_dir))  # the adapted layers' shapes, no memory
     apply_lora(model, config)
-    expected = {name: parameter.shape for name, parameter in model.named_parameters() if parameter.requires_grad}
-    lora = read_adapter(checkpoint_dir, config, expected)
+    lora = read_adapter(checkpoint_dir, config, model)
     return save_merged_checkpoint(checkpoint_dir, lora, config, out_dir, overwrite=overwrite or in_place)
 
 
