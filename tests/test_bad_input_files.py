@@ -31,7 +31,7 @@ from test_faults import flip_byte
 
 from lit_model import GPT, Config
 from lit_model.entry import main as lit_model_main
-from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, write_manifest
+from lit_model.io.checkpoint import MANIFEST_NAME, WEIGHTS_NAME, check_checkpoint_dir, write_manifest
 from lit_model.io.convert import lit_to_hf
 from lit_model.methods.lora import LORA_CONFIG, LORA_MANIFEST, LORA_WEIGHTS, LoRAConfig, apply_lora, save_adapter
 
@@ -416,8 +416,6 @@ files.replace_directory(new, final)
 
 @pytest.mark.parametrize("how", ["exchange", "fallback"])
 def test_a_kill_during_a_replacement_never_loses_the_directory(start, tmp_path, how):
-    from lit_model.io.checkpoint import check_checkpoint_dir
-
     final, new = tmp_path / "ck", tmp_path / ".ck.tmp-1"
     shutil.copytree(start / "P" / "base", final)
     shutil.copytree(start / "P" / "ck", new)
@@ -434,7 +432,7 @@ def test_a_kill_during_a_replacement_never_loses_the_directory(start, tmp_path, 
 
 
 # ---- file modes --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mask", [0o022, 0o002])
+@pytest.mark.parametrize("mask", [0o022, 0o002], ids=["umask-022", "umask-002"])
 def test_written_checkpoints_follow_the_umask(start, tmp_path, monkeypatch, mask):
     shutil.copytree(start / "P", tmp_path / "P")
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from lit_model.core.errors import UserError
-from lit_model.core.files import atomic_open, atomic_write
+from lit_model.core import files
+from lit_model.core.files import atomic_open, atomic_write, umask
 
 
 def test_atomic_write_replaces_text_and_bytes(tmp_path):
@@ -54,8 +55,6 @@ def test_a_left_aside_directory_is_restored_only_when_its_mover_is_gone(tmp_path
     """``.NAME.old-PID`` beside a missing NAME: restored when PID is this process (a container restart reuses
     numbers; this process is not replacing NAME) or a process that started after the rename, never while the
     process that moved it may still rename the new directory in."""
-    from lit_model.core import files
-
     final = tmp_path / "ck"
     old = tmp_path / f".ck.old-{os.getppid()}"
     old.mkdir()
@@ -71,8 +70,6 @@ def test_a_left_aside_directory_is_restored_only_when_its_mover_is_gone(tmp_path
 
 
 def test_umask_is_read_without_changing_it():
-    from lit_model.core.files import umask
-
     previous = os.umask(0o027)
     try:
         assert umask() == 0o027 and os.umask(0o027) == 0o027
