@@ -29,8 +29,10 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
 from lit_model.io.checkpoint import (
     WEIGHTS_NAME,
+    SafetensorsReader,
     atomic_directory,
     check_checkpoint_dir,
+    check_output_dir,
     check_state_dict,
     save_checkpoint_dir,
 )
@@ -788,14 +790,11 @@ def _parse_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     return value
 
 
-def _check_out_dir(out_dir: Path, overwrite: bool, sources: tuple[Path, ...]) -> None:
-    for source in sources:
-        if out_dir.resolve() == source.resolve():
-            raise UsageError(f"--out_dir {out_dir} is the input directory. Choose a different output directory.")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out_dir {out_dir} is a file. Choose a directory path.")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"--out_dir {out_dir} already exists and is not empty. Pass --overwrite to replace it.")
+def _check_out_dir(out_dir: Path, overwrite: bool, source: Path) -> None:
+    """Before any weight is read: ``out_dir`` is not the input, can be written, and is empty unless ``overwrite``."""
+    if out_dir.resolve() == source.resolve():
+        raise UsageError(f"--out_dir {out_dir} is the input directory. Choose a different output directory.")
+    check_output_dir(out_dir, overwrite, inputs=(source,))
 
 
 def _log(message: str) -> None:
@@ -839,7 +838,7 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
     multimodal = hf_config.get("model_type") in _TEXT_PARTS
     config = config_from_hf(hf_config)
     _name_from_registry(config, hf_dir.resolve().name)
-    _check_out_dir(out_dir, overwrite, (hf_dir,))
+    _check_out_dir(out_dir, overwrite, hf_dir)
     files = hf_weight_files(hf_dir)
 
     weight_map = WeightMap(config)
@@ -862,6 +861,11 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
                     continue
             if _IGNORED_HF_TENSORS.search(hf_name):
                 continue
+            if not tensor.is_floating_point():
+                raise UserError(
+                    f"{path}: tensor {hf_name!r} holds {tensor.dtype} values, where a model's weights are floating "
+                    "point (an integer-quantized or damaged checkpoint). Download the original floating-point weights."
+                )
             if config.tie_embeddings and hf_name in head_names:
                 tied_head = tensor  # only used if the checkpoint lacks the embedding
                 continue
@@ -880,7 +884,7 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
                     "download matching files."
                 )
             for lit_name, lit_tensor in weight_map.to_lit(hf_name, tensor) or []:
-                if target_dtype is not None and lit_tensor.is_floating_point():
+                if target_dtype is not None:
                     lit_tensor = lit_tensor.to(target_dtype)
                 state_dict[lit_name] = lit_tensor
             count += 1
@@ -933,7 +937,7 @@ def lit_to_hf(
     limit = _parse_size(max_shard_size)
     config = Config.from_checkpoint(checkpoint_dir)
     hf_config = config_to_hf(config)
-    _check_out_dir(out_dir, overwrite, (checkpoint_dir,))
+    _check_out_dir(out_dir, overwrite, checkpoint_dir)
 
 
     weights_path = checkpoint_dir / WEIGHTS_NAME
@@ -941,7 +945,10 @@ def lit_to_hf(
     try:
         handle = safe_open(str(weights_path), framework="pt", device="cpu")
         names = list(handle.keys())
-        shapes = {n: torch.empty(handle.get_slice(n).get_shape(), device="meta") for n in names}
+        # a dtype SafetensorsReader does not know (U16, U32, ...) is no floating-point one either
+        shapes = {n: torch.empty(handle.get_slice(n).get_shape(), device="meta",
+                                 dtype=SafetensorsReader.DTYPES.get(handle.get_slice(n).get_dtype(), torch.uint8))
+                  for n in names}
         dtypes = {handle.get_slice(n).get_dtype() for n in names}
     except (SafetensorError, OSError) as error:
         raise UserError(f"Could not read {weights_path}: {error}. The file is damaged; re-create it.") from None

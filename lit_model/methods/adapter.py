@@ -12,7 +12,7 @@ loaded (``load_gpt``, ``generation.load_model``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +23,8 @@ import yaml
 
 from lit_model.core.errors import UsageError, UserError
 from lit_model.core.config import Config
+from lit_model.core.files import dataclass_from_yaml
+from lit_model.io.checkpoint import check_adapter_weights, read_safetensors
 from lit_model.model.contracts import Saved, Step
 from lit_model.model.gpt import CausalSelfAttention
 
@@ -48,8 +50,7 @@ class AdapterConfig:
 
     @classmethod
     def from_dir(cls, directory: Path) -> "AdapterConfig":
-        data = yaml.safe_load((Path(directory) / ADAPTER_CONFIG).read_text()) or {}
-        return cls(**{k: v for k, v in data.items() if k in {f.name for f in fields(cls)}})
+        return dataclass_from_yaml(cls, Path(directory) / ADAPTER_CONFIG, "the adapter's prompt_length and start_layer")
 
 
 class AdapterAttention(CausalSelfAttention):
@@ -102,10 +103,8 @@ def apply_adapter(model: nn.Module, config: AdapterConfig, dtype: Optional[torch
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def load_saved_adapter(model: nn.Module, checkpoint_dir: Path, device: Optional[torch.device] = None) -> bool:
+def load_saved_adapter(model: nn.Module, checkpoint_dir: Path) -> bool:
     """If ``checkpoint_dir`` carries an adapter, attach it to ``model`` (frozen, eval use); returns whether it did."""
-    from safetensors.torch import load_file
-
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / ADAPTER_CONFIG).is_file():
         return False
@@ -113,14 +112,10 @@ def load_saved_adapter(model: nn.Module, checkpoint_dir: Path, device: Optional[
         raise UserError(f"{checkpoint_dir} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}: copy the adapter weights there.")
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
     apply_adapter(model, AdapterConfig.from_dir(checkpoint_dir), dtype=model.embed.weight.dtype)
-    weights = load_file(str(checkpoint_dir / ADAPTER_WEIGHTS), device=str(device or model.embed.weight.device))
-    expected = {n for n, p in model.named_parameters() if n.endswith((".adapter_prefix", ".adapter_gate"))}
-    if set(weights) != expected:
-        raise UserError(
-            f"{checkpoint_dir / ADAPTER_WEIGHTS} does not fit {ADAPTER_CONFIG} and this model: it holds "
-            f"{len(weights)} tensors, the model expects {len(expected)}. Re-create the adapter checkpoint."
-        )
-    for name, tensor in weights.items():
+    weights = read_safetensors(checkpoint_dir / ADAPTER_WEIGHTS)
+    expected = {n: p.shape for n, p in model.named_parameters() if n.endswith((".adapter_prefix", ".adapter_gate"))}
+    check_adapter_weights(checkpoint_dir / ADAPTER_WEIGHTS, weights, expected, ADAPTER_CONFIG)
+    for name, tensor in weights.items():  # each copied to its block's device
         model.get_parameter(name).data.copy_(tensor)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(trainable.get(name, False))

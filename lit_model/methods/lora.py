@@ -34,10 +34,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
+from safetensors.torch import save_file
 
 from lit_model.core.classes import mixed_class
+from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
-from lit_model.io.checkpoint import WEIGHTS_NAME, SafetensorsReader, check_checkpoint_dir, derive_checkpoint_dir
+from lit_model.core.files import dataclass_from_yaml
+from lit_model.io.checkpoint import (
+    WEIGHTS_NAME, SafetensorsReader, check_adapter_weights, check_checkpoint_dir, check_output_dir,
+    derive_checkpoint_dir, read_safetensors, verify_manifest, write_manifest,
+)
 from lit_model.kernels.ops import dropout_before_linear
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.quantize import dequantized_weight
@@ -46,6 +52,9 @@ from lit_model.model.gpt import GPT
 
 LORA_WEIGHTS = "lora.safetensors"
 LORA_CONFIG = "lora.yaml"
+# The adapter's own manifest: lora.safetensors' size and SHA-256, and lora.yaml's hyperparameters but ``merged``
+# (the one field a user changes, to merge or use the adapter over other copies of its base weights)
+LORA_MANIFEST = "lora.manifest.json"
 # flag -> the module names (last parts of the qualified name) it adapts
 TARGETS = {
     "query": ("attn.query",),
@@ -109,9 +118,11 @@ class LoRAConfig:
         path = Path(directory) / LORA_CONFIG
         if not path.is_file():
             raise UserError(f"{directory} has no {LORA_CONFIG} (the LoRA hyperparameters); it is not a LoRA checkpoint.")
-        data = yaml.safe_load(path.read_text()) or {}
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return dataclass_from_yaml(cls, path, "the LoRA hyperparameters (r, alpha, ...)")
+
+    def hyperparameters(self) -> dict[str, object]:
+        """What the adapter's weights depend on: every field but ``merged``."""
+        return {k: v for k, v in asdict(self).items() if k != "merged"}
 
 
 class LoRALayer:
@@ -232,30 +243,44 @@ def apply_lora(model: nn.Module, config: LoRAConfig, dtype: Optional[torch.dtype
     return names
 
 
+def save_adapter(directory: Path, weights: dict[str, torch.Tensor], config: LoRAConfig) -> None:
+    """``lora.safetensors``, ``lora.yaml`` and the adapter's manifest into ``directory``."""
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / LORA_WEIGHTS))
+    config.save(directory)
+    write_manifest(directory, [directory / LORA_WEIGHTS], name=LORA_MANIFEST, lora=config.hyperparameters())
+
+
+def read_adapter(directory: Path, config: LoRAConfig, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights of ``directory``, checked against its manifest (a directory without one: used with a
+    note) and against the trainable parameters of ``model``, which ``apply_lora`` adapted with ``config``
+    (``check_adapter_weights``)."""
+    path = directory / LORA_WEIGHTS
+    if not path.is_file():
+        raise UserError(f"{directory} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
+    manifest = verify_manifest(directory, LORA_MANIFEST)
+    if manifest is not None and manifest.get("lora") != config.hyperparameters():
+        raise UserError(
+            f"{directory / LORA_CONFIG} holds other hyperparameters than the adapter was trained with ({LORA_MANIFEST}: "
+            f"{manifest.get('lora')}). Restore lora.yaml from where the adapter was trained (only merged may change).")
+    weights = read_safetensors(path)
+    expected = {name: parameter.shape for name, parameter in model.named_parameters() if parameter.requires_grad}
+    check_adapter_weights(path, weights, expected, LORA_CONFIG)
+    return weights
+
+
 def load_saved_lora(model: GPT, checkpoint_dir: Path) -> bool:
     """If ``checkpoint_dir`` carries an unmerged LoRA (``lora.yaml`` with ``merged: false`` beside
     ``lora.safetensors``), make ``model``'s targeted layers LoRA layers holding it (frozen, eval use): the model
     computes what the merged checkpoint would. Returns whether it did; a merged LoRA (a LoRA run's final/) is in the
     weights already."""
-    from safetensors.torch import load_file
-
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / LORA_CONFIG).is_file():
         return False
     config = LoRAConfig.from_dir(checkpoint_dir)
     if config.merged:
         return False
-    if not (checkpoint_dir / LORA_WEIGHTS).is_file():
-        raise UserError(f"{checkpoint_dir} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
     apply_lora(model, config, dtype=model.embed.weight.dtype)
-    weights = load_file(str(checkpoint_dir / LORA_WEIGHTS))
-    expected = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
-    if set(weights) != expected:
-        raise UserError(
-            f"{checkpoint_dir / LORA_WEIGHTS} does not fit {LORA_CONFIG} and this model: it holds {len(weights)} "
-            f"tensors, the adapted layers {len(expected)}. Re-create the LoRA checkpoint, or merge it where it was "
-            "trained."
-        )
+    weights = read_adapter(checkpoint_dir, config, model)
     for name, tensor in weights.items():  # each copied to its layer's device (blocks may sit on several GPUs)
         model.get_parameter(name).data.copy_(tensor)
     model.requires_grad_(False)
@@ -280,6 +305,9 @@ def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor
         if magnitude is not None:
             merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=1))[:, None]
         weight.copy_(merged)  # in place: a new bf16 tensor per layer would leave the old one's hole on the heap
+        if not torch.isfinite(weight).all():
+            raise UserError(f"Merging the LoRA update into {weight_name} gives NaN or infinite values (in "
+                            f"{weight.dtype}); nothing was written. Use an earlier checkpoint of the adapter.")
     for name, tensor in lora.items():
         if not name.endswith((".lora_A", ".lora_B", ".lora_magnitude")):  # a trained bias
             if name not in base:
@@ -295,40 +323,37 @@ def save_merged_checkpoint(
     """Write ``out_dir`` (atomically): ``base_dir``'s files with its weights merged with ``lora`` in full
     precision, and the adapter weights + hyperparameters (``merged: true``) beside them. A non-empty ``out_dir``
     is replaced only with ``overwrite``."""
-    from safetensors.torch import save_file
-
-
     with SafetensorsReader(check_checkpoint_dir(base_dir) / WEIGHTS_NAME) as file:
         merged = merge_state_dict({name: file.read(name) for name in file.shapes}, lora, config)
 
     def write_adapter(directory: Path) -> None:
-        save_file({k: v.contiguous() for k, v in lora.items()}, str(directory / LORA_WEIGHTS))
-        LoRAConfig(**{**asdict(config), "merged": True}).save(directory)
+        save_adapter(directory, lora, LoRAConfig(**{**asdict(config), "merged": True}))
         if write_extra is not None:
             write_extra(directory)
 
-    return derive_checkpoint_dir(base_dir, out_dir, merged, write_adapter, skip=(LORA_WEIGHTS, LORA_CONFIG, *skip),
-                                 overwrite=overwrite)
+    return derive_checkpoint_dir(base_dir, out_dir, merged, write_adapter,
+                                 skip=(LORA_WEIGHTS, LORA_CONFIG, LORA_MANIFEST, *skip), overwrite=overwrite)
 
 
 def merge(checkpoint_dir: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> Path:
     """Merge ``checkpoint_dir/lora.safetensors`` into its base weights, in place (what the command is asked to do
-    with the directory it names) or into ``out_dir``, which must be new or empty unless ``overwrite``."""
-    from safetensors.torch import load_file
-
-    checkpoint_dir = Path(checkpoint_dir)
+    with the directory it names) or into ``out_dir``, which must be new or empty unless ``overwrite``, and neither
+    hold ``checkpoint_dir`` nor lie inside it. Everything is checked before anything heavy is read."""
+    checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
+    out_dir = checkpoint_dir if out_dir is None else Path(out_dir)
+    in_place = out_dir.resolve() == checkpoint_dir.resolve()
+    check_output_dir(out_dir, overwrite or in_place, inputs=(checkpoint_dir,))
     config = LoRAConfig.from_dir(checkpoint_dir)
     if config.merged:
         raise UserError(
             f"{checkpoint_dir}/{LORA_CONFIG} says its weights are already merged (a LoRA run's final/ is). Use the "
-            "directory as it is, or merge into the original base weights: copy lora.safetensors and lora.yaml (with "
-            "merged: false) next to them."
+            f"directory as it is, or merge into the original base weights: copy {LORA_WEIGHTS}, {LORA_CONFIG} (with "
+            f"merged: false) and {LORA_MANIFEST} next to them."
         )
-    if not (checkpoint_dir / LORA_WEIGHTS).is_file():
-        raise UserError(f"{checkpoint_dir} has {LORA_CONFIG} but no {LORA_WEIGHTS}; copy the adapter weights there.")
-    in_place = out_dir is None or Path(out_dir).resolve() == checkpoint_dir.resolve()
-    return save_merged_checkpoint(checkpoint_dir, load_file(str(checkpoint_dir / LORA_WEIGHTS)), config,
-                                  out_dir or checkpoint_dir, overwrite=overwrite or in_place)
+    model = GPT.on_meta(Config.from_checkpoint(checkpoint_dir))  # the adapted layers' shapes, no memory
+    apply_lora(model, config)
+    lora = read_adapter(checkpoint_dir, config, model)
+    return save_merged_checkpoint(checkpoint_dir, lora, config, out_dir, overwrite=overwrite or in_place)
 
 
 def cli(argv: list[str]) -> None:
