@@ -4,9 +4,12 @@ fine-tune planned at its data's longest sample rather than the model's whole con
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 
 import pytest
+import torch
 
 from lit_model import Config
 from lit_model.data.instruct import padded_length
@@ -156,3 +159,21 @@ def test_a_finetune_plan_reads_its_data_lengths(tiny_checkpoint, tiny_setup, tmp
                              for n in (1, 2, 3, 2)))
     dpo = finetune.resolve(DPOArgs(model_config=long_context, **{**flags, "data_path": pairs}), "lora", read_pairs)
     assert padded_length(1) <= dpo.seq_len < 4096 and "UTF-8 bytes" in dpo.seq_len_source
+
+
+def test_auto_micro_batch_is_planned_at_the_data_length(tiny_setup):
+    """--micro_batch_size auto in a fine-tune picks the micro batch at the data's longest sample (train or
+    validation), not at a cut length of the model's whole context, so it is not smaller than what fits."""
+    config = dataclasses.replace(Config.from_file(tiny_setup["config"]), block_size=4096)
+    args = LoRAArgs(micro_batch_size="auto", global_batch_size=16, precision="32-true")
+    one = plan_spec(resolve_run(args, config, "lora", "cpu").replace(micro_batch_size=1, micro_batch_auto=False), None, "trace")
+    args.device_memory = str(int(one.peak_bytes / 0.9 * 1.01))  # micro batches of 1 fit the whole context, 2 do not
+    run = resolve_run(args, config, "lora", "cpu")
+    fabric = types.SimpleNamespace(print=lambda *a, **k: None, device=torch.device("cpu"))
+    data = types.SimpleNamespace(train=types.SimpleNamespace(lengths=[20, 41, 7]), val=types.SimpleNamespace(lengths=[50]))
+    chosen = finetune.choose_for_data(fabric, run, args, data)
+    at_context = finetune.common.choose_micro_batch_size(fabric, run, args)
+    assert not chosen.micro_batch_auto and chosen.seq_len == 4096  # the cut stays; only the choice used the data
+    assert chosen.micro_batch_size > max(at_context.micro_batch_size, 1), (chosen.micro_batch_size, at_context.micro_batch_size)
+    at_data = finetune.common.choose_micro_batch_size(fabric, run.replace(seq_len=padded_length(50)), args)
+    assert chosen.micro_batch_size == at_data.micro_batch_size

@@ -198,14 +198,14 @@ def prompt_style(run: Run, args: FinetuneArgs) -> PromptStyle:
 
 
 def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
-    """The micro batch (``auto``), the tokenizer and the data; every rank does the same and fails alike."""
-    run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
+    """The tokenizer, the data and the micro batch (``auto``); every rank does the same and fails alike."""
     checkpoint_dir = run.checkpoint_dir
     tokenizer, style = Tokenizer(checkpoint_dir), prompt_style(run, args)
     data = read_instruct_data(run, args, tokenizer, style)
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
+    run = choose_for_data(fabric, run, args, data)
     packed = PackedDataset(data.train, run.seq_len)
     steps = min(args.max_steps or 1, math.ceil(len(data.train) / run.global_batch_size))  # at most an epoch
     fractions = [padding_fraction(train.lengths, run.global_batch_size, run.micro_batch_size, steps, run.seq_len, args.seed)
@@ -217,6 +217,19 @@ def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     if run.packing:
         data = dataclasses.replace(data, train=packed, val=PackedDataset(data.val, run.seq_len))
     return run, Setup(checkpoint_dir, tokenizer, style, data, padding)
+
+
+def choose_for_data(fabric: Fabric, run: Run, args: FinetuneArgs, data: Union[InstructData, PreferenceData]) -> Run:
+    """``--micro_batch_size auto`` and ``--loss_chunk_size auto`` planned at the longest micro batch the data makes
+    (its longest sample, train or validation, padded as ``collate`` pads it; packed: the whole sequence), not at the
+    cut length, which may be the model's whole context: the batch the rehearsal then confirms."""
+    if not (run.micro_batch_auto or run.loss_chunk_auto):
+        return run
+    longest = max(max(data.train.lengths), max(data.val.lengths))
+    planned = run if run.packing else run.replace(seq_len=padded_length(longest, max_length=run.seq_len))
+    chosen = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, planned, args), args)
+    return run.replace(micro_batch_size=chosen.micro_batch_size, micro_batch_auto=False,
+                       loss_chunk_size=chosen.loss_chunk_size, loss_chunk_auto=False)
 
 
 def load_model(fabric: Fabric, run: Run, setup: Setup) -> GPT:

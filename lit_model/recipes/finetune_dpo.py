@@ -92,14 +92,14 @@ def read_pairs(run: Run, args: DPOArgs, tokenizer: Any, style: PromptStyle) -> P
 
 
 def prepare(fabric: Fabric, run: Run, args: DPOArgs) -> tuple[Run, finetune.Setup]:
-    """The micro batch (``auto``), the tokenizer and the pairs, with the reference's log-probabilities where the loss
+    """The tokenizer, the pairs and the micro batch (``auto``), with the reference's log-probabilities where the loss
     takes them precomputed."""
-    run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     tokenizer, style = Tokenizer(run.checkpoint_dir), finetune.prompt_style(run, args)
     data = read_pairs(run, args, tokenizer, style)
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
+    run = finetune.choose_for_data(fabric, run, args, data)
     if run.preference.reference == "precomputed":
         reference = args.reference_model or run.checkpoint_dir
         data.train = data.train.with_reference(reference_values(fabric, run, reference, data.train, "train"))
