@@ -152,6 +152,9 @@ def test_a_finetune_plan_reads_its_data_lengths(tiny_checkpoint, tiny_setup, tmp
     plan = plan_training(bound.config, LoRAArgs(model_config=long_context, **flags), trainable="lora",
                          device_type="cpu", engine="analytic", detect=False)
     assert plan.run["seq_length"] == 4096  # the API plans the run it is given
+    missing = finetune.resolve(LoRAArgs(model_config=long_context, **{**flags, "data_path": tmp_path / "later.jsonl"}),
+                               "lora")
+    assert missing.seq_len == 4096 and "does not exist yet" in missing.seq_len_source
     packed = finetune.resolve(LoRAArgs(model_config=long_context, packing=True, **flags), "lora")
     assert packed.seq_len == 4096 and not packed.seq_len_source
     pairs = tmp_path / "pairs.jsonl"

@@ -159,9 +159,13 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
     """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: the longest sample,
     padded as ``collate`` pads it), not the model's whole context, with where that length comes from. Without the
     checkpoint's tokenizer (a model not downloaded yet) the samples are counted in UTF-8 bytes, an upper bound of any
-    tokenizer's count. Packed sequences, and a recipe without data to read, are planned at the run's length."""
+    tokenizer's count. Packed sequences, a recipe without data to read and data not there yet are planned at the
+    run's length."""
     if run.packing or read_data is None:
         return run
+    if args.data_path is not None and not Path(args.data_path).exists():  # planned before the data is there
+        return run.replace(seq_len_source=f"--data_path {args.data_path} does not exist yet: planned at the whole "
+                                          "length (--override_max_seq_length, else the model's context)")
     tokenizer = Tokenizer(checkpoint_dir) if checkpoint_dir is not None and has_tokenizer(checkpoint_dir) else None
     counted = run.replace(checkpoint_dir=checkpoint_dir)
     data = read_data(counted, args, tokenizer or ByteCountTokenizer(), prompt_style(counted, args))
