@@ -88,18 +88,18 @@ def atomic_write(path: Union[str, Path], data: Union[str, bytes], encoding: str 
     return Path(path)
 
 
-def check_out_dir_path(out_dir: Path) -> None:
+def check_out_dir_path(out_dir: Path, flag: str = "--out_dir") -> None:
     """``out_dir`` can be a directory this process creates and writes into (whether it holds another run's
-    files is the command's business)."""
+    files is the command's business); ``flag`` names it in the messages."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out_dir {out_dir} is a file, not a directory. Pick another --out_dir.")
+        raise UsageError(f"{flag} {out_dir} is a file, not a directory. Pick another {flag}.")
     existing = out_dir
     while not existing.exists():  # the nearest ancestor that exists is where the directories get created
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"--out_dir {out_dir}: {existing} is a file, so no directory can be made under it. "
-                         "Pick another --out_dir.")
+        raise UsageError(f"{flag} {out_dir}: {existing} is a file, so no directory can be made under it. "
+                         f"Pick another {flag}.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out_dir {out_dir}: {existing} is not writable by this user. Pick a directory you "
+        raise UsageError(f"{flag} {out_dir}: {existing} is not writable by this user. Pick a directory you "
                          "can write to, or change its permissions.")
