@@ -74,6 +74,8 @@ CONFIG_CASES = [
      1, "'factor' is '8', which is not a number"),
     ("linear-without-factor", with_keys(rope_parameters={"rope_type": "linear"}), 1, "'factor' is None"),
     ("deep", lambda config: DEEP, 1, "config.json nests too deeply to be a model's config"),
+    ("deep-setting", with_keys(custom=json.loads("[" * 900 + "]" * 900)), 1,
+     "config.json: 'custom' nests more than 32 levels deep, which no model setting does"),
     ("layers-1e9", lambda config: json.dumps(config).replace('"num_hidden_layers": 2', '"num_hidden_layers": 1e9'), 1,
      "'num_hidden_layers' is 1000000000.0, which is not a positive integer"),
     ("layers-10^9", with_keys(num_hidden_layers=10**9), 1,
@@ -204,6 +206,15 @@ def test_a_server_that_never_answers_ends_within_seconds(tiny_hf, serve, hub_env
     assert time.monotonic() - start < 10
 
 
+def hand_made(checkpoint: Path, work: Path, files: dict[str, bytes]) -> None:
+    """work/ckpt: a copy of ``checkpoint`` with ``files`` written into it, and no manifest (made by hand: none
+    vouches for, or against, its files)."""
+    shutil.copytree(checkpoint, work / "ckpt")
+    (work / "ckpt" / MANIFEST_NAME).unlink()
+    for name, content in files.items():
+        (work / "ckpt" / name).write_bytes(content)
+
+
 def model_config(text: Optional[str] = None, **fields: Any) -> Callable[[str], str]:
     def change(original: str) -> str:
         if text is not None:
@@ -232,11 +243,8 @@ CHECKPOINT_CASES = [
 @pytest.mark.parametrize("change, fragment", [c[1:] for c in CHECKPOINT_CASES], ids=[c[0] for c in CHECKPOINT_CASES])
 @pytest.mark.parametrize("script", ["generate/base.py", "lit_model/convert.py"])
 def test_hand_made_checkpoint_config(tiny_checkpoint, case_dir, script, change, fragment):
-    checkpoint = case_dir / "ckpt"
-    shutil.copytree(tiny_checkpoint, checkpoint)
-    path = checkpoint / "model_config.yaml"
-    path.write_text(change(path.read_text()))
-    (checkpoint / MANIFEST_NAME).unlink()  # made by hand: no manifest vouches for (or against) its files
+    path = tiny_checkpoint / "model_config.yaml"
+    hand_made(tiny_checkpoint, case_dir, {"model_config.yaml": change(path.read_text()).encode()})
     argv = ["lit_to_hf", "--checkpoint_dir", "ckpt", "--out_dir", "out"] if "convert" in script else \
         ["--checkpoint_dir", "ckpt", "--max_new_tokens", "1"]
     before = tree(case_dir)
@@ -267,21 +275,41 @@ TEMPLATE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("template, fragment", [c[1:] for c in TEMPLATE_CASES], ids=[c[0] for c in TEMPLATE_CASES])
-def test_bad_chat_template(tiny_checkpoint, case_dir, monkeypatch, template, fragment):
-    checkpoint = case_dir / "ckpt"
-    shutil.copytree(tiny_checkpoint, checkpoint)
-    (checkpoint / MANIFEST_NAME).unlink()
-    (checkpoint / "chat_template.jinja").write_text(template)
+# prompt_style.yaml, which fine-tuning saves beside a checkpoint, written by hand: (id, its bytes)
+PROMPT_STYLE_CASES = [
+    ("invalid-yaml", b"name: [alpaca\n"),
+    ("a-list", b"- alpaca\n"),
+    ("name-a-number", b"name: 5\n"),
+    ("not-utf8", b"name: \xff\xfe\n"),
+    ("deep", ("name: " + "[" * 200_000 + "]" * 200_000).encode()),
+]
+
+
+def chat_refuses(checkpoint: Path, files: dict[str, bytes], fragment: str, monkeypatch: Any) -> None:
+    """generate/chat.py on a copy of ``checkpoint`` with ``files`` added: exit 1 within seconds, one paragraph
+    with ``fragment`` and the --prompt_style fix, nothing written."""
+    work = Path.cwd()
+    hand_made(checkpoint, work, files)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
-    before = tree(case_dir)
+    before = tree(work)
     start = time.monotonic()
     proc = run_script_inprocess("generate/chat.py", "--checkpoint_dir", "ckpt", "--max_new_tokens", "1")
     assert time.monotonic() - start < 10
     assert proc.returncode == 1, proc.stderr
     message = one_paragraph(proc)
     assert fragment in message and "--prompt_style" in message, message
-    assert tree(case_dir) == before
+    assert tree(work) == before
+
+
+@pytest.mark.parametrize("content", [c[1] for c in PROMPT_STYLE_CASES], ids=[c[0] for c in PROMPT_STYLE_CASES])
+def test_bad_prompt_style_file(tiny_checkpoint, case_dir, monkeypatch, content):
+    chat_refuses(tiny_checkpoint, {"prompt_style.yaml": content}, "prompt_style.yaml does not hold a prompt style",
+                 monkeypatch)
+
+
+@pytest.mark.parametrize("template, fragment", [c[1:] for c in TEMPLATE_CASES], ids=[c[0] for c in TEMPLATE_CASES])
+def test_bad_chat_template(tiny_checkpoint, case_dir, monkeypatch, template, fragment):
+    chat_refuses(tiny_checkpoint, {"chat_template.jinja": template.encode()}, fragment, monkeypatch)
 
 
 def test_render_time_limit_off_the_main_thread():

@@ -116,6 +116,20 @@ _SIZE_KEYS = {
 }
 
 
+# config.json settings nest two or three levels; ones kept in Config.extra must fit in model_config.yaml, whose
+# writer and reader recurse per level
+_MAX_NESTING = 32
+
+
+def _too_deep(value: Any) -> bool:
+    level = [value]
+    for _ in range(_MAX_NESTING):
+        level = [item for v in level if isinstance(v, (dict, list)) for item in (v.values() if isinstance(v, dict) else v)]
+        if not level:
+            return False
+    return True
+
+
 def _bad_value(key: str, value: Any, kind: str) -> UserError:
     return UserError(f"config.json: {key!r} is {value!r}, which is not {kind}. The file is damaged or was edited: "
                      "fix it, or download it again from the model's repository.")
@@ -434,6 +448,10 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
             get.used.discard("original_max_position_embeddings")  # kept in extra: Phi-3 writes it back
 
     extra = {k: v for k, v in hf_config.items() if k not in get.used and k not in _DROPPED_KEYS}
+    deep = next((key for key, value in extra.items() if _too_deep(value)), None)
+    if deep is not None:
+        raise UserError(f"config.json: {deep!r} nests more than {_MAX_NESTING} levels deep, which no model setting does "
+                        "(model_config.yaml could not hold it). The file is damaged or was edited: download it again.")
     try:
         return Config(extra=extra, **kw)
     except ValueError as error:
