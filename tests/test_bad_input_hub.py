@@ -259,7 +259,8 @@ NESTED_RANGE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfo
 # loads it (it renders a probe conversation), exit 1, within seconds
 TEMPLATE_CASES = [
     ("nested-range", NESTED_RANGE, "was stopped after 3 s of rendering"),
-    ("range-10^10", "{{ range(10**10) | list }}", "(OverflowError: Range too big."),
+    ("range-10^10", "{{ range(10**10) | list }}", "it calls safe_range with 10000000000, larger than any chat template needs"),
+    ("range-10^6", "{{ range(10**6) | list | length }}", "(OverflowError: Range too big."),
     ("lipsum", "{{ lipsum(n=1000000) }}", "failed while rendering (UndefinedError: 'lipsum' is undefined)"),
     ("zero-division", "{{ 1 // 0 }}", "failed while rendering (ZeroDivisionError: integer division or modulo by zero)"),
     ("type", "{{ 'a' + 1 }}", "(TypeError: can only concatenate str"),
@@ -271,6 +272,9 @@ TEMPLATE_CASES = [
     ("huge-power", "{{ 10 ** 10000000 }}", "it computes '10' ** '10000000'"),
     ("squaring", "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
      "a value larger than any chat template needs"),
+    ("center-filter", "{{ 'x' | center(10**10) }}", "it calls do_center with 10000000000, larger than any chat"),
+    ("center-method", "{{ 'x'.center(10**10) }}", "it calls center with 10000000000"),
+    ("indent-filter", "{{ 'x' | indent(10**10) }}", "it calls do_indent with 10000000000"),
     ("megabytes", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "it wrote more than 33554432 characters"),
 ]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import threading
 from datetime import datetime
@@ -125,18 +126,42 @@ def _time_limit(seconds: float) -> Iterator[None]:
 def _too_large(operator: str, left: Any, right: Any) -> bool:
     """Whether ``left operator right`` would build a value no chat template needs, in one long C call that the
     time limit cannot interrupt (``"x" * 10**12``, ``10 ** 10**9``)."""
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if operator == "**" and is_int(left) and is_int(right):
+    if operator == "**" and _is_int(left) and _is_int(right):
         return right > 0 and abs(left) > 1 and right * abs(left).bit_length() > MAX_INT_BITS
     if operator == "*":
-        if is_int(left) and is_int(right):
+        if _is_int(left) and _is_int(right):
             return left.bit_length() + right.bit_length() > MAX_INT_BITS
         for count, sequence in ((left, right), (right, left)):
-            if is_int(count) and isinstance(sequence, (str, list, tuple)):
+            if _is_int(count) and isinstance(sequence, (str, list, tuple)):
                 return count * len(sequence) > MAX_RENDERED_CHARS
     return False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(function: Any, arguments: Sequence[Any]) -> None:
+    """Refuse a size argument no chat template needs (``'x'.center(10**10)``, ``indent(10**10)``): the call would
+    build the value in one long C call that the time limit cannot interrupt."""
+    import jinja2
+
+    large = next((a for a in arguments if _is_int(a) and abs(a) > MAX_RENDERED_CHARS), None)
+    if large is not None:
+        raise jinja2.exceptions.SecurityError(
+            f"it calls {getattr(function, '__name__', 'a function')} with {large}, larger than any chat template needs")
+
+
+def _bounded_filter(function: Any) -> Any:
+    """A Jinja filter whose arguments are checked by ``_check_arguments`` (its filtered value is not: any size)."""
+    skip = 2 if hasattr(function, "jinja_pass_arg") else 1  # the context or environment, then the value
+
+    @functools.wraps(function)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_arguments(function, [*args[skip:], *kwargs.values()])
+        return function(*args, **kwargs)
+
+    return bounded
 
 
 @lru_cache(maxsize=8)
@@ -204,9 +229,14 @@ def _compile(source: str) -> Any:
                     "template needs")
             return super().call_binop(context, operator, left, right)
 
+        def call(self, context: Any, function: Any, /, *args: Any, **kwargs: Any) -> Any:
+            _check_arguments(function, [*args, *kwargs.values()])
+            return super().call(context, function, *args, **kwargs)
+
     environment = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     del environment.globals["lipsum"]  # lipsum(n=1000000): a template's way to write megabytes in one call
     environment.filters["tojson"] = tojson
+    environment.filters.update({name: _bounded_filter(f) for name, f in environment.filters.items()})
     environment.globals.update(
         raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
         dict=TemplateDict(), namespace=Namespace,
