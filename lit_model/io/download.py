@@ -304,7 +304,7 @@ def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) ->
         "To use a copy you have elsewhere, convert it with `python -m lit_model.convert hf_to_lit --hf_dir DIR "
         "--out_dir DIR`."
     )
-    session = hub.get_session()
+    session = hub.get_session()  # the process's shared client: the hook stays for its later downloads
     if _bound_timeouts not in session.event_hooks["request"]:
         session.event_hooks = {**session.event_hooks, "request": [*session.event_hooks["request"], _bound_timeouts]}
     transport_error = _http_library(hub).TransportError
@@ -357,7 +357,6 @@ def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) ->
             f"Downloading {repo_id} failed: {error}. Free disk space or point HF_HUB_CACHE at a writable directory "
             f"(now {hub.constants.HF_HUB_CACHE})."
         ) from None
-
 
 
 def _first_line(error: BaseException) -> str:

@@ -200,8 +200,8 @@ def _saved_style_name(path: Path) -> str:
     """The style name ``PromptStyle.save`` wrote (``name: alpaca``); a file that is not that is named, with the fix."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
-        data = error
+    except (yaml.YAMLError, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        data = None  # reported below, as any other content that is not a style
     name = data.get("name", "default") if isinstance(data, dict) else None
     if not isinstance(name, str):
         raise UserError(f"{path} does not hold a prompt style (`name: STYLE`, as fine-tuning writes it). Fix or delete "
