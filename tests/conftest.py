@@ -18,7 +18,7 @@ import threading
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 from urllib.parse import unquote, urlparse
 
 import pytest
@@ -156,13 +156,18 @@ def tiny_hf(tiny_setup, tmp_path_factory) -> tuple[Path, torch.Tensor, torch.Ten
 
 class Hub(ThreadingHTTPServer):
     """The Hub endpoints huggingface_hub's snapshot_download and hf_hub_download call, for repositories given
-    as local directories. ``gated`` repositories refuse their files without a token (as the Hub does)."""
+    as local directories. ``gated`` repositories refuse their files without a token (as the Hub does).
+    ``faults`` break files on purpose: file name -> an HTTP status to answer instead, "close" (the connection
+    closes halfway through the body) or "hang" (never answers); a name no repository holds is listed as if it
+    did, and "api" breaks the repository listing instead of a file."""
 
     daemon_threads = True
 
-    def __init__(self, repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> None:
+    def __init__(self, repos: dict[str, Path], gated: frozenset[str] = frozenset(),
+                 faults: Optional[dict[str, Union[int, str]]] = None) -> None:
         super().__init__(("127.0.0.1", 0), HubHandler)
-        self.repos, self.gated = repos, gated
+        self.repos, self.gated, self.faults = repos, gated, dict(faults or {})
+        self.stop = threading.Event()  # ends the "hang" answers at teardown
         self.fetched: list[str] = []  # files served with GET, in order
 
     @property
@@ -192,19 +197,24 @@ class HubHandler(BaseHTTPRequestHandler):
         if root is None:
             return self._send(401, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, send_body)
         files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        listed = sorted({*files, *self.server.faults} - {"api"})
+        if parts[0] == "api" and self._fault("api", send_body):
+            return None
         if parts[0] == "api" and rest[:1] == ["revision"]:
             info = {"id": repo_id, "modelId": repo_id, "sha": HUB_COMMIT, "private": False,
                     "gated": "manual" if repo_id in self.server.gated else False,
-                    "siblings": [{"rfilename": f} for f in files]}
+                    "siblings": [{"rfilename": f} for f in listed]}
             return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, send_body)
         if parts[0] == "api" and rest[:1] == ["tree"]:
-            tree = [{"type": "file", "path": f, "size": (root / f).stat().st_size, "oid": sha1_file(root / f)}
-                    for f in files]
+            tree = [{"type": "file", "path": f, "size": (root / f).stat().st_size if f in files else 1,
+                     "oid": sha1_file(root / f) if f in files else "0" * 40} for f in listed]
             return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, send_body)
         if rest[:1] == ["resolve"]:
             if repo_id in self.server.gated and "authorization" not in {k.lower() for k in self.headers}:
                 return self._send(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"}, send_body)
             name = "/".join(rest[2:])
+            if self._fault(name, send_body, root / name):
+                return None
             if name not in files:
                 return self._send(404, b'{"error": "Entry not found"}', {"X-Error-Code": "EntryNotFound"}, send_body)
             if send_body:
@@ -213,6 +223,28 @@ class HubHandler(BaseHTTPRequestHandler):
             etag = f'"{sha1_file(root / name)}"'
             return self._send(200, body, {"X-Repo-Commit": HUB_COMMIT, "ETag": etag, "X-Linked-Etag": etag}, send_body)
         self._send(404, b"{}", {}, send_body)
+
+    def _fault(self, name: str, send_body: bool, path: Optional[Path] = None) -> bool:
+        """Answer with the fault planted for ``name``, if any (see ``Hub``)."""
+        fault = self.server.faults.get(name)
+        if fault is None:
+            return False
+        if fault == "hang":
+            self.server.stop.wait()
+        elif fault == "close":  # the headers promise the whole file; half of it comes, then the connection ends
+            body = path.read_bytes() if path is not None and path.is_file() else b"x" * 4096
+            etag = f'"{hashlib.sha1(body).hexdigest()}"'
+            self.send_response(200)
+            for key, value in {"X-Repo-Commit": HUB_COMMIT, "ETag": etag, "X-Linked-Etag": etag,
+                               "Content-Length": str(len(body))}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if send_body:
+                self.wfile.write(body[: len(body) // 2])
+            self.close_connection = True
+        else:
+            self._send(int(fault), b'{"error": "planted"}', {}, send_body)
+        return True
 
     def _send(self, status: int, body: bytes, headers: dict[str, str], send_body: bool) -> None:
         self.send_response(status)
@@ -233,13 +265,15 @@ def serve():
     """Start a Hub on 127.0.0.1 for the given repositories; stopped at teardown."""
     servers: list[Hub] = []
 
-    def start(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Hub:
-        server = Hub(repos, gated)
+    def start(repos: dict[str, Path], gated: frozenset[str] = frozenset(),
+              faults: Optional[dict[str, Union[int, str]]] = None) -> Hub:
+        server = Hub(repos, gated, faults)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         return server
 
     yield start
     for server in servers:
+        server.stop.set()
         server.shutdown()
         server.server_close()

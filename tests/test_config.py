@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from lit_model.core.config import CONFIG_DIR, Config, ConfigError, known_names
+from lit_model.core.config import CONFIG_DIR, SIZE_FIELDS, SIZE_HEADROOM, Config, ConfigError, known_names, size_limits
 from lit_model.core.errors import UsageError
 from lit_model.model.gpt import GPT, rope_cache
 
@@ -295,6 +295,21 @@ def test_every_registry_entry_passes_validation_and_a_bad_field_is_named():
         with pytest.raises(ConfigError) as error:
             Config.from_name("pythia-160m", **overrides)
         assert needle in str(error.value) and isinstance(error.value, (UsageError, ValueError))
+
+
+def test_sizes_are_bounded_by_the_registrys_largest_model():
+    """Every size field's limit is SIZE_HEADROOM times the largest value a published config gives it, so a new
+    registry entry raises it; one above it is refused before any model is built."""
+    configs = [Config.from_name(name) for name in known_names()]
+    assert size_limits()["n_layer"] == (SIZE_HEADROOM * max(c.n_layer for c in configs), "Qwen3-235B-A22B")
+    assert size_limits()["block_size"][0] == SIZE_HEADROOM * max(c.block_size for c in configs)
+    assert set(size_limits()) == set(SIZE_FIELDS)
+    tiny = dict(block_size=64, vocab_size=512, n_layer=2, n_embd=64, n_head=4)
+    for name in ("n_layer", "block_size", "vocab_size", "intermediate_size"):
+        limit = size_limits()[name][0]
+        Config(**{**tiny, name: limit})  # the limit itself is allowed
+        with pytest.raises(ConfigError, match=rf"{name}: {limit + 1} is larger than any model lit-model builds"):
+            Config(**{**tiny, name: limit + 1})
 
 
 def test_model_config_file_errors_name_the_file(tmp_path):

@@ -148,6 +148,8 @@ class Config:
             data = yaml.safe_load(path.read_text())
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             raise UsageError(f"{path} is not valid YAML ({_first_line(error)}). Write one `field: value` per line.") from None
+        except RecursionError:  # a file nested thousands of levels deep; no Config field nests more than two
+            raise UsageError(f"{path} nests too deeply to be a model config. Write one `field: value` per line.") from None
         if not isinstance(data, dict) or not data:
             # An empty file would otherwise give the defaults: a 3.4B-parameter model nobody asked for.
             raise UsageError(
@@ -244,11 +246,47 @@ _AT_LEAST = {
 _POSITIVE = ("rope_base", "norm_eps", "attention_logit_softcapping", "final_logit_softcapping")
 
 
+# How far a size may exceed the registry's largest: room for the next generation of models, while a file that asks
+# for 10^9 layers or a 10^12-token vocabulary is refused before anything is built from it.
+SIZE_HEADROOM = 4
+# The fields that decide how much a model allocates (and how long building it takes); n_query_groups divides
+# n_head, so it is bounded by n_head's limit
+SIZE_FIELDS = ("block_size", "vocab_size", "padded_vocab_size", "n_layer", "n_embd", "n_head", "head_size",
+               "intermediate_size", "n_expert", "n_expert_per_token")
+
+
+@lru_cache(maxsize=1)
+def size_limits() -> dict[str, tuple[int, str]]:
+    """Each size field's largest allowed value and the registry model it derives from: SIZE_HEADROOM times the
+    largest value any published config gives the field."""
+    largest: dict[str, tuple[int, str]] = {}
+    for model, entry in _registry().items():
+        for name in SIZE_FIELDS:
+            value = entry.get(name)
+            if isinstance(value, int) and value > largest.get(name, (0, ""))[0]:
+                largest[name] = (value, model)
+    return {name: (value * SIZE_HEADROOM, model) for name, (value, model) in largest.items()}
+
+
+def size_limit_error(name: str, value: Any, what: str) -> Optional[str]:
+    """The reason ``value`` is too large for the size field ``name`` (``what`` names where it came from), or None."""
+    limit, model = size_limits().get(name, (math.inf, ""))
+    if value <= limit:
+        return None
+    return (f"{what}: {value} is larger than any model lit-model builds ({name} at most {limit}, {SIZE_HEADROOM}x "
+            f"that of the largest published model, {model})")
+
+
 def check_ranges(config: Config) -> None:
     for name, least in _AT_LEAST.items():
         value = getattr(config, name)
         if value is not None and value < least:
             raise ConfigError(f"Config field {name}: {value} must be at least {least}.")
+    for name in SIZE_FIELDS:
+        value = getattr(config, name)
+        error = size_limit_error(name, value, f"Config field {name}") if value is not None else None
+        if error:
+            raise ConfigError(f"{error}. Check the value; the file may be damaged.")
     for name in _POSITIVE:
         value = getattr(config, name)
         if value is not None and not (value > 0 and math.isfinite(value)):

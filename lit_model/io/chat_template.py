@@ -3,21 +3,41 @@ rendered the way ``transformers``' ``apply_chat_template`` renders it: Jinja2 in
 read only what it is given, with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``,
 ``strftime_now``, ``namespace``, loop controls and the ``{% generation %}`` tag, and the tokenizer's special
 tokens (``bos_token``, ``eos_token``, ...) as variables next to ``messages`` and ``add_generation_prompt``.
+
+A template is code from the checkpoint, so its rendering is bounded: RENDER_BUDGET_S of time, MAX_RENDERED_CHARS
+of output, no ``lipsum`` and no arithmetic that builds a giant value (``"x" * 10**12``, ``10 ** 10**9``); whatever
+it raises ends in one message that names the fix (``--prompt_style``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import json
+import threading
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from lit_model.core.errors import UserError
 from lit_model.io.tokenizer import _read_json as read_json
 
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves it
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# A conversation renders in milliseconds; a template that loops for longer (nested range(100000)) is stopped
+RENDER_BUDGET_S = 3.0
+# Far above a whole context of text (a million tokens is about four million characters)
+MAX_RENDERED_CHARS = 32 * 2**20
+# The largest integer a template may compute (bits): a hundred digits are plenty for any chat template
+MAX_INT_BITS = 4096
+FIX = "Fix the template (chat_template.jinja, or chat_template in tokenizer_config.json), or pass --prompt_style " \
+      "with a built-in style."
+
+
+class RenderTimeout(Exception):
+    """Raised inside a rendering that ran past RENDER_BUDGET_S (see ``_time_limit``)."""
 
 
 def read_chat_template(checkpoint_dir: Union[str, Path]) -> Optional[str]:
@@ -51,16 +71,97 @@ def render(source: str, messages: Sequence[Mapping[str, Any]], add_generation_pr
     """The conversation as the template writes it (``variables``: the special tokens)."""
     import jinja2
 
+    template = _compile(source)
     try:
-        return _compile(source).render(
-            messages=[dict(m) for m in messages], tools=None, documents=None,
-            add_generation_prompt=add_generation_prompt, **variables,
-        )
-    except jinja2.TemplateError as error:
-        raise UserError(
-            f"The checkpoint's chat template refused this conversation: {error}. Change the conversation (e.g. "
-            "alternate user and assistant messages, system first), or pass --prompt_style with a built-in style."
-        ) from None
+        with _time_limit(RENDER_BUDGET_S):
+            pieces, size = [], 0
+            for piece in template.generate(
+                messages=[dict(m) for m in messages], tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **variables,
+            ):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise jinja2.exceptions.SecurityError(f"it wrote more than {MAX_RENDERED_CHARS} characters")
+                pieces.append(piece)
+            return "".join(pieces)
+    except RenderTimeout:
+        raise UserError(f"The checkpoint's chat template was stopped after {RENDER_BUDGET_S:g} s of rendering (a "
+                        f"conversation takes milliseconds): it loops without end, or nearly. {FIX}") from None
+    except jinja2.exceptions.SecurityError as error:
+        raise UserError(f"The checkpoint's chat template was stopped: {error}. {FIX}") from None
+    except Exception as error:  # noqa: BLE001 - whatever the template's code raises (1/0, recursion, memory)
+        if type(error) is jinja2.TemplateError:  # raise_exception(...): the template's verdict on the conversation
+            raise UserError(
+                f"The checkpoint's chat template refused this conversation: {error}. Change the conversation (e.g. "
+                "alternate user and assistant messages, system first), or pass --prompt_style with a built-in style."
+            ) from None
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
+        raise UserError(f"The checkpoint's chat template failed while rendering ({type(error).__name__}: "
+                        f"{detail}). {FIX}") from None
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise RenderTimeout in this thread once ``seconds`` have passed. A template's loops run as Python bytecode,
+    which an exception set from a timer thread interrupts at once: no signal, so it works in any thread, and the
+    timer ends with the block."""
+    thread, lock, running = threading.get_ident(), threading.Lock(), [True]
+
+    def expire() -> None:
+        with lock:  # never after the block has ended: the exception would land in unrelated code
+            if running[0]:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(RenderTimeout))
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            running[0] = False
+        timer.cancel()
+
+
+def _too_large(operator: str, left: Any, right: Any) -> bool:
+    """Whether ``left operator right`` would build a value no chat template needs, in one long C call that the
+    time limit cannot interrupt (``"x" * 10**12``, ``10 ** 10**9``)."""
+    if operator == "**" and _is_int(left) and _is_int(right):
+        return right > 0 and abs(left) > 1 and right * abs(left).bit_length() > MAX_INT_BITS
+    if operator == "*":
+        if _is_int(left) and _is_int(right):
+            return left.bit_length() + right.bit_length() > MAX_INT_BITS
+        for count, sequence in ((left, right), (right, left)):
+            if _is_int(count) and isinstance(sequence, (str, list, tuple)):
+                return count * len(sequence) > MAX_RENDERED_CHARS
+    return False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(function: Any, arguments: Sequence[Any]) -> None:
+    """Refuse a size argument no chat template needs (``'x'.center(10**10)``, ``indent(10**10)``): the call would
+    build the value in one long C call that the time limit cannot interrupt."""
+    import jinja2
+
+    large = next((a for a in arguments if _is_int(a) and abs(a) > MAX_RENDERED_CHARS), None)
+    if large is not None:
+        raise jinja2.exceptions.SecurityError(
+            f"it calls {getattr(function, '__name__', 'a function')} with {large}, larger than any chat template needs")
+
+
+def _bounded_filter(function: Any) -> Any:
+    """A Jinja filter whose arguments are checked by ``_check_arguments`` (its filtered value is not: any size)."""
+    skip = 2 if hasattr(function, "jinja_pass_arg") else 1  # the context or environment, then the value
+
+    @functools.wraps(function)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_arguments(function, [*args[skip:], *kwargs.values()])
+        return function(*args, **kwargs)
+
+    return bounded
 
 
 @lru_cache(maxsize=8)
@@ -118,10 +219,24 @@ def _compile(source: str) -> Any:
         def _body(self, caller: Any) -> str:
             return caller()
 
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if _too_large(operator, left, right):
+                raise jinja2.exceptions.SecurityError(
+                    f"it computes {str(left)[:20]!r} {operator} {str(right)[:20]!r}, a value larger than any chat "
+                    "template needs")
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, context: Any, function: Any, /, *args: Any, **kwargs: Any) -> Any:
+            _check_arguments(function, [*args, *kwargs.values()])
+            return super().call(context, function, *args, **kwargs)
+
+    environment = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    del environment.globals["lipsum"]  # lipsum(n=1000000): a template's way to write megabytes in one call
     environment.filters["tojson"] = tojson
+    environment.filters.update({name: _bounded_filter(f) for name, f in environment.filters.items()})
     environment.globals.update(
         raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
         dict=TemplateDict(), namespace=Namespace,

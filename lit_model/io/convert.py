@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from lit_model.core.config import Config
+from lit_model.core.config import Config, size_limit_error
 from lit_model.core.errors import UsageError, UserError
 from lit_model.io.checkpoint import (
     WEIGHTS_NAME,
@@ -84,8 +84,69 @@ _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 _REQUIRED = object()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What each config.json key the conversion reads must hold: (what to call it in a message, the check). A value of
+# another type is named with its key instead of failing somewhere inside the conversion (float("abc")).
+_COUNT = ("a positive integer", lambda v: _is_int(v) and v >= 1)
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+                     "intermediate_size", "moe_intermediate_size", "num_key_value_heads", "head_dim",
+                     "num_local_experts", "num_experts", "num_experts_per_tok", "original_max_position_embeddings",
+                     "sliding_window", "sliding_window_pattern", "_sliding_window_pattern", "no_rope_layer_interval",
+                     "query_pre_attn_scalar"), _COUNT),
+    **dict.fromkeys(("max_window_layers", "decoder_sparse_step"), ("an integer", _is_int)),
+    **dict.fromkeys(("rope_theta", "rotary_emb_base", "partial_rotary_factor", "rotary_pct", "layer_norm_eps",
+                     "rms_norm_eps", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq"),
+                    ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))),
+    **dict.fromkeys(("tie_word_embeddings", "use_parallel_residual", "attention_bias", "mlp_bias", "qk_layernorm",
+                     "use_sliding_window", "norm_topk_prob", "use_bidirectional_attention"),
+                    ("true or false", lambda v: isinstance(v, bool))),
+    **dict.fromkeys(("hidden_act", "hidden_activation"), ("text", lambda v: isinstance(v, str))),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), ("a mapping", lambda v: isinstance(v, dict))),
+    **dict.fromkeys(("layer_types", "no_rope_layers", "mlp_only_layers"), ("a list", lambda v: isinstance(v, list))),
+}
+# config.json keys that size the model -> the Config field whose limit bounds them (core.config.size_limits)
+_SIZE_KEYS = {
+    "hidden_size": "n_embd", "num_attention_heads": "n_head", "num_key_value_heads": "n_head",
+    "num_hidden_layers": "n_layer", "vocab_size": "padded_vocab_size", "max_position_embeddings": "block_size",
+    "original_max_position_embeddings": "block_size", "intermediate_size": "intermediate_size",
+    "moe_intermediate_size": "intermediate_size", "head_dim": "head_size", "num_local_experts": "n_expert",
+    "num_experts": "n_expert", "num_experts_per_tok": "n_expert_per_token",
+}
+
+
+# config.json settings nest two or three levels; ones kept in Config.extra must fit in model_config.yaml, whose
+# writer and reader recurse per level
+_MAX_NESTING = 32
+
+
+def _too_deep(value: Any) -> bool:
+    level = [value]
+    for _ in range(_MAX_NESTING):
+        level = [item for v in level if isinstance(v, (dict, list)) for item in (v.values() if isinstance(v, dict) else v)]
+        if not level:
+            return False
+    return True
+
+
+def _bad_value(key: str, value: Any, kind: str) -> UserError:
+    return UserError(f"config.json: {key!r} is {value!r}, which is not {kind}. The file is damaged or was edited: "
+                     "fix it, or download it again from the model's repository.")
+
+
+def _number(key: str, value: Any) -> float:
+    """A number from inside a nested config.json value (``rope_parameters``' factor)."""
+    if not _KINDS["rope_theta"][1](value):
+        raise _bad_value(key, value, "a number")
+    return float(value)
+
+
 class _Reader:
-    """Reads config.json keys and remembers which ones it read (the rest go to ``Config.extra``)."""
+    """Reads config.json keys, checking each value's type and size, and remembers which ones it read (the rest go
+    to ``Config.extra``)."""
 
     def __init__(self, hf: dict[str, Any]) -> None:
         self.hf = hf
@@ -102,6 +163,12 @@ class _Reader:
                     "Hugging Face config. Re-download config.json from the model's repository."
                 )
             return default
+        kind, check = _KINDS.get(key, ("", lambda v: True))
+        if not check(value):
+            raise _bad_value(key, value, kind)
+        too_large = size_limit_error(_SIZE_KEYS[key], value, f"config.json: {key!r}") if key in _SIZE_KEYS else None
+        if too_large:  # before a list per layer or a model is built from it
+            raise UserError(f"{too_large}. The file is damaged or was edited: download it again.")
         return value
 
 
@@ -139,26 +206,24 @@ def _read_rope(get: _Reader, layer_type: Optional[str] = None) -> tuple[float, f
     merged.pop("type", None)
     get.used.update(("rope_parameters", "rope_scaling", "rope_theta", "rotary_emb_base", "partial_rotary_factor",
                      "rotary_pct"))
+    theta, partial = _number("rope_theta", theta), _number("partial_rotary_factor", partial)
     if rope_type == "default":
-        return float(theta), float(partial), None
+        return theta, partial, None
     if rope_type == "linear":
-        return float(theta), float(partial), {"rope_type": "linear", "factor": float(merged["factor"])}
+        return theta, partial, {"rope_type": "linear", "factor": _number("factor", merged.get("factor"))}
     if rope_type == "llama3":
         original = merged.get("original_max_position_embeddings") or get("original_max_position_embeddings", None)
-        try:
-            scaling = {
-                "rope_type": "llama3",
-                "factor": float(merged["factor"]),
-                "low_freq_factor": float(merged["low_freq_factor"]),
-                "high_freq_factor": float(merged["high_freq_factor"]),
-                "original_max_position_embeddings": int(original),
-            }
-        except (KeyError, TypeError):
+        factors = ("factor", "low_freq_factor", "high_freq_factor")
+        if original is None or any(merged.get(key) is None for key in factors):
             raise UserError(
                 "config.json asks for llama3 RoPE scaling but lacks one of factor, low_freq_factor, "
                 "high_freq_factor, original_max_position_embeddings. Fix its rope_parameters/rope_scaling."
-            ) from None
-        return float(theta), float(partial), scaling
+            )
+        if not _COUNT[1](original):
+            raise _bad_value("original_max_position_embeddings", original, _COUNT[0])
+        scaling = {"rope_type": "llama3", **{key: _number(key, merged[key]) for key in factors},
+                   "original_max_position_embeddings": original}
+        return theta, partial, scaling
     raise _unsupported(get.model_type, f"RoPE scaling of type {rope_type!r} (supported: default, linear, llama3)")
 
 
@@ -174,9 +239,10 @@ def _read_local_rope(get: _Reader, theta: float, scaling: Optional[dict[str, Any
         local_type, local_theta = "default", get("rope_local_base_freq", 10000.0)
     if local_type != "default":
         raise _unsupported(get.model_type, f"RoPE of type {local_type!r} on the sliding-window layers")
-    if float(local_theta) == theta and scaling is None:
+    local_theta = _number("rope_theta", local_theta)
+    if local_theta == theta and scaling is None:
         return None
-    return float(local_theta)
+    return local_theta
 
 
 def _read_sliding(get: _Reader, n_layer: int) -> tuple[Optional[int], int, int]:
@@ -250,7 +316,7 @@ def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config.json contents where ``hf_config`` describes a multimodal model (Gemma 3 4B+);
     else ``hf_config`` itself."""
     t = hf_config.get("model_type")
-    if t not in _TEXT_PARTS:
+    if not isinstance(t, str) or t not in _TEXT_PARTS:
         return hf_config
     text = hf_config.get("text_config")
     if not isinstance(text, dict):
@@ -272,9 +338,12 @@ def _text_tensor_name(hf_name: str) -> Optional[str]:
 
 def config_from_hf(hf_config: dict[str, Any]) -> Config:
     """A ``Config`` from the contents of a Hugging Face config.json (of a multimodal model: its language model)."""
+    if not isinstance(hf_config, dict):
+        raise UserError(f"config.json holds {type(hf_config).__name__}, not a JSON object of settings. Download it "
+                        "again from the model's repository.")
     hf_config = _text_config(hf_config)
     t = hf_config.get("model_type")
-    if t not in ARCHITECTURES:
+    if not isinstance(t, str) or t not in ARCHITECTURES:
         raise UserError(
             f"model_type {t!r} in config.json is not supported. Supported model types: "
             f"{', '.join(SUPPORTED_TYPES)}."
@@ -381,10 +450,14 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
             get.used.discard("original_max_position_embeddings")  # kept in extra: Phi-3 writes it back
 
     extra = {k: v for k, v in hf_config.items() if k not in get.used and k not in _DROPPED_KEYS}
+    deep = next((key for key, value in extra.items() if _too_deep(value)), None)
+    if deep is not None:
+        raise UserError(f"config.json: {deep!r} nests more than {_MAX_NESTING} levels deep, which no model setting does "
+                        "(model_config.yaml could not hold it). The file is damaged or was edited: download it again.")
     try:
         return Config(extra=extra, **kw)
     except ValueError as error:
-        raise UserError(f"config.json describes an inconsistent model: {error}. Fix config.json.") from None
+        raise UserError(f"config.json describes an inconsistent model: {str(error).rstrip('.')}. Fix config.json.") from None
 
 
 def config_to_hf(config: Config) -> dict[str, Any]:
@@ -835,8 +908,8 @@ def hf_to_lit(hf_dir: str, out_dir: str, overwrite: bool = False, dtype: Optiona
             "that holds config.json and the model's weight files."
         )
     hf_config = _read_json(hf_dir / "config.json")
-    multimodal = hf_config.get("model_type") in _TEXT_PARTS
     config = config_from_hf(hf_config)
+    multimodal = hf_config.get("model_type") in _TEXT_PARTS
     _name_from_registry(config, hf_dir.resolve().name)
     _check_out_dir(out_dir, overwrite, hf_dir)
     files = hf_weight_files(hf_dir)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import http
+import importlib
 import io
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,7 +26,10 @@ from typing import Any, Callable, Optional
 
 from lit_model.io.checkpoint import CONFIG_NAME, check_checkpoint_dir
 from lit_model.core.config import Config, known_names
-from lit_model.io.convert import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, SUPPORTED_TYPES, hf_to_lit
+from lit_model.core.files import check_out_dir_path
+from lit_model.io.convert import (
+    BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, SUPPORTED_TYPES, _inside, config_from_hf, hf_to_lit,
+)
 from lit_model.core.errors import UsageError, UserError
 from lit_model.io.tokenizer import TOKENIZER_FILES
 
@@ -33,6 +39,8 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_PATTERNS = (SAFE_INDEX, SAFE_SINGLE, "model-*-of-*.safetensors")
 BIN_PATTERNS = (BIN_INDEX, BIN_SINGLE, "pytorch_model-*-of-*.bin")
 DEFAULT_ROOT = Path("checkpoints")
+# One part of a repository id, as the Hub allows it: letters, digits, "_", "-" and "." (not at either end)
+REPO_ID_PART = re.compile(r"\w(?:[\w.-]{0,94}\w)?", re.ASCII)
 
 
 def download(
@@ -53,12 +61,15 @@ def download(
     """
     org, name = _split_repo_id(repo_id)
     out_dir = Path(checkpoint_dir) if checkpoint_dir is not None else DEFAULT_ROOT / org / name
+    # before gigabytes are fetched that could not be saved
+    check_out_dir_path(out_dir, replaced=True, flag="--checkpoint_dir")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(
             f"{out_dir} already holds files (a checkpoint of {repo_id}?). Use it as --checkpoint_dir {out_dir}, "
             "or pass --overwrite to download and convert again."
         )
     token = access_token or None  # None: huggingface_hub reads HF_TOKEN or the saved login itself
+    _from_hub(repo_id, token, lambda hub: _check_listing(hub, repo_id, token))
     config_file = Path(_from_hub(repo_id, token, lambda hub: hub.hf_hub_download(repo_id, CONFIG_FILE, token=token)))
     _check_model_type(repo_id, config_file)
     metadata = (CONFIG_FILE, *TOKENIZER_FILES)
@@ -177,7 +188,13 @@ def _registry_config(model_name: str) -> Config:
 def _split_repo_id(repo_id: str) -> tuple[str, str]:
     parts = repo_id.strip("/").split("/")
     if len(parts) == 2 and all(parts):
-        return parts[0], parts[1]
+        # the parts name directories under checkpoints/ too, so ".." or a space would write elsewhere
+        if all(REPO_ID_PART.fullmatch(p) and ".." not in p and "--" not in p for p in parts):
+            return parts[0], parts[1]
+        raise UsageError(
+            f"{repo_id!r} is not a valid Hugging Face repository id: ORG and NAME hold only letters, digits, '_', '-' "
+            "and '.' (not at either end, no '..' or '--'), e.g. Qwen/Qwen2.5-0.5B."
+        )
     known = [Config.from_name(n).hf_name for n in known_names() if n == parts[-1]]
     hint = f" The registry knows {parts[-1]!r} as {known[0]}." if known and "/" in known[0] else ""
     raise UsageError(f"{repo_id!r} is not a Hugging Face repository id: give ORG/NAME, e.g. Qwen/Qwen2.5-0.5B.{hint}")
@@ -198,14 +215,71 @@ def _close_repo_ids(repo_id: str) -> str:
 def _check_model_type(repo_id: str, config_file: Path) -> None:
     """Refuse before the weights are fetched when conversion could not read them."""
     try:
-        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+        model_type = hf_config.get("model_type")
+    except (OSError, ValueError, AttributeError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise UserError(f"{repo_id}'s config.json could not be read ({error}). Check the repository.") from None
+    except RecursionError:
+        raise UserError(f"{repo_id}'s config.json nests too deeply to be a model's config. Check the repository.") from None
     if model_type not in SUPPORTED_TYPES:
         raise UserError(
             f"{repo_id} is a {model_type!r} model; lit-model converts the model types {', '.join(SUPPORTED_TYPES)}. "
             "Choose a model of one of these families (`python -m lit_model.config` lists the known ones)."
         )
+    config_from_hf(hf_config)  # every value's type and size, before gigabytes of weights are fetched for nothing
+
+
+def _check_listing(hub: Any, repo_id: str, token: Optional[str]) -> None:
+    """Refuse a repository that names a file outside its own directory (``../x``: written outside the cache)
+    before anything is fetched. Listing it first also reports a Hub that answers with an error (HTTP 5xx) or stops
+    answering as such, where snapshot_download would fall back to the cache and report missing weights. A Hub that
+    cannot be reached at all is left to the calls after this one: they retry, then take what the cache holds."""
+    if hub.constants.is_offline_mode():
+        return
+    http_library = _http_library(hub)
+    try:
+        info = hub.HfApi().model_info(repo_id, revision="main", token=token)
+    except (http_library.ConnectError, http_library.ConnectTimeout):
+        return
+    outside = [sibling.rfilename for sibling in info.siblings or [] if not _inside(sibling.rfilename)]
+    if outside:
+        raise UserError(
+            f"{repo_id} lists a file named {outside[0]!r}, which would be written outside the download cache; nothing "
+            "was fetched. The Hub (or the server HF_ENDPOINT names) is not to be trusted: check HF_ENDPOINT."
+        )
+
+
+def _http_library(hub: Any) -> Any:
+    """The HTTP client library huggingface_hub uses (httpx, or its fork httpx2), for its error classes."""
+    return importlib.import_module(type(hub.get_session()).__module__.split(".")[0])
+
+
+def _bound_timeouts(request: Any) -> None:
+    """An httpx request hook: huggingface_hub gives some requests no timeout at all (the repository listing), so a
+    server that accepts the connection and never answers would hold the download forever. Every wait of every
+    request is bounded by HF_HUB_DOWNLOAD_TIMEOUT (10 s unless set), as huggingface_hub bounds its file reads."""
+    from huggingface_hub import constants
+
+    timeout = request.extensions.get("timeout") or {}
+    seconds = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    request.extensions["timeout"] = {key: timeout.get(key) or seconds for key in ("connect", "read", "write", "pool")}
+
+
+def _http_status(error: BaseException) -> Optional[int]:
+    """The HTTP status behind a huggingface_hub error (LocalEntryNotFoundError hides it in its cause), or None."""
+    while error is not None:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _status_text(status: int) -> str:
+    try:
+        return f"HTTP {status} ({http.HTTPStatus(status).phrase})"
+    except ValueError:
+        return f"HTTP {status}"
 
 
 def _has_weights(snapshot: Path, patterns: tuple[str, ...]) -> bool:
@@ -231,6 +305,11 @@ def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) ->
         "To use a copy you have elsewhere, convert it with `python -m lit_model.convert hf_to_lit --hf_dir DIR "
         "--out_dir DIR`."
     )
+    session = hub.get_session()  # the process's shared client: the hook stays for its later downloads
+    if _bound_timeouts not in session.event_hooks["request"]:
+        session.event_hooks = {**session.event_hooks, "request": [*session.event_hooks["request"], _bound_timeouts]}
+    transport_error = _http_library(hub).TransportError
+    retry = "Run this again later: finished files are kept and unfinished ones resume."
     try:
         return call(hub)
     except errors.GatedRepoError:
@@ -248,22 +327,31 @@ def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) ->
             f"{repo_id} has no config.json, so it is not a transformers model lit-model can convert. Choose a "
             "repository that holds config.json and safetensors or .bin weights."
         ) from None
-    except errors.LocalEntryNotFoundError:
-        offline = hub.constants.is_offline_mode()
-        reason = (
-            "HF_HUB_OFFLINE is set and the Hugging Face cache does not hold it; unset HF_HUB_OFFLINE to download"
-            if offline else
-            "the Hugging Face Hub could not be reached (no network?) and the cache does not hold it; check the "
-            "connection (or HF_ENDPOINT), then run this again: finished files are kept and unfinished ones resume"
-        )
-        raise UserError(f"Could not get {repo_id}: {reason}. {local_copy}") from None
+    except errors.LocalEntryNotFoundError as error:
+        status = _http_status(error)
+        if hub.constants.is_offline_mode():
+            reason = "HF_HUB_OFFLINE is set and the Hugging Face cache does not hold it; unset HF_HUB_OFFLINE to download"
+        elif status is not None:  # the Hub answered, with an error of its own: not the network
+            reason = (f"the Hugging Face Hub answered {_status_text(status)}, a failure on the Hub's side (or of the "
+                      "server HF_ENDPOINT names), and the cache does not hold it")
+        else:
+            reason = ("the Hugging Face Hub could not be reached (no network?) and the cache does not hold it; check "
+                      "the connection (or HF_ENDPOINT)")
+        raise UserError(f"Could not get {repo_id}: {reason}. {retry} {local_copy}") from None
     except errors.HfHubHTTPError as error:
-        status = getattr(getattr(error, "response", None), "status_code", None)
+        status = _http_status(error)
         if status in (401, 403):
             raise UserError(f"The Hugging Face Hub refused access to {repo_id} (HTTP {status}). {token_hint}") from None
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        failure = _status_text(status) if status is not None else _first_line(error)
+        raise UserError(f"Downloading {repo_id} failed: the Hugging Face Hub answered {failure}. {retry} {local_copy}"
+                        ) from None
+    except ValueError as error:  # huggingface_hub's checks of what the Hub sent (a file name with "..")
+        raise UserError(f"Downloading {repo_id} failed: {_first_line(error)}. Nothing was written outside the "
+                        "Hugging Face cache. Check HF_ENDPOINT, or report it to the repository's owner.") from None
+    except transport_error as error:  # the connection broke off, or the server stopped answering
         raise UserError(
-            f"Downloading {repo_id} failed: {first_line}. Run this again later (finished files are kept). {local_copy}"
+            f"Downloading {repo_id} failed: the connection to the Hugging Face Hub broke off or stopped answering "
+            f"({type(error).__name__}: {_first_line(error)}). {retry} {local_copy}"
         ) from None
     except OSError as error:  # a full disk, an unwritable cache directory
         raise UserError(
@@ -271,3 +359,6 @@ def _from_hub(repo_id: str, token: Optional[str], call: Callable[[Any], Any]) ->
             f"(now {hub.constants.HF_HUB_CACHE})."
         ) from None
 
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -109,7 +109,7 @@ class PromptStyle:
         template, else the config's."""
         path = Path(checkpoint_dir) / PROMPT_STYLE_FILE
         if path.is_file():
-            name = (yaml.safe_load(path.read_text()) or {}).get("name", "default")
+            name = _saved_style_name(path)
             if name == ChatTemplate.name:
                 template = ChatTemplate.load(checkpoint_dir)
                 if template is None:
@@ -194,6 +194,19 @@ class ChatTemplate(PromptStyle):
             raise UserError("The checkpoint's chat template renders earlier turns differently once a message follows "
                             "them, so chat cannot keep them in its cache. Pass --prompt_style with a built-in style.")
         return after[len(before):]
+
+
+def _saved_style_name(path: Path) -> str:
+    """The style name ``PromptStyle.save`` wrote (``name: alpaca``); a file that is not that is named, with the fix."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        data = None  # reported below, as any other content that is not a style
+    name = data.get("name", "default") if isinstance(data, dict) else None
+    if not isinstance(name, str):
+        raise UserError(f"{path} does not hold a prompt style (`name: STYLE`, as fine-tuning writes it). Fix or delete "
+                        f"it, or pass --prompt_style (one of {', '.join(STYLES)}).")
+    return name
 
 
 _PROBE = ("Hi", "Hello")  # a probe conversation; plain words no template rewrites
