@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from lit_model.parallel.activations import ActivationOffloading
 from lit_model.parallel.apply import Levers, offloading_of, parallelize
 from lit_model.parallel.dims import ParallelDims
 from lit_model.recipes.cli import parse
@@ -246,3 +247,21 @@ def test_loss_chunk_auto_picks_the_largest_chunk_that_fits(tmp_path):
     plan = plan_run(run, 100 * room, engine="analytic", suggest=False)
     assert plan.planned.loss_chunk_size == roomy and any("--loss_chunk_size auto: 4096" in n for n in plan.notes)
     assert max_loss_chunk_size(run.replace(device_type="cpu"), 100 * room) == 128  # cache-sized chunks: fastest
+
+
+def test_disk_offloading_leaves_a_saved_storage_resizable(tmp_path):
+    """FSDP frees its unsharded parameters after forward by resizing their storages to 0, and a saved tensor may view
+    one (LoRA's frozen base weight): writing it to a file must not pin the storage (a numpy view did: "Trying to
+    resize storage that is not resizable", found by plan_accuracy --random), and backward gets the same values."""
+    weight = torch.randn(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    with ActivationOffloading("disk", tmp_path)():
+        y = (x @ weight.t()).relu()  # saves x, weight.t() (a view of weight's storage) and the output
+    assert list(tmp_path.iterdir())  # they went to files
+    expected = weight.clone()
+    storage = weight.untyped_storage()
+    storage.resize_(0)  # as FSDP's reshard does
+    storage.resize_(expected.numel() * expected.element_size())
+    weight.copy_(expected)  # ... and its all-gather before backward
+    y.sum().backward()
+    assert torch.allclose(x.grad, ((x.detach() @ expected.t()) > 0).float() @ expected)

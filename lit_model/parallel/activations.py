@@ -12,6 +12,7 @@ must see (device memory falls, host memory rises); the real destinations write n
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import tempfile
@@ -171,8 +172,11 @@ class _DiskFiles:
         storage = _bytes_of(tensor)
         descriptor, path = tempfile.mkstemp(suffix=".tmp", dir=self._folder())
         weakref.finalize(stored, _remove, path)
+        host = storage.cpu()
         with os.fdopen(descriptor, "wb") as file:
-            storage.cpu().numpy().tofile(file)
+            # straight from the storage's memory: a numpy view of it would leave the storage unresizable, and FSDP
+            # frees its unsharded parameters (which a saved tensor may view) by resizing their storages to 0
+            file.write((ctypes.c_char * host.numel()).from_address(host.data_ptr()))
         stored.data = path
 
     def load(self, stored: _Stored) -> torch.Tensor:
