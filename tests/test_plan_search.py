@@ -180,3 +180,13 @@ def test_auto_micro_batch_is_planned_at_the_data_length(tiny_setup):
     assert chosen.micro_batch_size > max(at_context.micro_batch_size, 1), (chosen.micro_batch_size, at_context.micro_batch_size)
     at_data = finetune.common.choose_micro_batch_size(fabric, run.replace(seq_len=padded_length(50)), args)
     assert chosen.micro_batch_size == at_data.micro_batch_size
+
+
+def test_a_plan_of_data_the_run_would_stop_on_says_so(tiny_checkpoint, tmp_path):
+    """Samples whose prompts fill the whole context: the run would stop on them (no response token left); its plan
+    is of the memory at the whole length, with the reason in its note, not that stop."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"instruction": "word " * 200, "output": "hi"}) + "\n" for _ in range(4)))
+    run = finetune.resolve(LoRAArgs(checkpoint_dir=tiny_checkpoint, data_path=data, plan="text",
+                                    val_split_fraction=0.25), "lora")
+    assert run.seq_len == run.config.block_size and "the run would stop on its data" in run.seq_len_source

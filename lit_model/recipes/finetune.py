@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
 
-from lit_model.core.errors import UsageError
+from lit_model.core.errors import UsageError, UserError
 from lit_model.core.units import format_bytes
 from lit_model.data.instruct import (InstructData, PackedDataset, collate, load_instruct_data, padded_length,
                                      padding_fraction)
@@ -159,8 +159,8 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
     """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: the longest sample,
     padded as ``collate`` pads it), not the model's whole context, with where that length comes from. Without the
     checkpoint's tokenizer (a model not downloaded yet) the samples are counted in UTF-8 bytes, an upper bound of any
-    tokenizer's count. Packed sequences, a recipe without data to read and data not there yet are planned at the
-    run's length."""
+    tokenizer's count. Packed sequences, a recipe without data to read, data not there yet and data the run would
+    stop on (noted) are planned at the run's length."""
     if run.packing or read_data is None:
         return run
     if args.data_path is not None and not Path(args.data_path).exists():  # planned before the data is there
@@ -168,7 +168,10 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
                                           "length (--override_max_seq_length, else the model's context)")
     tokenizer = Tokenizer(checkpoint_dir) if checkpoint_dir is not None and has_tokenizer(checkpoint_dir) else None
     counted = run.replace(checkpoint_dir=checkpoint_dir)
-    data = read_data(counted, args, tokenizer or ByteCountTokenizer(), prompt_style(counted, args))
+    try:
+        data = read_data(counted, args, tokenizer or ByteCountTokenizer(), prompt_style(counted, args))
+    except UserError as error:  # the run would stop on it; the plan is of its memory, and says why it assumed more
+        return run.replace(seq_len_source=f"planned at the whole length: the run would stop on its data: {error}")
     length = padded_length(max(data.train.lengths), max_length=run.seq_len)
     unit = "tokens" if tokenizer is not None else "UTF-8 bytes (no tokenizer yet: an upper bound of its tokens)"
     return run.replace(seq_len=length, seq_len_source=f"the longest sample of the data, counted in {unit} and padded "
