@@ -518,7 +518,9 @@ def random_accuracy(n: int, seed: int, out_dir: Path, work: Path) -> list[dict]:
         try:
             rows.append(row(case, [measure(case, work, env, tokenizer_dir)], plan))
         except RuntimeError as error:  # a combination its script accepted and then failed: a defect, listed
-            failed.append({"label": case.label, "error": str(error).strip().splitlines()[-1][:300]})
+            text = str(error)  # the script's one paragraph after "error:", else the last line (a traceback's)
+            reason = text.rsplit("error:", 1)[-1] if "error:" in text else text.strip().splitlines()[-1]
+            failed.append({"label": case.label, "error": " ".join(reason.split())[:400]})
             print(json.dumps(failed[-1]), flush=True)
             continue
         print(json.dumps({"label": case.label, "measured_mib": rows[-1]["measured_mib"],
@@ -809,7 +811,8 @@ def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_di
     st = stats(rows)
     under = [r for r in rows if r["error_pct"] < -5]
     lines = [
-        *report_heading(f"Memory planner accuracy off the grid: {len(rows)} configurations drawn with seed {seed}",
+        *report_heading(f"Memory planner accuracy off the grid: {len(rows) + len(failed)} configurations drawn with "
+                        f"seed {seed}",
                         f" --random {len(rows) + len(failed)} --seed {seed}"),
         "Each configuration was drawn at random from the flag space (see the script's docstring), kept when its script "
         "accepts it, run whole once (2 optimizer steps, an evaluation, the final save and the sample) and compared with "
