@@ -30,7 +30,7 @@ from lit_model.core.files import (
     atomic_write, check_out_dir_path, disk_full_error, follow_umask, fsync_directory, is_disk_full, replace_directory,
     restore_replaced,
 )
-from lit_model.io.tokenizer import TOKENIZER_FILES
+from lit_model.io.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.yaml"
@@ -236,7 +236,7 @@ def check_checkpoint_dir(checkpoint_dir: str | Path, need_tokenizer: bool = Fals
             "made by pretrain/main.py, a finetune script, or `python -m lit_model.convert hf_to_lit`."
         )
     missing = [name for name in (WEIGHTS_NAME, CONFIG_NAME) if not (checkpoint_dir / name).is_file()]
-    if need_tokenizer and not any((checkpoint_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+    if need_tokenizer and not has_tokenizer(checkpoint_dir):
         missing.append("tokenizer.json or tokenizer.model")
     if missing:
         present = sorted(p.name for p in checkpoint_dir.iterdir())
