@@ -33,7 +33,7 @@ from lit_model.infer.stream import TextStream  # noqa: E402
 from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir  # noqa: E402
 from lit_model.io.prompts import PromptStyle  # noqa: E402
 from lit_model.io.tokenizer import Tokenizer  # noqa: E402
-from lit_model.methods.lora import LoRAConfig, apply_lora, load_saved_lora, save_adapter  # noqa: E402
+from lit_model.methods.lora import LoRAConfig, apply_lora, load_saved_lora, read_lora, save_adapter, use_lora  # noqa: E402
 from lit_model.recipes import serve  # noqa: E402
 
 CONTEXT = 256
@@ -376,3 +376,22 @@ def test_plan_counts_the_sequences_the_pool_holds(checkpoint):
     flags[flags.index("json")] = "text"
     text = run_captured(lambda: serve.cli(flags), flags)
     assert text.returncode == 0 and "--kv_cache_dtype int8" in text.stdout, text.stdout
+
+
+def test_use_lora_switches_one_base_between_adapters_exactly(checkpoint, adapter):
+    """read_lora/use_lora: the model computes the base, the adapter (as load_saved_lora's model does) and the base
+    again, with its base weights untouched."""
+    tokens = torch.tensor([[1, 5, 9, 33, 70]])
+    model = load_model(checkpoint, ["cpu"], torch.float32)
+    weights = {name: p.clone() for name, p in model.state_dict().items()}
+    base = model(tokens)
+    reference = load_model(checkpoint, ["cpu"], torch.float32)
+    load_saved_lora(reference, adapter)
+    adapted = read_lora(adapter, model)
+    use_lora(model, adapted)
+    torch.testing.assert_close(model(tokens), reference(tokens))
+    use_lora(model, None)
+    assert torch.equal(model(tokens), base)
+    use_lora(model, adapted)
+    torch.testing.assert_close(model(tokens), reference(tokens))
+    assert all(torch.equal(p, weights[name]) for name, p in model.state_dict().items() if name in weights)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import queue
 import signal
@@ -353,6 +354,7 @@ class EngineAPI(ls.LitAPI):
         # Ctrl-C reaches every process of the terminal's group: the server process stops this one once the requests
         # in flight are answered
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.getLogger("litserve").setLevel(logging.WARNING)  # as the server process's (log_level="warning")
         try:
             self._build()
         except UserError as error:  # one paragraph, as run_cli prints it; the server then exits 1 (serve.main)
