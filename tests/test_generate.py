@@ -40,14 +40,7 @@ def greedy(model: GPT) -> Generator:
     return Generator(model, Precision("32-true", torch.float32, autocast=None), Sampling(temperature=0))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy machine does not stall them (in this process and in
-    the scripts it starts)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed: int = 0, **fields) -> GPT:
