@@ -15,9 +15,10 @@ Synchronous and single-threaded: the caller (the server's worker loop, generate 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -268,3 +269,42 @@ class Engine:
         new = tuple(kept[sequence.emitted:upto])
         sequence.emitted = upto
         return Event(request.id, new, reason) if new or reason else None
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: tuple[int, ...]
+    finish_reason: str
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    time_to_first_token: float  # seconds from the first step to the first token of any request
+    seconds: float  # the whole batch
+    tokens: int  # kept tokens of every request
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def complete(engine: Engine, requests: list[Request],
+             on_event: Callable[[Event], object] = lambda event: None) -> tuple[dict[str, Completion], BatchTiming]:
+    """Run ``requests`` to their ends, all queued at once; ``on_event`` sees every event as it comes."""
+    for request in requests:
+        engine.add(request)
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    done: dict[str, Completion] = {}
+    start, first = time.perf_counter(), None
+    while engine.has_work():
+        for event in engine.step():
+            if event.tokens and first is None:
+                first = time.perf_counter()
+            tokens[event.id] += event.tokens
+            if event.finish_reason is not None:
+                done[event.id] = Completion(tuple(tokens[event.id]), event.finish_reason, event.error)
+            on_event(event)
+    seconds = time.perf_counter() - start
+    timing = BatchTiming((first or start + seconds) - start, seconds, sum(len(t) for t in tokens.values()))
+    return done, timing
