@@ -1,7 +1,7 @@
 """How many sequences a KV cache of a given size holds at once: the paged cache (infer/paged.py, scheduled by
 infer/batching.py) against a cache reserved per request, for the same pool bytes and the same mixed-length requests.
 
-    python benchmarks/serve_memory.py [--model pythia-70m] [--requests 96] [--pool_sequences 8] [--seed 0]
+    python benchmarks/serve_memory.py [--model pythia-14m] [--requests 256] [--pool_sequences 8] [--seed 0]
 
 The pool is ``--pool_sequences`` x the model's context x the bytes per position in bf16 (a cache reserved at the
 context length for each request holds exactly that many sequences). Requests draw a prompt of 16-512 tokens and
@@ -36,7 +36,7 @@ from lit_model.infer.engine import Sampling  # noqa: E402
 from lit_model.infer.load import Precision  # noqa: E402
 from lit_model.infer.paged import DEFAULT_BLOCK_SIZE, PoolSpec, block_bytes  # noqa: E402
 
-BF16 = Precision("bf16-true", torch.bfloat16, autocast=None)
+FP32 = Precision("32-true", torch.float32, autocast=None)  # the model computes in fp32 (fast on any CPU), the pool stores bf16 / int8
 
 
 def draw_requests(count: int, seed: int, vocab: int) -> list[Request]:
@@ -51,7 +51,7 @@ def draw_requests(count: int, seed: int, vocab: int) -> list[Request]:
 
 def measure(model: GPT, requests: list[Request], pool: PoolSpec) -> dict[str, float]:
     """Run every request to its end; the running sequences at each step where some were waiting."""
-    engine = Engine(model, BF16, pool, max_batch=len(requests))
+    engine = Engine(model, FP32, pool, max_batch=len(requests))
     for request in requests:
         engine.add(request)
     limited: list[int] = []
@@ -61,22 +61,22 @@ def measure(model: GPT, requests: list[Request], pool: PoolSpec) -> dict[str, fl
         engine.step()
         if waiting_before and engine.stats().waiting:
             limited.append(engine.stats().running)
-    assert engine.stats().free_blocks == pool.num_blocks
+    assert engine.stats().free_blocks == pool.num_blocks and limited, "the pool never limited the batch: queue more"
     return {"mean_running": statistics.mean(limited), "max_running": max(limited),
             "preemptions": engine.stats().preemptions, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="pythia-70m")
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--model", default="pythia-14m")
+    parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--pool_sequences", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     config = Config.from_name(args.model)
     with torch.device("cpu"):
-        model = GPT(config).to(torch.bfloat16)
+        model = GPT(config)
     model.init_weights()
     model.eval()
     context = config.block_size
