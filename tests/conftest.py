@@ -38,6 +38,16 @@ intermediate_size: 128
 """
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy machine does not stall them (in this process and in
+    the scripts it starts): a module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _keep_sigint_handler():
     """Scripts run in-process (directly, through ``lit-model`` or the tutorial's commands) set SIGINT to its default

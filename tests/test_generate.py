@@ -40,14 +40,7 @@ def greedy(model: GPT) -> Generator:
     return Generator(model, Precision("32-true", torch.float32, autocast=None), Sampling(temperature=0))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy machine does not stall them (in this process and in
-    the scripts it starts)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed: int = 0, **fields) -> GPT:
@@ -322,6 +315,30 @@ def test_base_script_streams_text_and_reports_speed_and_memory(checkpoint_dir: P
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "time to first token" in lines[0] and "tokens/s" in lines[0]
     assert "peak memory" in lines[0]
+
+
+def test_base_script_generates_several_prompts_together(checkpoint_dir: Path, tmp_path: Path) -> None:
+    """Repeated --prompt and --prompts_file run through continuous batching: each output equals the prompt's own
+    greedy generation, in the order given."""
+    texts = ["def f(x):", "import os", "class A:\n    pass"]
+    model, tokenizer = load_model(checkpoint_dir, max_seq_length=256), Tokenizer(checkpoint_dir)
+    expected = "".join(
+        f"--- prompt {i + 1} ---\n"
+        f"{tokenizer.decode(generate(model, tokenizer.encode(t), 8, temperature=0, eos_ids=tokenizer.eos_ids).tokens[0])}\n"
+        for i, t in enumerate(texts))
+    flags = ["--max_new_tokens", "8", "--temperature", "0", "--precision", "32-true"]
+    proc = run("generate/base.py", "--checkpoint_dir", str(checkpoint_dir), *flags,
+               *[arg for t in texts for arg in ("--prompt", t)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected
+    assert "3 sequences" in proc.stderr and "tokens/s" in proc.stderr
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("def f(x):\n\nimport os\n")
+    proc = run("generate/base.py", "--checkpoint_dir", str(checkpoint_dir), *flags, "--prompts_file", str(prompts_file))
+    assert proc.returncode == 0 and proc.stdout == expected.split("--- prompt 3")[0]
+    proc = run("generate/base.py", "--checkpoint_dir", str(checkpoint_dir), "--prompts_file", str(prompts_file),
+               "--prompt", "x")
+    assert proc.returncode == 2 and "not both" in proc.stderr and proc.stdout == ""
 
 
 def test_base_script_errors_are_one_paragraph_without_traceback(checkpoint_dir: Path, tmp_path: Path) -> None:

@@ -48,13 +48,18 @@ def forward_last(
 ) -> torch.Tensor:
     """``model(idx, input_pos)[:, -1]`` (logits of shape (batch, vocab)) without the head over every prompt
     position; activations hop to the next device where consecutive blocks live on different GPUs.
-    ``input_pos_maxp1`` (``input_pos[-1] + 1``) lets attention read only the filled part of the cache."""
+    ``input_pos``: the positions (T,) of every row's tokens, or each row's own (batch, T) (a paged cache's batch of
+    sequences of different lengths, infer/batching.py). ``input_pos_maxp1`` (``input_pos[-1] + 1``, positions
+    shared by the rows) lets attention read only the filled part of the cache."""
     x = model.embed(idx.to(model.embed.weight.device))  # sampled on the head's device
     if model.config.scale_embeddings:
         x = x * torch.tensor(model.config.n_embd**0.5, dtype=x.dtype)
     # cast once here rather than in every block's apply_rope (the same values: apply_rope casts to this dtype)
-    cos = model.cos.index_select(0, input_pos).to(x.dtype)
-    sin = model.sin.index_select(0, input_pos).to(x.dtype)
+    if input_pos.ndim == 1:
+        cos = model.cos.index_select(0, input_pos).to(x.dtype)
+        sin = model.sin.index_select(0, input_pos).to(x.dtype)
+    else:  # (batch, 1, T, n_elem): broadcast over the heads
+        cos, sin = model.cos[input_pos].unsqueeze(1).to(x.dtype), model.sin[input_pos].unsqueeze(1).to(x.dtype)
     for block in model.blocks:
         device = block.attn.proj.weight.device
         if x.device != device:

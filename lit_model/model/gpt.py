@@ -371,14 +371,7 @@ class CausalSelfAttention(nn.Module):
         if input_pos is not None:
             if self.kv_cache is None:
                 raise RuntimeError("Call `model.set_kv_cache(...)` before decoding with input_pos.")
-            k, v = self.kv_cache(input_pos, k, v)
-            if input_pos_maxp1 is None:
-                mask = attention_mask(input_pos, k.size(2), self.sliding_window)
-            else:
-                k, v = k[:, :, :input_pos_maxp1], v[:, :, :input_pos_maxp1]
-                windowed = self.sliding_window is not None and input_pos_maxp1 > self.sliding_window
-                needs_mask = windowed or T not in (1, input_pos_maxp1)
-                mask = attention_mask(input_pos, input_pos_maxp1, self.sliding_window) if needs_mask else None
+            k, v, mask = self.kv_cache.update(input_pos, k, v, input_pos_maxp1, self.sliding_window)
             k, v = as_dtype(k, q.dtype), as_dtype(v, q.dtype)
         elif document_masks is not None:
             mask = document_masks[self.sliding_window]
@@ -499,12 +492,14 @@ class CausalSelfAttention(nn.Module):
 
 
 def attention_mask(input_pos: torch.Tensor, key_length: int, sliding_window: Optional[int]) -> torch.Tensor:
-    """Boolean (T, key_length) mask: query at position p sees keys at positions <= p (and > p - window)."""
+    """Boolean mask: query at position p sees keys at positions <= p (and > p - window). (T, key_length) for
+    positions (T,) shared by the batch; (B, 1, T, key_length) for each row's own positions (B, T)."""
     key_pos = torch.arange(key_length, device=input_pos.device)
-    mask = key_pos[None, :] <= input_pos[:, None]
+    query_pos = input_pos[..., None]
+    mask = key_pos <= query_pos
     if sliding_window is not None:
-        mask &= key_pos[None, :] > input_pos[:, None] - sliding_window
-    return mask
+        mask &= key_pos > query_pos - sliding_window
+    return mask if input_pos.ndim == 1 else mask.unsqueeze(1)
 
 
 def document_mask(positions: torch.Tensor, sliding_window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
@@ -808,10 +803,19 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos_maxp1: Optional[int],
+               sliding_window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Write ``k``, ``v`` (B, key heads, T, head_size) at positions ``input_pos`` (T,); return the keys and values
+        attention reads and its mask. The interface of every cache (``infer/paged.py``'s too): how a cache stores
+        its positions is its own business, so the attention layer does not change with it."""
         self.k.index_copy_(2, input_pos, as_dtype(k, self.k.dtype))
         self.v.index_copy_(2, input_pos, as_dtype(v, self.v.dtype))
-        return self.k, self.v
+        if input_pos_maxp1 is None:
+            return self.k, self.v, attention_mask(input_pos, self.k.size(2), sliding_window)
+        windowed = sliding_window is not None and input_pos_maxp1 > sliding_window
+        needs_mask = windowed or k.size(2) not in (1, input_pos_maxp1)
+        mask = attention_mask(input_pos, input_pos_maxp1, sliding_window) if needs_mask else None
+        return self.k[:, :, :input_pos_maxp1], self.v[:, :, :input_pos_maxp1], mask
 
 
 # ---- memory contracts of the layers' shared parts and of torch's own classes (model/contracts.py) ---------------

@@ -5,6 +5,7 @@ also runs from a YAML file: ``--config file.yaml`` with flags on the command lin
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import sys
 import typing
@@ -45,7 +46,7 @@ def parse(args_cls: type, argv: Optional[list[str]] = None, prog: Optional[str] 
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags; the command line overrides it")
     parser.add_class_arguments(args_cls, nested_key=None, as_group=False)
     hints = typing.get_type_hints(args_cls)
-    argv = config_first(bare_bool_flags(hints, sys.argv[1:] if argv is None else argv))
+    argv = config_first(repeated_list_flags(hints, bare_bool_flags(hints, sys.argv[1:] if argv is None else argv)))
     check_empty_values(hints, argv)
     try:
         namespace = parser.parse_args(argv)
@@ -71,6 +72,33 @@ def bare_bool_flags(type_hints: dict[str, Any], argv: list[str]) -> list[str]:
         following = argv[i + 1] if i + 1 < len(argv) else None
         if arg in bool_flags and (following is None or following.startswith("--")):
             out.append("true")
+    return out
+
+
+def repeated_list_flags(type_hints: dict[str, Any], argv: list[str]) -> list[str]:
+    """Let a flag that takes a text or a list of texts (``--prompt``, ``--stop``) be repeated: ``--prompt A --prompt
+    B`` means the list ``["A", "B"]`` (jsonargparse would keep the last one alone)."""
+    listed = {f"--{name}" for name, hint in type_hints.items()
+              if typing.get_origin(hint) is Union and list[str] in typing.get_args(hint)}
+    values: dict[str, list[str]] = {}
+    rest: list[tuple[str, bool]] = []  # (argument, whether it is a listed flag's one slot, where it first stood)
+    i = 0
+    while i < len(argv):
+        flag, equals, inline = argv[i].partition("=")
+        if flag in listed and (equals or i + 1 < len(argv)):
+            if flag not in values:
+                rest.append((flag, True))
+            values.setdefault(flag, []).append(inline if equals else argv[i + 1])
+            i += 1 if equals else 2
+            continue
+        rest.append((argv[i], False))
+        i += 1
+    out: list[str] = []
+    for arg, slot in rest:
+        out.append(arg)
+        if slot:
+            given = values[arg]
+            out.append(given[0] if len(given) == 1 else json.dumps(given))
     return out
 
 
