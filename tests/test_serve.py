@@ -242,6 +242,7 @@ def test_adapter_and_base_requests_mixed_each_equal_generate(server, reference):
     assert expected[0] != expected[1]  # the adapter changes the answer
 
 
+@pytest.mark.slow  # ~11 s: 16 requests through a pool of 12 blocks, most of them waiting for blocks
 def test_sixteen_concurrent_requests_of_different_lengths_all_complete(server, reference):
     tokenizer, answer = reference
     served_before = server.pool()["requests"]
@@ -307,6 +308,7 @@ def test_a_request_beyond_the_pool_is_400_naming_it(server):
     assert total * 16 < CONTEXT and str(total * 16) in message, message
 
 
+@pytest.mark.slow  # ~30 s: a second server (start, 9 requests, stop)
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint, reference):
     """A second server with an int8 KV cache: its greedy agreement with generate's, then SIGTERM mid-stream."""
     tokenizer, answer = reference
@@ -321,9 +323,9 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint, referenc
             agree = next((i for i, (a, b) in enumerate(zip(got_ids, expected_ids)) if a != b),
                          min(len(got_ids), len(expected_ids)))
             equal, total = equal + agree, total + len(expected_ids)
-        # int8 keys and values with per-block scales: greedy tokens agree with the 32-bit cache's up to the first
-        # difference in at least 80 % of the positions on this random model (a first difference changes the rest)
-        assert equal / total >= 0.8, (equal, total)
+        # int8 keys and values with per-block scales: the greedy tokens agree with the 32-bit cache's up to the first
+        # difference (after which the texts part) in 182 of 182 positions here; at least 90 % must
+        assert equal / total >= 0.9, (equal, total)
 
         stream = served.client.completions.create(model="tiny-serve", prompt="def", max_tokens=60, temperature=0,
                                                   stream=True)

@@ -12,7 +12,7 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
 from lit_model.core.precision import PRECISION_DTYPES
 from lit_model.core.units import format_bytes, parse_memory
-from lit_model.infer.paged import KV_DTYPES, block_bytes, blocks_for
+from lit_model.infer.paged import block_bytes, blocks_for, read_bytes
 from lit_model.plan.generation import plan_generation
 from lit_model.run import render_flags
 
@@ -42,11 +42,6 @@ def parse_pool_memory(text: str) -> PoolMemory:
     return PoolMemory(fraction=fraction)
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_DTYPES:
-        raise UsageError(f"Unknown --kv_cache_dtype {kv_cache_dtype!r}. Choose one of: {', '.join(KV_DTYPES)}.")
-
-
 @dataclass(frozen=True)
 class ServeSuggestion:
     flags: str
@@ -62,7 +57,7 @@ class ServePlan:
     block_size: int
     device_type: str
     device_memory: Optional[int]
-    model_bytes: int  # weights, a step's activations and the framework's overhead: what the pool comes after
+    model_bytes: int  # weights, a step's activations and reads of the cache, the framework's overhead: before the pool
     pool_bytes: int
     num_blocks: int
     bytes_per_token: float  # of one sequence, every layer's keys and values
@@ -84,7 +79,7 @@ class ServePlan:
             f"Serving plan: {self.model}, {self.precision}{quantized}, KV cache {self.kv_cache_dtype} in blocks of "
             f"{self.block_size} positions",
             f"  device memory:        {memory} ({self.device_type})",
-            f"  model:                {format_bytes(self.model_bytes)} (weights, a step's activations, overhead)",
+            f"  model:                {format_bytes(self.model_bytes)} (weights, a step's activations and cache reads, overhead)",
             f"  KV cache pool:        {format_bytes(self.pool_bytes)} = {self.num_blocks} blocks",
             f"  per sequence-token:   {self.bytes_per_token:,.0f} bytes",
             "  concurrent sequences: " + ", ".join(f"{n} of {length} tokens" for length, n in self.sequences.items())
@@ -100,14 +95,15 @@ class ServePlan:
 def plan_serving(config: Config, precision: str, quantize: Optional[str], pool: PoolMemory, kv_cache_dtype: str,
                  block_size: int, max_batch: int, device_memory: Optional[str], device_type: str, devices: int = 1,
                  suggest: bool = True) -> ServePlan:
-    """The server's memory: ``plan_generation``'s for one short sequence without its KV cache is the model's; the
-    pool is ``pool`` of what is left (with bytes: those). Decoding ``max_batch`` sequences at once adds activations
-    this leaves out (small next to the pool: one token per sequence)."""
+    """The server's memory: the model's is ``plan_generation``'s for one short sequence without its KV cache, plus
+    the read of the cache in a step of ``max_batch`` sequences of the whole context (``paged.read_bytes``: an upper
+    bound); the pool is ``pool`` of what is left (with bytes: those)."""
+    dtype, autocast = PRECISION_DTYPES[precision]
     base = plan_generation(config, 1, 1, 1, precision, quantize, device_memory, device_type, devices=devices)
-    model_bytes = base.peak_bytes - base.by_category.get("kv_cache", 0)
+    read = read_bytes(config, max_batch, config.block_size, kv_cache_dtype, autocast or dtype)
+    model_bytes = base.peak_bytes - base.by_category.get("kv_cache", 0) + read
     left = max(0, (base.device_memory or 0) - model_bytes)
     pool_bytes = pool.of(left) if pool.bytes is not None or base.device_memory is not None else 0
-    dtype, autocast = PRECISION_DTYPES[precision]
     per_block = block_bytes(config, block_size, kv_cache_dtype, autocast or dtype)
     num_blocks = pool_bytes // per_block
     lengths = sorted({*(n for n in SEQUENCE_LENGTHS if n < config.block_size), config.block_size})

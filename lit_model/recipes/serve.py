@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.infer.engine import Sampling
 from lit_model.methods.lora import LORA_CONFIG, LoRAConfig
-from lit_model.plan.serving import (check_kv_cache_dtype, check_serve_plan_fits, parse_pool_memory,
-                                    plan_serving)
+from lit_model.infer.paged import storage_dtype
+from lit_model.plan.serving import check_serve_plan_fits, parse_pool_memory, plan_serving
 from lit_model.recipes.cli import parse
 from lit_model.recipes.generation import GenerationArgs, prepare_generation
 
@@ -125,7 +127,7 @@ def check_serve_args(args: ServeArgs) -> tuple[tuple[str, Path], ...]:
     for flag, least in (("block_size", 1), ("max_batch", 1), ("max_tokens", 1)):
         if getattr(args, flag) < least:
             raise UsageError(f"--{flag} {getattr(args, flag)} must be at least {least}.")
-    check_kv_cache_dtype(args.kv_cache_dtype)
+    storage_dtype(args.kv_cache_dtype, torch.float32)  # checks the name
     adapters = []
     for item in (args.adapters or "").split(","):
         if not item.strip():
