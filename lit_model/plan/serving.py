@@ -17,6 +17,9 @@ from lit_model.plan.generation import plan_generation
 from lit_model.run import render_flags
 
 SEQUENCE_LENGTHS = (512, 2048)  # besides the model's whole context
+# A decoding step gathers its sequences' keys and values, padded to the longest: the plan keeps room for a full batch
+# of this many positions each (a typical mix; longer ones are fewer, and an out-of-memory step preempts sequences)
+READ_POSITIONS = 2048
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class ServePlan:
     block_size: int
     device_type: str
     device_memory: Optional[int]
-    model_bytes: int  # weights, a step's activations and reads of the cache, the framework's overhead: before the pool
+    model_bytes: int  # weights, a step's activations, the framework's overhead
+    read_bytes: int  # a decoding step's read of the cache (READ_POSITIONS per sequence): also before the pool
     pool_bytes: int
     num_blocks: int
     bytes_per_token: float  # of one sequence, every layer's keys and values
@@ -79,11 +83,13 @@ class ServePlan:
             f"Serving plan: {self.model}, {self.precision}{quantized}, KV cache {self.kv_cache_dtype} in blocks of "
             f"{self.block_size} positions",
             f"  device memory:        {memory} ({self.device_type})",
-            f"  model:                {format_bytes(self.model_bytes)} (weights, a step's activations and cache reads, overhead)",
+            f"  model:                {format_bytes(self.model_bytes)} (weights, a step's activations, overhead)",
+            f"  reading the cache:    {format_bytes(self.read_bytes)} (a step of --max_batch {self.max_batch} sequences of "
+            f"up to {READ_POSITIONS} positions)",
             f"  KV cache pool:        {format_bytes(self.pool_bytes)} = {self.num_blocks} blocks",
             f"  per sequence-token:   {self.bytes_per_token:,.0f} bytes",
             "  concurrent sequences: " + ", ".join(f"{n} of {length} tokens" for length, n in self.sequences.items())
-            + f" (at most --max_batch {self.max_batch} decode at once; longer ones wait for blocks)",
+            + f" (at most --max_batch {self.max_batch} decode at once; a request beyond the whole pool is refused)",
         ]
         if self.suggestions:
             lines.append("More concurrent sequences with:")
@@ -95,20 +101,20 @@ class ServePlan:
 def plan_serving(config: Config, precision: str, quantize: Optional[str], pool: PoolMemory, kv_cache_dtype: str,
                  block_size: int, max_batch: int, device_memory: Optional[str], device_type: str, devices: int = 1,
                  suggest: bool = True) -> ServePlan:
-    """The server's memory: the model's is ``plan_generation``'s for one short sequence without its KV cache, plus
-    the read of the cache in a step of ``max_batch`` sequences of the whole context (``paged.read_bytes``: an upper
-    bound); the pool is ``pool`` of what is left (with bytes: those)."""
+    """The server's memory: the model's is ``plan_generation``'s for one short sequence without its KV cache; a
+    step's read of the cache is ``paged.read_bytes`` for ``max_batch`` sequences of READ_POSITIONS (at most the
+    context); the pool is ``pool`` of what is left after both (with bytes: those)."""
     dtype, autocast = PRECISION_DTYPES[precision]
     base = plan_generation(config, 1, 1, 1, precision, quantize, device_memory, device_type, devices=devices)
-    read = read_bytes(config, max_batch, config.block_size, kv_cache_dtype, autocast or dtype)
-    model_bytes = base.peak_bytes - base.by_category.get("kv_cache", 0) + read
-    left = max(0, (base.device_memory or 0) - model_bytes)
+    read = read_bytes(config, max_batch, min(READ_POSITIONS, config.block_size), kv_cache_dtype, autocast or dtype)
+    model_bytes = base.peak_bytes - base.by_category.get("kv_cache", 0)
+    left = max(0, (base.device_memory or 0) - model_bytes - read)
     pool_bytes = pool.of(left) if pool.bytes is not None or base.device_memory is not None else 0
     per_block = block_bytes(config, block_size, kv_cache_dtype, autocast or dtype)
     num_blocks = pool_bytes // per_block
     lengths = sorted({*(n for n in SEQUENCE_LENGTHS if n < config.block_size), config.block_size})
     plan = ServePlan(config.name, precision, quantize, kv_cache_dtype, block_size, device_type, base.device_memory,
-                     model_bytes, pool_bytes, num_blocks, per_block / block_size,
+                     model_bytes, read, pool_bytes, num_blocks, per_block / block_size,
                      {n: num_blocks // blocks_for(n, block_size) for n in lengths}, max_batch)
     if not suggest:
         return plan
@@ -134,7 +140,8 @@ def check_serve_plan_fits(plan: ServePlan) -> None:
     if plan.fits or any(max(s.sequences.values(), default=0) > 0 for s in plan.suggestions):
         return
     raise UserError(
-        f"No KV cache block fits: the model takes {format_bytes(plan.model_bytes)} of "
+        f"No KV cache block fits: the model and a step's read of the cache take "
+        f"{format_bytes(plan.model_bytes + plan.read_bytes)} of "
         f"{'unknown' if plan.device_memory is None else format_bytes(plan.device_memory)} and --kv_cache_memory leaves "
         "no room for one block of the pool (see the plan above). Pass --kv_cache_memory with bytes, a larger "
         "fraction, or a larger --device_memory."
