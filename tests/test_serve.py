@@ -290,6 +290,8 @@ def test_a_client_gone_mid_stream_frees_its_blocks(server):
      "does not exist"),
     ("completions", b'{"model": "tiny-serve", "prompt": "x", "max_tokens": 100000}', 400, "context"),
     ("chat/completions", b'{"model": "tiny-serve", "messages": [{"role": "robot", "content": "x"}]}', 400, "robot"),
+    ("completions", b'{"model": "tiny-serve", "prompt": "\\ud800"}', 400, "not UTF-8"),
+    ("completions", b'{"model": "tiny-serve", "prompt": "x", "n": 2}', 400, "n: Input should be less than or equal to 1"),
 ])
 def test_bad_requests_are_4xx_with_a_message_and_the_server_keeps_serving(server, path, body, status, words):
     code, answer = post(f"{server.url}/v1/{path}", body)

@@ -48,10 +48,10 @@ from lit_model.core.units import format_bytes
 from lit_model.infer.batching import Engine, Event, Request
 from lit_model.infer.engine import Sampling
 from lit_model.infer.load import Precision, load_model, resolve_devices
-from lit_model.infer.paged import PoolSpec, block_bytes
+from lit_model.infer.paged import PoolSpec, block_bytes, storage_dtype
 from lit_model.infer.stream import TextStream
 from lit_model.io.prompts import PromptStyle
-from lit_model.io.tokenizer import Tokenizer
+from lit_model.io.tokenizer import Tokenizer, check_utf8
 from lit_model.methods.lora import LoRAWeights, read_lora, use_lora
 from lit_model.plan.serving import PoolMemory
 
@@ -223,6 +223,11 @@ class ServeSpec(OpenAISpec):
                       chat: bool) -> Any:
         """Queue ``job``; answer its rejection as an error, else stream it or collect it. A client that goes away
         (the stream closed, or a disconnect seen while collecting) cancels it in the worker."""
+        try:  # text the tokenizer cannot take (JSON may carry lone surrogates) would fail in the worker's step
+            for text in (job.prompt or "", *(content for _, content in job.messages or ()), *job.stop):
+                check_utf8(text, "The request's text")
+        except UserError as error:
+            return openai_error(400, str(error))
         uid = str(uuid.uuid4())
         pieces, event = deque(), asyncio.Event()
         self.response_buffer[uid] = ResponseBufferItem(event=event, response_queue=pieces)
@@ -390,9 +395,10 @@ class EngineAPI(ls.LitAPI):
         self.live: dict[str, Live] = {}
         self.dropped: set[str] = set()  # cancelled before they arrived here
         self.count, self.served, self.generated = 0, 0, 0
+        stored = str(storage_dtype(options.kv_cache_dtype, options.precision.compute_dtype)).replace("torch.", "")
         print(f"Serving {', '.join(self.spec.model_names)} at {options.address}/v1 (OpenAI API; /v1/pool shows the "
               f"KV cache). KV cache pool: {num_blocks} blocks of {options.block_size} positions, "
-              f"{format_bytes(num_blocks * per_block)} ({options.kv_cache_dtype}).", file=sys.stderr, flush=True)
+              f"{format_bytes(num_blocks * per_block)} ({stored}).", file=sys.stderr, flush=True)
         self._publish()
 
     def add_request(self, uid: str, request: Job) -> None:
