@@ -51,7 +51,7 @@ from lit_model.infer.load import Precision, load_model, resolve_devices
 from lit_model.infer.paged import PoolSpec, block_bytes, storage_dtype
 from lit_model.infer.stream import TextStream
 from lit_model.io.prompts import PromptStyle
-from lit_model.io.tokenizer import Tokenizer, check_utf8
+from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.lora import LoRAWeights, read_lora, use_lora
 from lit_model.plan.serving import PoolMemory
 
@@ -223,11 +223,6 @@ class ServeSpec(OpenAISpec):
                       chat: bool) -> Any:
         """Queue ``job``; answer its rejection as an error, else stream it or collect it. A client that goes away
         (the stream closed, or a disconnect seen while collecting) cancels it in the worker."""
-        try:  # text the tokenizer cannot take (JSON may carry lone surrogates) would fail in the worker's step
-            for text in (job.prompt or "", *(content for _, content in job.messages or ()), *job.stop):
-                check_utf8(text, "The request's text")
-        except UserError as error:
-            return openai_error(400, str(error))
         uid = str(uuid.uuid4())
         pieces, event = deque(), asyncio.Event()
         self.response_buffer[uid] = ResponseBufferItem(event=event, response_queue=pieces)
@@ -445,7 +440,7 @@ class EngineAPI(ls.LitAPI):
             else:
                 text = job.prompt
             prompt_ids = self.tokenizer.encode(text).tolist()
-        except UserError as error:  # e.g. a role the prompt style does not know
+        except UserError as error:  # a role the prompt style does not know, text that is not UTF-8 (lone surrogates)
             return _rejected(uid, str(error), "messages")
         if not prompt_ids:
             if self.tokenizer.bos_id is None:
