@@ -6,6 +6,7 @@ SIGTERM finishes the request in flight and exits 0. Without a server: the flags'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,7 +106,7 @@ class Served:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lit_model.entry", "serve", "--checkpoint_dir", str(checkpoint), "--port",
              self.url.rsplit(":", 1)[1], "--precision", "32-true", *flags],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # bounded: /health answers 200 once the worker has loaded the model
             assert self.process.poll() is None, f"the server exited while starting:\n{self.output()}"
@@ -128,9 +129,16 @@ class Served:
         return get(f"{self.url}/v1/pool")
 
     def stop(self) -> None:
+        """SIGTERM, then whatever is left of its process group (the worker, the HTTP process) killed."""
         if self.process.poll() is None:
-            self.process.kill()  # and the worker and HTTP processes: the test's kill ends the whole process group
-            self.process.wait(10)
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
         self.log.close()
 
 
@@ -358,6 +366,22 @@ def test_bad_flags_are_one_paragraph_exit_2(checkpoint, flags, words):
     result = run_captured(lambda: serve.cli(["--checkpoint_dir", str(checkpoint), *flags]), flags)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: ") and words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_adapter_directory_without_a_lora_is_refused_before_loading(checkpoint, tmp_path):
+    flags = ["--checkpoint_dir", str(checkpoint), "--adapters", f"sql={tmp_path}"]
+    result = run_captured(lambda: serve.cli(flags), flags)
+    assert result.returncode == 1 and "has no lora.yaml" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # ~20 s: the worker process starts and loads the model
+def test_a_pool_smaller_than_one_block_ends_the_server_with_one_paragraph(checkpoint):
+    """Found in the worker, once the weights are loaded: its message, exit 1, no traceback, no process left."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_model.entry", "serve", "--checkpoint_dir", str(checkpoint), "--port",
+         str(free_port()), "--kv_cache_memory", "1KB"], cwd=ROOT, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert result.returncode == 1
+    assert "less than one block of the KV cache" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_without_litserve_it_says_how_to_install_it(checkpoint, monkeypatch):

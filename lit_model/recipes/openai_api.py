@@ -348,6 +348,7 @@ class EngineAPI(ls.LitAPI):
     def __init__(self, options: ServeOptions, spec: ServeSpec) -> None:
         super().__init__(spec=spec, loop=ServeLoop())
         self.options = options
+        self.server_pid = os.getpid()  # the process that starts the server (this object is pickled into the worker)
         self.inbox: deque[tuple[str, Job]] = deque()
 
     def setup(self, device: str) -> None:
@@ -381,8 +382,8 @@ class EngineAPI(ls.LitAPI):
         num_blocks = pool_bytes // per_block
         if num_blocks < 1:
             raise UserError(
-                f"--kv_cache_memory gives {format_bytes(pool_bytes)}, less than one block of the KV cache "
-                f"({format_bytes(per_block)} for {options.block_size} positions). Pass a larger size or fraction.")
+                f"--kv_cache_memory gives {pool_bytes:,} bytes, less than one block of the KV cache ({per_block:,} "
+                f"bytes for {options.block_size} positions). Pass a larger size or fraction.")
         pool = PoolSpec(block_size=options.block_size, num_blocks=num_blocks, kv_dtype=options.kv_cache_dtype)
         self.engine = Engine(self.model, options.precision, pool, max_batch=options.max_batch)
         self.stop_tokens = tuple(tuple(ids) for ids in options.style.stop_tokens(self.tokenizer))
@@ -532,10 +533,13 @@ def memory_left(device: torch.device) -> int:
 
 
 class ServeLoop(ContinuousBatchingLoop):
-    """LitServe's continuous batching loop, which pauses while there is nothing to do instead of spinning."""
+    """LitServe's continuous batching loop, which pauses while there is nothing to do instead of spinning, and ends
+    the worker once the server process is gone (killed: LitServe's own stop terminates the worker)."""
 
     async def run(self, lit_api: ls.LitAPI, *args: Any) -> None:
         if not lit_api.has_active_requests():
+            if os.getppid() != lit_api.server_pid:  # the server process was killed: nobody will send work or stop us
+                os._exit(0)
             await asyncio.sleep(IDLE_POLL_S)
             return
         await super().run(lit_api, *args)
