@@ -373,7 +373,9 @@ class EngineAPI(ls.LitAPI):
         self.adapter: Optional[str] = None
         per_block = block_bytes(self.model.config, options.block_size, options.kv_cache_dtype,
                                 options.precision.compute_dtype)
-        left = memory_left(devices[0])
+        # --devices N: each GPU holds its layers' share of every block; sizing the pool by the emptiest GPU as if it
+        # held all of them is safe (if N times too cautious)
+        left = min(memory_left(device) for device in devices)
         pool_bytes = options.pool.of(left)
         if pool_bytes > left:
             raise UserError(
