@@ -408,9 +408,6 @@ class EngineAPI(ls.LitAPI):
     def has_active_requests(self) -> bool:
         return bool(self.inbox or self.queue or self.live)
 
-    def predict(self, x: Any) -> Any:  # LitAPI's abstract method; the continuous batching loop calls step instead
-        raise NotImplementedError
-
     def encode_response(self, output: dict[str, Any]) -> dict[str, Any]:
         return output
 
