@@ -286,7 +286,26 @@ def test_a_client_gone_mid_stream_frees_its_blocks(server):
     assert running["free_blocks"] < running["total_blocks"]  # it held blocks while it ran
     pool = wait_for_empty_pool(server)
     # cancelled, not finished: it is not among the requests served
-    assert (pool["requests"], pool["tokens"]) == (before["requests"], before["tokens"])
+    assert (pool["requests"], pool["tokens"], pool["abandoned"]) == (before["requests"], before["tokens"],
+                                                                      before["abandoned"] + 1)
+
+
+def test_a_client_gone_before_its_whole_answer_frees_its_blocks(server):
+    """Not streamed: the server sees the closed connection between steps and cancels the request."""
+    before = server.pool()
+    body = json.dumps({"model": "tiny-serve", "prompt": "def", "max_tokens": before["total_blocks"] * 8,
+                       "temperature": 0.7}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 20
+    while server.pool()["abandoned"] == before["abandoned"]:
+        assert time.monotonic() < deadline, f"the request was not cancelled: {server.pool()}"
+        time.sleep(0.05)
+    pool = wait_for_empty_pool(server)
+    assert (pool["requests"], pool["tokens"], pool["abandoned"]) == (before["requests"], before["tokens"],
+                                                                      before["abandoned"] + 1)
 
 
 @pytest.mark.parametrize("path, body, status, words", [

@@ -55,7 +55,9 @@ from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.lora import LoRAWeights, read_lora, use_lora
 from lit_model.plan.serving import PoolMemory
 
-STAT_FIELDS = ("running", "waiting", "free_blocks", "total_blocks", "preemptions", "requests", "tokens")
+# /v1/pool: the engine's counters, then the requests answered (to their end), the tokens they were given and the
+# requests cancelled because their client went away
+STAT_FIELDS = ("running", "waiting", "free_blocks", "total_blocks", "preemptions", "requests", "tokens", "abandoned")
 IDLE_POLL_S = 0.005  # an idle worker looks for work this often (LitServe's loop would otherwise spin a core)
 
 
@@ -392,7 +394,7 @@ class EngineAPI(ls.LitAPI):
         self.queue: deque[Queued] = deque()
         self.live: dict[str, Live] = {}
         self.dropped: set[str] = set()  # cancelled before they arrived here
-        self.count, self.served, self.generated = 0, 0, 0
+        self.count, self.served, self.generated, self.abandoned = 0, 0, 0, 0
         stored = str(storage_dtype(options.kv_cache_dtype, options.precision.compute_dtype)).replace("torch.", "")
         print(f"Serving {', '.join(self.spec.model_names)} at {options.address}/v1 (OpenAI API; /v1/pool shows the "
               f"KV cache). KV cache pool: {num_blocks} blocks of {options.block_size} positions, "
@@ -432,6 +434,7 @@ class EngineAPI(ls.LitAPI):
         """Tokenize ``job``; its rejection, or its acceptance (with the prompt's token count)."""
         if uid in self.dropped:
             self.dropped.discard(uid)
+            self.abandoned += 1
             return [Output(uid, {}, LitAPIStatus.FINISH_STREAMING)]
         options = self.options
         try:
@@ -478,6 +481,7 @@ class EngineAPI(ls.LitAPI):
                 self.dropped.add(uid)  # not here yet: dropped when it comes
                 continue
             del self.live[uid]
+            self.abandoned += 1
             self.queue = deque(queued for queued in self.queue if queued.uid != uid)
             self.engine.cancel(uid)
             outputs.append(Output(uid, {}, LitAPIStatus.FINISH_STREAMING))
@@ -514,7 +518,7 @@ class EngineAPI(ls.LitAPI):
     def _publish(self) -> None:
         stats = self.engine.stats()
         values = (stats.running, stats.waiting, stats.free_blocks, stats.total_blocks, stats.preemptions,
-                  self.served, self.generated)
+                  self.served, self.generated, self.abandoned)
         with self.spec.stats.get_lock():
             self.spec.stats[:] = values
 
