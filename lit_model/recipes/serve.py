@@ -7,8 +7,9 @@
 Endpoints: POST /v1/chat/completions (in the checkpoint's chat template or prompt style) and /v1/completions (the
 prompt as it is), streamed as server-sent events with "stream": true; GET /v1/models (the base model and each
 ``base:adapter``); GET /v1/pool (the KV cache's free and total blocks, running and waiting requests, requests
-answered and their tokens, requests cancelled because their client went away: "abandoned"); GET /health (200 once the model is loaded). Requests set temperature, top_p, top_k,
-max_tokens, stop and seed; the flags of the same names are the defaults. SIGTERM or Ctrl-C: requests in flight
+answered and their tokens, requests cancelled because their client went away: "abandoned"); GET /health (200 once
+the model is loaded). Requests set temperature, top_p, top_k, max_tokens, stop and seed; the flags of the same names
+are the defaults. SIGTERM or Ctrl-C: requests in flight
 finish (within SHUTDOWN_GRACE_S seconds, else they end with an error) and the server exits 0 with a summary.
 Needs LitServe: pip install "lit-model[serve]". The LitServe side is recipes/openai_api.py.
 """
