@@ -403,6 +403,16 @@ def test_a_pool_smaller_than_one_block_ends_the_server_with_one_paragraph(checkp
     assert "less than one block of the KV cache" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_port_in_use_is_one_paragraph_before_the_model_loads(checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flags = ["--checkpoint_dir", str(checkpoint), "--port", str(taken.getsockname()[1])]
+        result = run_captured(lambda: serve.cli(flags), flags)
+    assert result.returncode == 1 and "another server uses the port" in result.stderr, result.stderr
+    assert "Loading" not in result.stderr
+
+
 def test_without_litserve_it_says_how_to_install_it(checkpoint, monkeypatch):
     monkeypatch.setattr(serve, "openai_api", None)
     result = run_captured(lambda: serve.cli(["--checkpoint_dir", str(checkpoint)]), [])

@@ -17,6 +17,7 @@ Needs LitServe: pip install "lit-model[serve]". The LitServe side is recipes/ope
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ def main(args: ServeArgs) -> None:
     for name, directory in adapters:
         LoRAConfig.from_dir(directory)  # a LoRA directory (its weights are checked when the worker loads them)
 
+    check_port_free(args.host, args.port)
     name = setup.config.name or setup.checkpoint_dir.name
     defaults = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     options = openai_api.ServeOptions(
@@ -140,6 +142,17 @@ def check_serve_args(args: ServeArgs) -> tuple[tuple[str, Path], ...]:
                              "without ':', e.g. --adapters sql=out/lora-sql/final,chat=out/lora-chat/final.")
         adapters.append((name, Path(directory.strip())))
     return tuple(adapters)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Before the model loads: LitServe binds the port only then, and says it is taken in uvicorn's log format."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise UserError(f"Cannot listen on {host}:{port} ({error.strerror}): another server uses the port. Stop it "
+                            "or pass another --port.") from None
 
 
 def cli(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
