@@ -92,6 +92,28 @@ def test_preemption_recomputes_to_the_same_tokens():
     assert engine.stats().preemptions > 0 and engine.stats().free_blocks == 16
 
 
+def test_a_step_reads_at_most_its_budget(monkeypatch):
+    """A decoding step whose batch would read more positions than ``max_read`` runs in several forwards (rows of
+    similar lengths together, a row alone where it is longer than the budget), with the same tokens."""
+    model = tiny_model()
+    texts = prompts(6, seed=8)
+    expected = [reference(model, p, 16) for p in texts]
+    engine = Engine(model, FP32, PoolSpec(num_blocks=64, block_size=4))
+    engine.max_read = 40
+    forward, reads = engine._forward, []
+
+    def counting(batch, new_tokens):
+        if len(new_tokens[0]) == 1:  # decoding: every row read as long as the longest
+            reads.append((len(batch), len(batch) * max(len(s.blocks) for s in batch) * 4))
+        return forward(batch, new_tokens)
+
+    monkeypatch.setattr(engine, "_forward", counting)
+    out = run(engine, [Request(str(i), p, 16, GREEDY) for i, p in enumerate(texts)])
+    assert [out[str(i)] for i in range(6)] == expected
+    assert all(rows == 1 or read <= 40 for rows, read in reads) and any(rows == 1 and read > 40 for rows, read in reads)
+    assert any(rows > 1 for rows, _ in reads)
+
+
 def test_out_of_memory_inside_a_step_preempts_the_newest(monkeypatch):
     model = tiny_model()
     texts = prompts(4, seed=3)

@@ -3,7 +3,8 @@ end, each holding only the cache blocks it has written (infer/paged.py).
 
 One ``Engine.step``: cancelled requests leave; waiting requests are admitted, oldest first, while the pool has the
 blocks their tokens need (each is prefilled on its own and samples its first token); then every running sequence
-decodes one token in one batch. A sequence that needs a new block when none is free preempts the newest running
+decodes one token, in one batch unless the batch would read more cache positions than ``paged.read_budget`` allows
+(then in several, rows of similar lengths together). A sequence that needs a new block when none is free preempts the newest running
 sequences: their blocks go back to the pool and they wait at the head of the queue, to be recomputed (their prompt
 and the tokens they have so far, prefilled again) when blocks free up. Running out of device memory inside a step
 does the same, one sequence at a time, down to a batch of one. A request that could never fit (``rejection``) is
@@ -25,7 +26,7 @@ import torch
 from lit_model.infer.decode import forward_last
 from lit_model.infer.engine import Sampling, is_out_of_memory
 from lit_model.infer.load import Precision
-from lit_model.infer.paged import BlockPool, PoolSpec, blocks_for, set_paged_cache, storage_dtype
+from lit_model.infer.paged import BlockPool, PoolSpec, blocks_for, read_budget, set_paged_cache, storage_dtype
 from lit_model.infer.sampling import make_generator, sample
 from lit_model.kernels.ops import decoding_kernels
 from lit_model.model.gpt import GPT
@@ -83,6 +84,7 @@ class Engine:
 
     def __init__(self, model: GPT, precision: Precision, pool: PoolSpec, max_batch: int = 64) -> None:
         self.model, self.precision, self.max_batch = model, precision, max_batch
+        self.max_read = read_budget(max_batch, model.max_seq_length)
         self.pool = BlockPool(pool)
         set_paged_cache(model, self.pool, storage_dtype(pool.kv_dtype, precision.compute_dtype))
         self.device = model.embed.weight.device
@@ -176,26 +178,32 @@ class Engine:
         return events
 
     def _decode(self) -> list[Event]:
-        """One token for every running sequence; preempt the newest while blocks or memory run short."""
-        while True:
-            self._reserve_next_positions()
-            batch = list(self.running)
-            if not batch:  # all preempted: they wait for blocks
-                return []
+        """One token for every running sequence, in forwards that each read at most ``max_read`` positions (rows of
+        similar lengths together); preempt the newest while blocks or memory run short."""
+        self._reserve_next_positions()
+        events: list[Event] = []
+        pending = sorted(self.running, key=lambda s: len(s.blocks), reverse=True)
+        while pending:
+            width = len(pending[0].blocks) * self.pool.spec.block_size  # the longest row: every row is read as long
+            group, pending = pending[:max(1, self.max_read // width)], pending[max(1, self.max_read // width):]
             try:
-                logits = self._forward(batch, [[s.generated[-1]] for s in batch])
+                logits = self._forward(group, [[s.generated[-1]] for s in group])
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_out_of_memory(error):
                     raise
-                if len(batch) == 1:
-                    sequence = batch[0]
+                if len(group) == 1:
+                    sequence = group[0]
                     self._free(sequence)
-                    self.running = []
-                    return [Event(sequence.request.id, finish_reason="error",
-                                  error="Out of memory decoding this sequence alone.")]
-                self._preempt(self.running[-1])
+                    self.running.remove(sequence)
+                    events.append(Event(sequence.request.id, finish_reason="error",
+                                        error="Out of memory decoding this sequence alone."))
+                    continue
+                newest = max(group, key=self.running.index)
+                self._preempt(newest)
+                pending = [s for s in group if s is not newest] + pending
                 continue
-            return self._sample(batch, logits)
+            events += self._sample(group, logits)
+        return events
 
     def _reserve_next_positions(self) -> None:
         """A block for every running sequence whose next position starts one; preempting the newest sequences

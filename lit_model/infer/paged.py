@@ -31,6 +31,7 @@ KV_DTYPES: dict[str, Optional[torch.dtype]] = {
 QUANTIZED_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the largest magnitude each stores
 SCALE_DTYPE = torch.float32
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default: small enough that a sequence wastes at most 15 positions
+READ_POSITIONS = 2048  # positions per sequence a full batch's read is budgeted for (``read_budget``)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ def read_bytes(config: Config, batch: int, positions: int, kv_dtype: str, comput
     stored = elements * dtype.itemsize + elements // config.head_size * compute_dtype.itemsize if (
         dtype in QUANTIZED_MAX) else 0
     return elements * compute_dtype.itemsize + stored + batch * positions
+
+
+def read_budget(max_batch: int, context: int) -> int:
+    """The positions, summed over its rows (each padded to the longest), that one decoding forward may read: ``max_batch``
+    sequences of up to READ_POSITIONS positions, and at least one whole context. The engine splits a step whose
+    batch would read more (infer/batching.py), so the plan can count this read (``read_bytes``) as the step's most."""
+    return max(max_batch * min(READ_POSITIONS, context), context)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -12,14 +12,11 @@ from lit_model.core.config import Config
 from lit_model.core.errors import UsageError, UserError
 from lit_model.core.precision import PRECISION_DTYPES
 from lit_model.core.units import format_bytes, parse_memory
-from lit_model.infer.paged import block_bytes, blocks_for, read_bytes
+from lit_model.infer.paged import READ_POSITIONS, block_bytes, blocks_for, read_budget, read_bytes
 from lit_model.plan.generation import plan_generation
 from lit_model.run import render_flags
 
 SEQUENCE_LENGTHS = (512, 2048)  # besides the model's whole context
-# A decoding step gathers its sequences' keys and values, padded to the longest: the plan keeps room for a full batch
-# of this many positions each (a typical mix; longer ones are fewer, and an out-of-memory step preempts sequences)
-READ_POSITIONS = 2048
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,7 @@ class ServePlan:
     device_type: str
     device_memory: Optional[int]
     model_bytes: int  # weights, a step's activations, the framework's overhead
-    read_bytes: int  # a decoding step's read of the cache (READ_POSITIONS per sequence): also before the pool
+    read_bytes: int  # a decoding step's read of the cache (paged.read_budget's positions): also before the pool
     pool_bytes: int
     num_blocks: int
     bytes_per_token: float  # of one sequence, every layer's keys and values
@@ -102,11 +99,11 @@ def plan_serving(config: Config, precision: str, quantize: Optional[str], pool: 
                  block_size: int, max_batch: int, device_memory: Optional[str], device_type: str, devices: int = 1,
                  suggest: bool = True) -> ServePlan:
     """The server's memory: the model's is ``plan_generation``'s for one short sequence without its KV cache; a
-    step's read of the cache is ``paged.read_bytes`` for ``max_batch`` sequences of READ_POSITIONS (at most the
-    context); the pool is ``pool`` of what is left after both (with bytes: those)."""
+    step's read of the cache is ``paged.read_bytes`` of ``paged.read_budget``'s positions (the engine splits a step
+    that would read more); the pool is ``pool`` of what is left after both (with bytes: those)."""
     dtype, autocast = PRECISION_DTYPES[precision]
     base = plan_generation(config, 1, 1, 1, precision, quantize, device_memory, device_type, devices=devices)
-    read = read_bytes(config, max_batch, min(READ_POSITIONS, config.block_size), kv_cache_dtype, autocast or dtype)
+    read = read_bytes(config, 1, read_budget(max_batch, config.block_size), kv_cache_dtype, autocast or dtype)
     model_bytes = base.peak_bytes - base.by_category.get("kv_cache", 0)
     left = max(0, (base.device_memory or 0) - model_bytes - read)
     pool_bytes = pool.of(left) if pool.bytes is not None or base.device_memory is not None else 0
