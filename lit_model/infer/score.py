@@ -21,7 +21,8 @@ from lit_model.infer.load import Precision
 from lit_model.model.gpt import GPT
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
-AUTO_BATCH_SIZE = 64  # batch_size=None: batches of up to this many rows, halved while one runs out of memory
+AUTO_BATCH_SIZE = 64  # batch_size=None without a plan: batches of up to this many rows, halved on running out of memory
+HEAD_ROWS = 1024  # scored positions through the head at once: its (rows, vocabulary) logits stay this size
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,13 @@ class Score:
 
 
 class Scorer:
-    """A loaded model that scores token sequences under ``precision``, ``batch_size`` rows at a time (None: up to 64,
-    halved while the longest batch of a call runs out of memory). Counts the requests, the tokens run through the
-    model and the seconds, for ``summary``."""
+    """A loaded model that scores token sequences under ``precision``, ``batch_size`` rows at a time (None: up to
+    ``auto_start``, the plan's, halved while the longest batch of a call runs out of memory). Counts the requests, the
+    tokens run through the model and the seconds, for ``summary``."""
 
-    def __init__(self, model: GPT, precision: Precision, batch_size: Optional[int] = None) -> None:
-        self.model, self.precision, self.batch_size = model, precision, batch_size
+    def __init__(self, model: GPT, precision: Precision, batch_size: Optional[int] = None,
+                 auto_start: int = AUTO_BATCH_SIZE) -> None:
+        self.model, self.precision, self.batch_size, self.auto_start = model, precision, batch_size, auto_start
         self.requests, self.tokens, self.seconds = 0, 0, 0.0
 
     @property
@@ -59,7 +61,7 @@ class Scorer:
                 )
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         scores: list[Optional[Score]] = [None] * len(pairs)
-        size = self.batch_size or AUTO_BATCH_SIZE
+        size = self.batch_size or self.auto_start
         start, done = time.perf_counter(), 0
         while done < len(order):
             rows = order[done : done + size]
@@ -109,18 +111,32 @@ class Scorer:
         positions = torch.cat([torch.arange(len(tokens) - n, len(tokens)) for tokens, n in zip(inputs, lengths)])
         targets = torch.tensor([token for _, continuation in pairs for token in continuation])
         device = self.model.embed.weight.device
-
-        def readout(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
-            picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]
-            return torch.log_softmax(model.head(picked).float(), dim=-1)  # fp32: sums of many small numbers
-
         with self.precision.context(device.type):
-            logprobs = self.model(idx.to(device), readout=readout)
-        targets = targets.to(logprobs.device)
-        picked = logprobs.gather(1, targets[:, None]).squeeze(1).cpu()
-        greedy = (logprobs.argmax(dim=-1) == targets).cpu()
+            picked, greedy = score_positions(self.model, idx.to(device), rows, positions, targets)
         self.tokens += sum(map(len, inputs))
-        return [Score(float(p.sum()), bool(g.all())) for p, g in zip(picked.split(lengths), greedy.split(lengths))]
+        return [Score(float(p.sum()), bool(g.all()))
+                for p, g in zip(picked.cpu().split(lengths), greedy.cpu().split(lengths))]
+
+
+def score_positions(model: GPT, idx: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probability of ``targets`` at (``rows``, ``positions``) of ``idx``'s rows, and whether each is the
+    most likely token there. The head runs on those positions only, ``HEAD_ROWS`` at a time, and keeps of each
+    row's log-softmax only the target's entry: the vocabulary-wide tensors stay (HEAD_ROWS, vocabulary) whatever
+    the batch scores (a rolling window scores every position). The planner traces this (plan/trace_generation.py)."""
+
+    def readout(model: GPT, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]
+        wanted = targets.to(model.lm_head.weight.device)
+        logprobs, greedy = [], []
+        for start in range(0, len(wanted), HEAD_ROWS):  # fp32 logits: lm-eval sums many small log-probabilities
+            logits = model.head(picked[start : start + HEAD_ROWS]).float()
+            target = wanted[start : start + HEAD_ROWS, None]
+            logprobs.append((logits.gather(1, target) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1))
+            greedy.append(logits.argmax(dim=-1) == target.squeeze(1))
+        return torch.cat(logprobs), torch.cat(greedy)
+
+    return model(idx, readout=readout)
 
 
 def rolling_windows(tokens: Sequence[int], prefix_token: int, length: int) -> list[Pair]:

@@ -126,6 +126,10 @@ def check_plan_fits(plan: Plan) -> None:
 
 def _describe(plan: Plan) -> str:
     r = plan.run
+    if "scored_length" in r:
+        return (f"{r['model']} evaluation, {r['dtype']}{', ' + r['quantize'] if r['quantize'] else ''}, batch "
+                f"{r['batch_size']}: scoring {r['scored_length']} tokens a request, generating up to "
+                f"{r['max_gen_toks']} new tokens")
     if "prompt_length" in r:
         return (f"{r['model']} generation, {r['dtype']}{', ' + r['quantize'] if r['quantize'] else ''}, batch "
                 f"{r['batch_size']}, prompt {r['prompt_length']} + {r['max_new_tokens']} new tokens")
