@@ -36,21 +36,29 @@ SOURCES = ("textwrap", "shlex", "fnmatch", "argparse", "string", "difflib", "cal
 VOCAB = 8192  # the BPE trained on SOURCES: the model's vocabulary stays the architecture's (the head's cost is real)
 
 
-def prepare(work: Path, model: str, docs: int, seed: int) -> None:
-    """The checkpoint (random weights, init_weights), its transformers copy and the task over its JSON file."""
+def write_checkpoint(out_dir: Path, config, tokenizer_dir: Path, seed: int) -> None:
+    """A checkpoint of ``config`` with random weights (init_weights) and the BPE trained on SOURCES (once)."""
     import torch
 
-    from lit_model import GPT, Config
+    from lit_model import GPT
     from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
-    from lit_model.io.convert import lit_to_hf
     from lit_model.io.tokenizer import train_bpe
 
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        train_bpe([STDLIB / f"{name}.py" for name in SOURCES], VOCAB, tokenizer_dir)
+    torch.manual_seed(seed)
+    gpt = GPT(config)
+    gpt.init_weights()
+    save_checkpoint_dir(lit_state_dict(gpt, config), config, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def prepare(work: Path, model: str, docs: int, seed: int) -> None:
+    """The checkpoint (random weights), its transformers copy and the task over its JSON file."""
+    from lit_model import Config
+    from lit_model.io.convert import lit_to_hf
+
     if not (work / "lit" / "model_config.yaml").is_file():
-        train_bpe([STDLIB / f"{name}.py" for name in SOURCES], VOCAB, work / "tokenizer")
-        torch.manual_seed(seed)
-        gpt = GPT(Config.from_name(model))
-        gpt.init_weights()
-        save_checkpoint_dir(lit_state_dict(gpt, gpt.config), gpt.config, work / "lit", tokenizer_dir=work / "tokenizer")
+        write_checkpoint(work / "lit", Config.from_name(model), work / "tokenizer", seed)
         lit_to_hf(work / "lit", work / "hf")
     rng = random.Random(seed)
     lines = [line for name in SOURCES for line in (STDLIB / f"{name}.py").read_text().splitlines() if line.strip()]

@@ -23,12 +23,13 @@ from lit_model.run import Run, render_flags, resolve_cpu_heap
 
 def plan_evaluation(config: Config, batch_size: int, max_gen_toks: int, dtype: Union[torch.dtype, str, None] = None,
                     quantize: Optional[str] = None, device_memory: Union[int, str, None] = None,
-                    device_type: str = "cuda", detect: bool = True, devices: int = 1) -> Plan:
+                    device_type: str = "cuda", detect: bool = True, devices: int = 1, suggest: bool = True) -> Plan:
     """Predicted peak memory of evaluating with ``batch_size``: the larger of the scoring pass (``batch_size`` rows
     of ``config.block_size`` tokens, every position scored, as a rolling window's are: the most a batch of requests
     can ask) and a generate_until batch (``batch_size`` prompts and up to ``max_gen_toks`` new tokens: a KV cache of
     ``block_size`` positions each). The requests' own lengths are not known before lm-eval builds them, so the plan
-    is their longest; shorter requests take less. ``dtype``, ``quantize``, ``devices``: as ``plan_generation``'s."""
+    is their longest; shorter requests take less. ``dtype``, ``quantize``, ``devices``: as ``plan_generation``'s.
+    ``suggest``: where it does not fit, look for flag changes that make it fit."""
     length = config.block_size
     new_tokens = min(max_gen_toks, length - 1)
     staged = generation_phases(config, length - new_tokens, new_tokens, batch_size, dtype, quantize, device_type,
@@ -53,7 +54,7 @@ def plan_evaluation(config: Config, batch_size: int, max_gen_toks: int, dtype: U
                       f"{format_bytes(staged.kv_cache_bytes)} for {length} positions each, freed before scoring.")
     if devices > 1:
         plan.notes.append(pipeline_note(staged, devices))
-    if memory is not None and not plan.fits:
+    if suggest and memory is not None and not plan.fits:
         plan.suggestions = _evaluation_suggestions(config, batch_size, max_gen_toks, staged.dtype, quantize, memory,
                                                    device_type, devices)
     return plan
@@ -70,7 +71,7 @@ def auto_batch_size(config: Config, max_gen_toks: int, dtype: Union[torch.dtype,
 
     def peak(batch_size: int) -> int:
         return plan_evaluation(config, batch_size, max_gen_toks, dtype, quantize, memory, device_type,
-                               devices=devices).peak_bytes
+                               devices=devices, suggest=False).peak_bytes
 
     one = peak(1)
     per_row = max(peak(2) - one, 1)
@@ -89,7 +90,7 @@ def _evaluation_suggestions(config: Config, batch_size: int, max_gen_toks: int, 
     options: list[tuple[dict, float]] = []
     size = batch_size // 2
     while size > 1 and not plan_evaluation(config, size, max_gen_toks, dtype, quantize, memory, device_type, False,
-                                           devices).fits:
+                                           devices, suggest=False).fits:
         size //= 2
     if size >= 1:
         options.append(({"batch_size": size}, 1.0))
@@ -103,7 +104,7 @@ def _evaluation_suggestions(config: Config, batch_size: int, max_gen_toks: int, 
     for changes, speed in options:
         plan = plan_evaluation(config, changes.get("batch_size", batch_size), max_gen_toks,
                                torch.bfloat16 if "precision" in changes else dtype, changes.get("quantize", quantize),
-                               memory, device_type, False, changes.get("devices", devices))
+                               memory, device_type, False, changes.get("devices", devices), suggest=False)
         if plan.fits:
             out.append(Suggestion(changes=changes, flags=render_flags(changes), peak_bytes=plan.peak_bytes,
                                   speed_factor=speed, cost=speed, by_category=plan.by_category))
