@@ -322,11 +322,11 @@ def test_generations_batch_by_settings_and_prompt_length_as_one_at_a_time(checkp
 
 
 def test_scores_are_the_same_when_the_head_runs_few_positions_at_a_time(models, monkeypatch):
-    """The head runs at most HEAD_ROWS scored positions at once (its vocabulary-wide logits stay that size)."""
+    """The head runs at most HEAD_BYTES of logits at once (here 5 positions' worth): the scores are the same."""
     lit, _ = models
     texts = [("import os",), (LONG,)]
     expected = lit.loglikelihood_rolling(requests("loglikelihood_rolling", texts))
-    monkeypatch.setattr("lit_model.infer.score.HEAD_ROWS", 5)
+    monkeypatch.setattr("lit_model.infer.score.HEAD_BYTES", 5 * 4 * lit.model.config.padded_vocab_size)
     assert lit.loglikelihood_rolling(requests("loglikelihood_rolling", texts)) == pytest.approx(expected, abs=1e-5)
 
 
@@ -338,7 +338,7 @@ def test_plan_prints_the_memory_of_scoring_and_generating_without_the_weights(ch
     (config_only / "model_config.yaml").write_text((checkpoint / "model_config.yaml").read_text())
     text = evaluate("--checkpoint_dir", config_only, "--plan", "text", "--batch_size", "8", "--precision", "32-true")
     assert text.returncode == 0, text.stderr
-    assert "tiny-eval evaluation, float32, batch 8: scoring 64 tokens a request" in text.stdout
+    assert "tiny-eval evaluation, float32, batch 8: requests of up to 64 tokens (the context)" in text.stdout
     assert all(phase in text.stdout for phase in ("score", "prefill", "decode")) and "FITS in" in text.stdout
     plan = json.loads(evaluate("--checkpoint_dir", config_only, "--plan", "json", "--batch_size", "8",
                                "--precision", "32-true").stdout)
@@ -356,13 +356,13 @@ def test_auto_batch_size_is_the_largest_the_plan_fits(checkpoint):
     from lit_model.plan.evaluation import auto_batch_size, plan_evaluation
 
     config = Config(**TINY)
-    one = plan_evaluation(config, 1, 256, "32-true", device_type="cpu", detect=False).peak_bytes
-    four = plan_evaluation(config, 4, 256, "32-true", device_type="cpu", detect=False).peak_bytes
-    eight = plan_evaluation(config, 8, 256, "32-true", device_type="cpu", detect=False).peak_bytes
+    one = plan_evaluation(config, 1, "32-true", device_type="cpu", detect=False).peak_bytes
+    four = plan_evaluation(config, 4, "32-true", device_type="cpu", detect=False).peak_bytes
+    eight = plan_evaluation(config, 8, "32-true", device_type="cpu", detect=False).peak_bytes
     assert one < four < eight
-    assert auto_batch_size(config, 256, "32-true", None, (four + eight) // 2, "cpu") == 4
-    assert auto_batch_size(config, 256, "32-true", None, one - 1, "cpu") == 1  # none fits: 1, the scorer's to try
-    assert auto_batch_size(config, 256, "32-true", None, 10**15, "cpu") == 64  # at most 64
+    assert auto_batch_size(config, "32-true", None, (four + eight) // 2, "cpu") == 4
+    assert auto_batch_size(config, "32-true", None, one - 1, "cpu") == 1  # none fits: 1, the scorer's to try
+    assert auto_batch_size(config, "32-true", None, 10**15, "cpu") == 64  # at most 64
 
 
 def test_auto_batch_size_starts_from_the_plan(checkpoint, tasks, tmp_path, monkeypatch):

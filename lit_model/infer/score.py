@@ -22,7 +22,11 @@ from lit_model.model.gpt import GPT
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
 AUTO_BATCH_SIZE = 64  # batch_size=None without a plan: batches of up to this many rows, halved on running out of memory
-HEAD_ROWS = 1024  # scored positions through the head at once: its (rows, vocabulary) logits stay this size
+# the head's fp32 (positions, vocabulary) logits of scored positions, at most this many bytes at once: a block this
+# large is memory-mapped by glibc (its mmap threshold grows to 32 MiB at most) and goes back to the OS when freed,
+# where smaller ones would fragment its heap (a 2-layer model, 16 x 512 tokens scored, peaked 160 MiB higher with
+# 8 MiB blocks than with 32 MiB ones: benchmarks/evaluate_plan.py)
+HEAD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -121,22 +125,28 @@ class Scorer:
 def score_positions(model: GPT, idx: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                     targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-probability of ``targets`` at (``rows``, ``positions``) of ``idx``'s rows, and whether each is the
-    most likely token there. The head runs on those positions only, ``HEAD_ROWS`` at a time, and keeps of each
-    row's log-softmax only the target's entry: the vocabulary-wide tensors stay (HEAD_ROWS, vocabulary) whatever
-    the batch scores (a rolling window scores every position). The planner traces this (plan/trace_generation.py)."""
+    most likely token there. The head runs on those positions only, ``head_rows`` at a time, and keeps of each
+    row's log-softmax only the target's entry: the vocabulary-wide tensors stay ``HEAD_BYTES`` whatever the batch
+    scores (a rolling window scores every position). The planner traces this (plan/trace_generation.py)."""
+    step = head_rows(model.config.padded_vocab_size)
 
     def readout(model: GPT, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]
         wanted = targets.to(model.lm_head.weight.device)
         logprobs, greedy = [], []
-        for start in range(0, len(wanted), HEAD_ROWS):  # fp32 logits: lm-eval sums many small log-probabilities
-            logits = model.head(picked[start : start + HEAD_ROWS]).float()
-            target = wanted[start : start + HEAD_ROWS, None]
+        for start in range(0, len(wanted), step):  # fp32 logits: lm-eval sums many small log-probabilities
+            logits = model.head(picked[start : start + step]).float()
+            target = wanted[start : start + step, None]
             logprobs.append((logits.gather(1, target) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1))
             greedy.append(logits.argmax(dim=-1) == target.squeeze(1))
         return torch.cat(logprobs), torch.cat(greedy)
 
     return model(idx, readout=readout)
+
+
+def head_rows(vocab_size: int) -> int:
+    """How many scored positions go through the head at once: ``HEAD_BYTES`` of fp32 logits."""
+    return max(1, HEAD_BYTES // (4 * vocab_size))
 
 
 def rolling_windows(tokens: Sequence[int], prefix_token: int, length: int) -> list[Pair]:

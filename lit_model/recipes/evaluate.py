@@ -106,7 +106,7 @@ def main(args: EvaluateArgs) -> None:
     precision = resolve_generation_precision(args.precision, devices[0].type, args.quantize)
     batch_size = args.batch_size
     if batch_size == "auto":  # memory available now, before the weights take theirs
-        batch_size = auto_batch_size(config, MAX_GEN_TOKS, precision.name, args.quantize, None, devices[0].type,
+        batch_size = auto_batch_size(config, precision.name, args.quantize, None, devices[0].type,
                                      len(devices))
         print(f"--batch_size auto: {batch_size} (the largest the memory plan fits, halved if a batch runs out of "
               "memory)", file=sys.stderr, flush=True)
@@ -173,9 +173,9 @@ def print_evaluation_plan(args: EvaluateArgs) -> None:
     precision = resolve_generation_precision(args.precision, device_type, args.quantize, planning=True)
     batch_size = args.batch_size
     if batch_size == "auto":
-        batch_size = auto_batch_size(config, MAX_GEN_TOKS, precision.name, args.quantize, args.device_memory,
+        batch_size = auto_batch_size(config, precision.name, args.quantize, args.device_memory,
                                      device_type, args.devices)
-    plan = plan_evaluation(config, batch_size, MAX_GEN_TOKS, precision.name, args.quantize, args.device_memory,
+    plan = plan_evaluation(config, batch_size, precision.name, args.quantize, args.device_memory,
                            device_type, devices=args.devices)
     if args.batch_size == "auto":
         plan.notes.append(f"--batch_size auto: {batch_size}, the largest power of two up to {AUTO_BATCH_SIZE} "
