@@ -3,7 +3,7 @@ task on the same checkpoint (random weights of a Pythia architecture, written by
 its ``convert lit_to_hf`` copy), same batch size, fp32 on the CPU.
 
     python benchmarks/evaluate_speed.py                       # pythia-14m, batch size 16, 3 repeats
-    python benchmarks/evaluate_speed.py --model pythia-70m --docs 50
+    python benchmarks/evaluate_speed.py --model pythia-70m --docs 25   # results/evaluate_speed_pythia-70m.md
 
 The task (written by the script, with its JSON file): ``--docs`` questions, each the lines of a Python standard
 library file before a line, whose four choices are that line and three others (lm-eval asks for each choice's
@@ -154,7 +154,7 @@ def main() -> None:
     import torch
     import transformers
 
-    stem = HERE / "results" / "evaluate_speed"
+    stem = HERE / "results" / ("evaluate_speed" if args.model == "pythia-14m" else f"evaluate_speed_{args.model}")
     flags = " ".join(sys.argv[1:])
     text = (f"# evaluate: lit-model vs lm-eval {lm_eval.__version__}'s hf model (transformers "
             f"{transformers.__version__}, torch {torch.__version__}), log-likelihood pass\n\n"

@@ -4,7 +4,8 @@ whether greedy decoding would have produced it), and of a whole text over window
 
 Requests run longest first, in batches padded on the right: a causal model's positions never attend to the padding
 after them, so a row scores as it would alone. Only the positions that predict a continuation token go through the
-head (``GPT.forward``'s ``readout``), so a batch never holds (batch, time, vocabulary) logits.
+head (``GPT.forward``'s ``readout``), ``HEAD_BYTES`` of logits at a time, so a batch never holds (batch, time,
+vocabulary) logits.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ metrics, lit-model's inference code answers the requests (``infer/score.py`` the
 
     python evaluate/main.py --checkpoint_dir out/lora/final --tasks hellaswag,arc_easy --limit 100
     python evaluate/main.py --checkpoint_dir DIR --tasks my_task.yaml --num_fewshot 5 --batch_size auto
+    python evaluate/main.py --checkpoint_dir DIR --batch_size 32 --device_memory 24GB --plan text   # will it fit?
 
 lm-eval's results go to OUT_DIR/results.json and its table to OUT_DIR/results.md and stdout (OUT_DIR: default
 CHECKPOINT_DIR/eval). A LLaMA-Adapter or unmerged LoRA checkpoint is scored with its adapter. Needs lm-eval:
