@@ -23,10 +23,10 @@ from lit_model.model.gpt import GPT
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
 AUTO_BATCH_SIZE = 64  # batch_size=None without a plan: batches of up to this many rows, halved on running out of memory
-# the head's fp32 (positions, vocabulary) logits of scored positions, at most this many bytes at once: a block this
-# large is memory-mapped by glibc (its mmap threshold grows to 32 MiB at most) and goes back to the OS when freed,
-# where smaller ones would fragment its heap (a 2-layer model, 16 x 512 tokens scored, peaked 160 MiB higher with
-# 8 MiB blocks than with 32 MiB ones: benchmarks/evaluate_plan.py)
+# the head's fp32 (positions, vocabulary) logits of scored positions, at most this many bytes at once: twice the
+# 32 MiB that glibc's adaptive mmap threshold stops at, so that a full block is always memory-mapped and goes back to
+# the OS when freed, where smaller ones fragment its heap (a 2-layer model, 16 x 512 tokens scored, peaked 160 MiB
+# higher with 8 MiB blocks than with 32 MiB ones: benchmarks/evaluate_plan.py)
 HEAD_BYTES = 64 << 20
 
 
