@@ -2,6 +2,7 @@
 
     python evaluate/main.py --checkpoint_dir out/lora/final --tasks hellaswag,arc_easy --limit 100
     python evaluate/main.py --checkpoint_dir DIR --tasks my_task.yaml --num_fewshot 5 --batch_size auto
+    python evaluate/main.py --checkpoint_dir DIR --batch_size 32 --device_memory 24GB --plan text   # will it fit?
 """
 
 import signal

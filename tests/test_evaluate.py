@@ -296,3 +296,98 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(problem, code, message, c
     result = evaluate(*(part for flag, value in flags.items() for part in (flag, value)))
     assert result.returncode == code and message in one_paragraph(result.stderr), result.stderr
     assert not out.exists() and result.stdout == ""
+
+
+def test_generations_batch_by_settings_and_prompt_length_as_one_at_a_time(checkpoint, monkeypatch):
+    """generate_until runs the requests with equal generation settings and equally long prompts as one batch (up to
+    the batch size), and greedy decoding gives each what it gives the request alone."""
+    from lit_model.infer.engine import Generator
+
+    lit = ours(checkpoint, batch_size=3)
+    ids = lit.tok_encode(LONG)
+    texts = [lit.tokenizer.decode(torch.tensor(ids[i : i + 9])) for i in range(0, 54, 9)]  # most re-encode to 9
+    settings = [{"until": ["\n"], "max_gen_toks": 6, "do_sample": False}, {"until": ["x"], "max_gen_toks": 5}]
+    prompts = [(text, dict(settings[i % 2])) for i, text in enumerate(texts + [q for q, _, _ in QUESTIONS])]
+    shapes, generate = [], Generator.generate
+
+    def recorded(self, prompt_ids, *args, **kwargs):
+        shapes.append(tuple(prompt_ids.shape))
+        return generate(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(Generator, "generate", recorded)
+    batched = lit.generate_until(requests("generate_until", prompts))
+    assert max(rows for rows, _ in shapes if rows) == 3 and len(shapes) < len(prompts)  # batches, of at most 3
+    alone = ours(checkpoint, batch_size=1).generate_until(requests("generate_until", prompts))
+    assert batched == alone and sum(map(len, batched)) > 0
+
+
+def test_scores_are_the_same_when_the_head_runs_few_positions_at_a_time(models, monkeypatch):
+    """The head runs at most HEAD_BYTES of logits at once (here 5 positions' worth): the scores are the same."""
+    lit, _ = models
+    texts = [("import os",), (LONG,)]
+    expected = lit.loglikelihood_rolling(requests("loglikelihood_rolling", texts))
+    monkeypatch.setattr("lit_model.infer.score.HEAD_BYTES", 5 * 4 * lit.model.config.padded_vocab_size)
+    assert lit.loglikelihood_rolling(requests("loglikelihood_rolling", texts)) == pytest.approx(expected, abs=1e-5)
+
+
+def test_plan_prints_the_memory_of_scoring_and_generating_without_the_weights(checkpoint, tmp_path):
+    """--plan text|json: the scoring pass at the context's length and a generation batch's KV cache, from the
+    config alone (a directory without weights or tokenizer), no tasks needed; nothing written."""
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "model_config.yaml").write_text((checkpoint / "model_config.yaml").read_text())
+    text = evaluate("--checkpoint_dir", config_only, "--plan", "text", "--batch_size", "8", "--precision", "32-true")
+    assert text.returncode == 0, text.stderr
+    assert "tiny-eval evaluation, float32, batch 8: requests of up to 64 tokens (the context)" in text.stdout
+    assert all(phase in text.stdout for phase in ("score", "prefill", "decode")) and "FITS in" in text.stdout
+    plan = json.loads(evaluate("--checkpoint_dir", config_only, "--plan", "json", "--batch_size", "8",
+                               "--precision", "32-true").stdout)
+    assert plan["run"]["batch_size"] == 8 and plan["run"]["scored_length"] == BLOCK
+    # KV cache of 8 sequences x the context: 2 layers x keys and values x 2 groups x 16 dims x 4 bytes a position
+    assert plan["phase_categories"]["decode"]["kv_cache"] == 8 * BLOCK * 2 * 2 * 2 * 16 * 4
+    assert plan["phase_categories"]["score"]["kv_cache"] == 0  # freed after generating
+    assert list(config_only.iterdir()) == [config_only / "model_config.yaml"]
+
+    small = evaluate("--checkpoint_dir", config_only, "--plan", "json", "--batch_size", "64", "--device_memory", "500MB")
+    assert small.returncode == 1 and "does not fit in 0.50 GB" in one_paragraph(small.stderr)  # a GPU's context alone
+
+
+def test_auto_batch_size_is_the_largest_the_plan_fits(checkpoint):
+    from lit_model.plan.evaluation import auto_batch_size, plan_evaluation
+
+    config = Config(**TINY)
+    one = plan_evaluation(config, 1, "32-true", device_type="cpu", detect=False).peak_bytes
+    four = plan_evaluation(config, 4, "32-true", device_type="cpu", detect=False).peak_bytes
+    eight = plan_evaluation(config, 8, "32-true", device_type="cpu", detect=False).peak_bytes
+    assert one < four < eight
+    assert auto_batch_size(config, "32-true", None, (four + eight) // 2, "cpu") == 4
+    assert auto_batch_size(config, "32-true", None, one - 1, "cpu") == 1  # none fits: 1, the scorer's to try
+    assert auto_batch_size(config, "32-true", None, 10**15, "cpu") == 64  # at most 64
+
+
+def test_auto_batch_size_starts_from_the_plan(checkpoint, tasks, tmp_path, monkeypatch):
+    """--batch_size auto: the scoring batches start at the plan's size (halved only on running out of memory)."""
+    from lit_model.infer.score import Scorer
+
+    monkeypatch.setattr("lit_model.recipes.evaluate.auto_batch_size", lambda *args: 4)
+    sizes, score_batch = [], Scorer._score_batch
+    monkeypatch.setattr(Scorer, "_score_batch", lambda self, pairs: sizes.append(len(pairs)) or score_batch(self, pairs))
+    result = evaluate("--checkpoint_dir", checkpoint, "--tasks", tasks["mc"], "--out_dir", tmp_path / "out",
+                      "--batch_size", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "--batch_size auto: 4 " in result.stderr and max(sizes) == 4 and len(sizes) > 1
+
+
+@pytest.mark.parametrize("flags, code, message", [
+    (("--devices", "2"), 2, "--devices 2 splits the model over several GPUs, and none is available"),
+    (("--devices", "0"), 2, "--devices 0 must be at least 1"),
+    (("--device_memory", "8GB"), 2, "--device_memory 8GB applies with --plan only"),
+    (("--plan", "text", "--devices", "2"), 2, "Pass --devices 1"),
+])
+def test_devices_and_plan_flags_bad_input_is_one_paragraph(flags, code, message, checkpoint, tasks, tmp_path):
+    if torch.cuda.is_available() and "2" in flags:
+        pytest.skip("a GPU is here: --devices 2 is a real request")
+    out = tmp_path / "out"
+    result = evaluate("--checkpoint_dir", checkpoint, "--tasks", tasks["mc"], "--out_dir", out, *flags)
+    assert result.returncode == code and message in one_paragraph(result.stderr), result.stderr
+    assert not out.exists() and result.stdout == ""

@@ -107,9 +107,31 @@ def load_model(
     load_weights(model, checkpoint_dir, dtype, parts, quantize, column_major=column_major)
     load_saved_adapter(model, checkpoint_dir)  # a LLaMA-Adapter checkpoint carries its prefixes beside the weights
     load_saved_lora(model, checkpoint_dir)  # an unmerged LoRA (lora.yaml with merged: false), over the base weights
+    if len(set(parts.values())) > 1:
+        hop_devices(model)
     model.reset_rope_cache(devices[0])
     model.set_kernel_policy(kernel_policy(torch.device(devices[0]).type))
     return model.eval().requires_grad_(False)
+
+
+def hop_devices(model: GPT) -> None:
+    """A model spread over devices (``device_map``) runs ``GPT.forward`` (scoring, evaluate's) as on one: each block
+    on another device than the part before it, the final norm and the head move their tensor inputs to their own
+    device first. ``decode.forward_last`` moves them itself; the hooks then find them in place."""
+
+    def to(device: torch.device):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+            return tuple(map(move, args)), {key: move(value) for key, value in kwargs.items()}
+
+        return hook
+
+    previous = model.embed.weight.device
+    for module in [*model.blocks, model.norm_f, model.lm_head]:
+        device = next(module.parameters()).device
+        if device != previous:
+            module.register_forward_pre_hook(to(device), with_kwargs=True)
+        previous = device
 
 
 def column_major_weights(model: GPT, dtype: torch.dtype, parts: dict[str, torch.device]) -> frozenset[str]:

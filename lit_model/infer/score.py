@@ -4,7 +4,8 @@ whether greedy decoding would have produced it), and of a whole text over window
 
 Requests run longest first, in batches padded on the right: a causal model's positions never attend to the padding
 after them, so a row scores as it would alone. Only the positions that predict a continuation token go through the
-head (``GPT.forward``'s ``readout``), so a batch never holds (batch, time, vocabulary) logits.
+head (``GPT.forward``'s ``readout``), ``HEAD_BYTES`` of logits at a time, so a batch never holds (batch, time,
+vocabulary) logits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from lit_model.infer.load import Precision
 from lit_model.model.gpt import GPT
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
-AUTO_BATCH_SIZE = 64  # batch_size=None: batches of up to this many rows, halved while one runs out of memory
+AUTO_BATCH_SIZE = 64  # batch_size=None without a plan: batches of up to this many rows, halved on running out of memory
+# the head's fp32 (positions, vocabulary) logits of scored positions, at most this many bytes at once: twice the
+# 32 MiB that glibc's adaptive mmap threshold stops at, so that a full block is always memory-mapped and goes back to
+# the OS when freed, where smaller ones fragment its heap (a 2-layer model, 16 x 512 tokens scored, peaked 160 MiB
+# higher with 8 MiB blocks than with 32 MiB ones: benchmarks/evaluate_plan.py)
+HEAD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -31,12 +37,13 @@ class Score:
 
 
 class Scorer:
-    """A loaded model that scores token sequences under ``precision``, ``batch_size`` rows at a time (None: up to 64,
-    halved while the longest batch of a call runs out of memory). Counts the requests, the tokens run through the
-    model and the seconds, for ``summary``."""
+    """A loaded model that scores token sequences under ``precision``, ``batch_size`` rows at a time (None: up to
+    ``auto_start``, the plan's, halved while the longest batch of a call runs out of memory). Counts the requests, the
+    tokens run through the model and the seconds, for ``summary``."""
 
-    def __init__(self, model: GPT, precision: Precision, batch_size: Optional[int] = None) -> None:
-        self.model, self.precision, self.batch_size = model, precision, batch_size
+    def __init__(self, model: GPT, precision: Precision, batch_size: Optional[int] = None,
+                 auto_start: int = AUTO_BATCH_SIZE) -> None:
+        self.model, self.precision, self.batch_size, self.auto_start = model, precision, batch_size, auto_start
         self.requests, self.tokens, self.seconds = 0, 0, 0.0
 
     @property
@@ -59,7 +66,7 @@ class Scorer:
                 )
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         scores: list[Optional[Score]] = [None] * len(pairs)
-        size = self.batch_size or AUTO_BATCH_SIZE
+        size = self.batch_size or self.auto_start
         start, done = time.perf_counter(), 0
         while done < len(order):
             rows = order[done : done + size]
@@ -109,18 +116,38 @@ class Scorer:
         positions = torch.cat([torch.arange(len(tokens) - n, len(tokens)) for tokens, n in zip(inputs, lengths)])
         targets = torch.tensor([token for _, continuation in pairs for token in continuation])
         device = self.model.embed.weight.device
-
-        def readout(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
-            picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]
-            return torch.log_softmax(model.head(picked).float(), dim=-1)  # fp32: sums of many small numbers
-
         with self.precision.context(device.type):
-            logprobs = self.model(idx.to(device), readout=readout)
-        targets = targets.to(logprobs.device)
-        picked = logprobs.gather(1, targets[:, None]).squeeze(1).cpu()
-        greedy = (logprobs.argmax(dim=-1) == targets).cpu()
+            picked, greedy = score_positions(self.model, idx.to(device), rows, positions, targets)
         self.tokens += sum(map(len, inputs))
-        return [Score(float(p.sum()), bool(g.all())) for p, g in zip(picked.split(lengths), greedy.split(lengths))]
+        return [Score(float(p.sum()), bool(g.all()))
+                for p, g in zip(picked.cpu().split(lengths), greedy.cpu().split(lengths))]
+
+
+def score_positions(model: GPT, idx: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probability of ``targets`` at (``rows``, ``positions``) of ``idx``'s rows, and whether each is the
+    most likely token there. The head runs on those positions only, ``head_rows`` at a time, and keeps of each
+    row's log-softmax only the target's entry: the vocabulary-wide tensors stay ``HEAD_BYTES`` whatever the batch
+    scores (a rolling window scores every position). The planner traces this (plan/trace_generation.py)."""
+    step = head_rows(model.config.padded_vocab_size)
+
+    def readout(model: GPT, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]
+        wanted = targets.to(model.lm_head.weight.device)
+        logprobs, greedy = [], []
+        for start in range(0, len(wanted), step):  # fp32 logits: lm-eval sums many small log-probabilities
+            logits = model.head(picked[start : start + step]).float()
+            target = wanted[start : start + step, None]
+            logprobs.append((logits.gather(1, target) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1))
+            greedy.append(logits.argmax(dim=-1) == target.squeeze(1))
+        return torch.cat(logprobs), torch.cat(greedy)
+
+    return model(idx, readout=readout)
+
+
+def head_rows(vocab_size: int) -> int:
+    """How many scored positions go through the head at once: ``HEAD_BYTES`` of fp32 logits."""
+    return max(1, HEAD_BYTES // (4 * vocab_size))
 
 
 def rolling_windows(tokens: Sequence[int], prefix_token: int, length: int) -> list[Pair]:

@@ -104,6 +104,12 @@ class Overhead:
     # +128 (32-true), pythia-160m +149 (32-true) / +156 (bf16-true) (2026-11-27, AMD EPYC). It follows the parameter
     # count, not the bytes (bf16 as much as fp32): ~117 MiB + ~0.22 bytes a parameter, rounded up to the terms below.
     cpu_generation_compile_runtime: int = 124 * MiB
+    # lit-model evaluate: lm-eval and what it imports and builds beyond generate's runtime (datasets, transformers,
+    # the tasks' metrics, the requests). With 256 MiB the plan is above each of 8 whole runs' peak RSS at glibc's
+    # defaults (a 2-layer 64-wide model and pythia-14m, batch sizes 4 and 16, requests of 128 and 512 tokens, three
+    # local tasks: multiple choice, rolling, generation) by 4.8-32.9 %, by 4.8-16.2 % where the requests fill the
+    # context as the plan assumes (benchmarks/results/evaluate_plan.md, 2026-11-29, Intel Xeon, one thread).
+    cpu_evaluation_libraries: int = 256 * MiB
     cpu_generation_compile_per_parameter: float = 0.25
     # a second process adds this per rank: the gloo process group, DDP's reducer or FSDP's bookkeeping, and the heap
     # they leave. Measured with pretrain/main.py at glibc's defaults: lit-model-5m 32-true, two DDP ranks 709-712 MB

@@ -4,6 +4,7 @@ trace), so that generate and chat import it at no cost to their start."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -43,6 +44,55 @@ def plan_generation(
     (``load.pipeline_stages``); the plan is the fullest one's, each GPU holding its parts and the bytes the trace
     had in flight at its peak. ``compile``: the decode step is compiled (--compile): on the CPU the compiler and its
     code add a term; the tensors are the eager step's (the last step reads the whole cache either way)."""
+    total = prompt_length + max_new_tokens
+    staged = generation_phases(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, device_type, devices)
+    phases, kv, dtype = staged.phases, staged.kv_cache_bytes, staged.dtype
+    B = batch_size
+    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1,
+               parallel=ParallelDims(dp_replicate=1, dp_shard=1),
+               micro_batch_size=B, global_batch_size=B, seq_len=total, compile=compile,
+               cpu_heap=resolve_cpu_heap(device_type, sets_heap=False))
+    memory = _resolve_memory(device_memory, device_type, detect)
+    phases, terms = _finish_phases(phases, spec, generation=True)
+    summary = {"model": config.name, "parameters": closed_form.param_counts(config).total,
+               "dtype": str(dtype).replace("torch.", ""), "quantize": quantize, "batch_size": B,
+               "prompt_length": prompt_length, "max_new_tokens": max_new_tokens,
+               "kv_cache_bytes": kv, "kv_cache_positions": total, "devices": devices}
+    plan = plan_of_phases(spec, phases, terms, memory, "trace", [], {}, summary)
+    plan.notes.append(f"KV cache: {format_bytes(kv)} for {total} positions (prompt + new tokens), allocated once.")
+    if devices > 1:
+        plan.notes.append(pipeline_note(staged, devices))
+    if compile:
+        plan.notes.append("--compile: the decode step's tensors are the eager step's (not traced compiled); on the CPU "
+                          "the compiler and its code add the compiled_code term (measured on five runs here)."
+                          if device_type == "cpu" else
+                          f"--compile: the decode step's tensors are the eager step's (not traced compiled); the compiled "
+                          f"step's own memory is counted as a copy of the KV cache and "
+                          f"{format_bytes(OVERHEAD.cuda_compiled_decode)} of reserve in the overhead (an estimate from one "
+                          "H200 run, rounded up; benchmarks/results/plan_accuracy_gpu.md).")
+    if memory is not None and not plan.fits:
+        plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
+                                                   memory, device_type, devices, compile)
+    return plan
+
+
+@dataclass(frozen=True)
+class StagedPhases:
+    """A traced generation split over ``--devices``: the fullest device's tensor bytes per phase by category
+    (no overhead yet), which device that is, where each part of the model goes, and the whole KV cache's bytes."""
+
+    phases: dict[str, dict[str, int]]
+    fullest: int
+    stages: dict[str, int]
+    kv_cache_bytes: int
+    dtype: torch.dtype  # the weights' (a --precision string resolved)
+
+
+def generation_phases(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int,
+                      dtype: Union[torch.dtype, str, None], quantize: Optional[str], device_type: str, devices: int,
+                      score_length: int = 0) -> StagedPhases:
+    """``plan_generation``'s tensor bytes: the trace (``trace_generation``) spread over the devices' parts; with
+    ``score_length`` evaluate's scoring phase too (held with no KV cache: evaluate frees it after generating)."""
     compute_dtype = dtype
     if isinstance(dtype, str) or dtype is None:
         precision = resolve_precision(dtype, device_type, present=False)
@@ -51,7 +101,8 @@ def plan_generation(
     total = prompt_length + max_new_tokens
     if total > config.block_size:
         raise UsageError(f"Prompt plus new tokens ({total}) exceed {config.name}'s context of {config.block_size} tokens.")
-    traced = _generation_trace(config, prompt_length, max_new_tokens, batch_size, dtype, compute_dtype, quantize, device_type)
+    traced = _generation_trace(config, prompt_length, max_new_tokens, batch_size, dtype, compute_dtype, quantize,
+                               device_type, score_length)
     stages = {**pipeline_stages(config, devices), "rope": 0}  # the RoPE tables live with the embedding
     phases: dict[str, dict[str, int]] = {}
     fullest, fullest_bytes = 0, -1
@@ -64,7 +115,7 @@ def plan_generation(
             categories = {c: 0 for c in CATEGORIES}
             for part in parts:
                 for category, size in traced.resident[part].items():
-                    categories[category] += size
+                    categories[category] += 0 if phase == "score" and category == "kv_cache" else size
             if head_here:
                 for category in ("activations", "quantization", "logits_loss"):
                     categories[category] += in_flight[category]
@@ -81,38 +132,17 @@ def plan_generation(
         stage_bytes = max(sum(cats.values()) for cats in stage_phases.values())
         if stage_bytes > fullest_bytes:
             phases, fullest, fullest_bytes = stage_phases, stage, stage_bytes
-    B = batch_size
     kv = sum(part["kv_cache"] for part in traced.resident.values())
-    spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1,
-               parallel=ParallelDims(dp_replicate=1, dp_shard=1),
-               micro_batch_size=B, global_batch_size=B, seq_len=total, compile=compile,
-               cpu_heap=resolve_cpu_heap(device_type, sets_heap=False))
-    memory = _resolve_memory(device_memory, device_type, detect)
-    phases, terms = _finish_phases(phases, spec, generation=True)
-    summary = {"model": config.name, "parameters": closed_form.param_counts(config).total,
-               "dtype": str(dtype).replace("torch.", ""), "quantize": quantize, "batch_size": B,
-               "prompt_length": prompt_length, "max_new_tokens": max_new_tokens,
-               "kv_cache_bytes": kv, "kv_cache_positions": total, "devices": devices}
-    plan = plan_of_phases(spec, phases, terms, memory, "trace", [], {}, summary)
-    plan.notes.append(f"KV cache: {format_bytes(kv)} for {total} positions (prompt + new tokens), allocated once.")
-    if devices > 1:
-        held = sorted(int(part.split(".")[1]) for part, where in stages.items() if where == fullest and part.startswith("blocks."))
-        plan.notes.append(f"--devices {devices}: consecutive blocks on consecutive GPUs; this is GPU {fullest}'s memory "
-                          f"({f'blocks {held[0]}-{held[-1]}' if held else 'no blocks'}"
-                          + (", the embedding" if stages["embed"] == fullest else "")
-                          + (", the head" if stages["lm_head"] == fullest else "") + "), the fullest of them.")
-    if compile:
-        plan.notes.append("--compile: the decode step's tensors are the eager step's (not traced compiled); on the CPU "
-                          "the compiler and its code add the compiled_code term (measured on five runs here)."
-                          if device_type == "cpu" else
-                          f"--compile: the decode step's tensors are the eager step's (not traced compiled); the compiled "
-                          f"step's own memory is counted as a copy of the KV cache and "
-                          f"{format_bytes(OVERHEAD.cuda_compiled_decode)} of reserve in the overhead (an estimate from one "
-                          "H200 run, rounded up; benchmarks/results/plan_accuracy_gpu.md).")
-    if memory is not None and not plan.fits:
-        plan.suggestions = _generation_suggestions(config, prompt_length, max_new_tokens, batch_size, dtype, quantize,
-                                                   memory, device_type, devices, compile)
-    return plan
+    return StagedPhases(phases, fullest, stages, kv, dtype)
+
+
+def pipeline_note(staged: StagedPhases, devices: int) -> str:
+    stages, fullest = staged.stages, staged.fullest
+    held = sorted(int(part.split(".")[1]) for part, where in stages.items() if where == fullest and part.startswith("blocks."))
+    return (f"--devices {devices}: consecutive blocks on consecutive GPUs; this is GPU {fullest}'s memory "
+            f"({f'blocks {held[0]}-{held[-1]}' if held else 'no blocks'}"
+            + (", the embedding" if stages["embed"] == fullest else "")
+            + (", the head" if stages["lm_head"] == fullest else "") + "), the fullest of them.")
 
 
 def _generation_suggestions(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int,

@@ -126,6 +126,9 @@ def check_plan_fits(plan: Plan) -> None:
 
 def _describe(plan: Plan) -> str:
     r = plan.run
+    if "scored_length" in r:
+        return (f"{r['model']} evaluation, {r['dtype']}{', ' + r['quantize'] if r['quantize'] else ''}, batch "
+                f"{r['batch_size']}: requests of up to {r['scored_length']} tokens (the context)")
     if "prompt_length" in r:
         return (f"{r['model']} generation, {r['dtype']}{', ' + r['quantize'] if r['quantize'] else ''}, batch "
                 f"{r['batch_size']}, prompt {r['prompt_length']} + {r['max_new_tokens']} new tokens")

@@ -17,6 +17,7 @@ from lit_model.core.config import Config
 from lit_model.infer.decode import forward_last
 from lit_model.infer.kv_cache import set_kv_cache
 from lit_model.infer.sampling import sample
+from lit_model.infer.score import score_positions
 from lit_model.model.gpt import GPT, default_dtype
 from lit_model.plan.modules import quantize_model_sim
 from lit_model.plan.tracker import CPU, _cuda_kernels, _Ref, _Tracker, traced_policy
@@ -36,7 +37,8 @@ class GenerationTrace:
 
 
 def trace_generation(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int, dtype: torch.dtype,
-                     compute_dtype: torch.dtype, quantize: Optional[str], device_type: str) -> GenerationTrace:
+                     compute_dtype: torch.dtype, quantize: Optional[str], device_type: str,
+                     score_length: int = 0) -> GenerationTrace:
     """Trace what generate/base.py runs (``decode.forward_last`` and ``sampling.sample``) on the model as
     ``load.load_model`` builds it (weights in ``dtype``, linear layers quantized with ``quantize``; RoPE
     tables for prompt + new positions) with its KV cache (``set_kv_cache``, in ``compute_dtype``): the prefill of
@@ -57,17 +59,24 @@ def trace_generation(config: Config, prompt_length: int, max_new_tokens: int, ba
         resident = _resident_bytes(model)
         prompt = torch.randint(0, config.padded_vocab_size, (batch_size, prompt_length))
         tracker.track_external(model, prompt)
-        steps = {"prefill": (prompt, torch.arange(prompt_length), prompt_length),
-                 "decode": (prompt[:, -1:], torch.tensor([total - 1]), total)}
+        steps = {"prefill": lambda: sample(forward_last(model, prompt, torch.arange(prompt_length), prompt_length),
+                                           temperature=1.0, top_p=TRACED_TOP_P),
+                 "decode": lambda: sample(forward_last(model, prompt[:, -1:], torch.tensor([total - 1]), total),
+                                          temperature=1.0, top_p=TRACED_TOP_P)}
+        if score_length:
+            rows = torch.arange(batch_size).repeat_interleave(score_length)
+            positions = torch.arange(score_length).repeat(batch_size)
+            scored = torch.randint(0, config.padded_vocab_size, (batch_size, score_length))
+            steps = {"score": lambda: score_positions(model, scored, rows, positions, scored.flatten()), **steps}
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if compute_dtype != dtype
                     else contextlib.nullcontext())
         kernels = _cuda_kernels if device_type == "cuda" else contextlib.nullcontext
         transient = {}
         with torch.no_grad(), autocast, kernels():
-            for phase, (idx, input_pos, input_pos_maxp1) in steps.items():
+            for phase, run in steps.items():
                 with tracker:
                     tracker.reset_mod_stats()
-                    sample(forward_last(model, idx, input_pos, input_pos_maxp1), temperature=1.0, top_p=TRACED_TOP_P)
+                    run()
                     peak = tracker.get_tracker_snapshot("peak")[CPU]
                 get = lambda ref: int(peak.get(ref, 0))  # noqa: E731
                 transient[phase] = {"activations": get(_Ref.ACT) + get(_Ref.TEMP) + get(_Ref.OTH),

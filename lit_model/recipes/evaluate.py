@@ -4,6 +4,7 @@ metrics, lit-model's inference code answers the requests (``infer/score.py`` the
 
     python evaluate/main.py --checkpoint_dir out/lora/final --tasks hellaswag,arc_easy --limit 100
     python evaluate/main.py --checkpoint_dir DIR --tasks my_task.yaml --num_fewshot 5 --batch_size auto
+    python evaluate/main.py --checkpoint_dir DIR --batch_size 32 --device_memory 24GB --plan text   # will it fit?
 
 lm-eval's results go to OUT_DIR/results.json and its table to OUT_DIR/results.md and stdout (OUT_DIR: default
 CHECKPOINT_DIR/eval). A LLaMA-Adapter or unmerged LoRA checkpoint is scored with its adapter. Needs lm-eval:
@@ -26,15 +27,18 @@ from tqdm import tqdm
 
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.core.files import atomic_write, check_out_dir_path
+from lit_model.core.units import parse_memory
 from lit_model.infer.engine import Generator, Sampling
 from lit_model.infer.load import (DEFAULT_CHECKPOINT, Precision, load_model, resolve_devices,
                                   resolve_generation_precision)
-from lit_model.infer.score import Scorer
+from lit_model.infer.score import AUTO_BATCH_SIZE, Scorer
 from lit_model.infer.stream import TextStream
 from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import ChatTemplate, PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.model.gpt import GPT
+from lit_model.plan.evaluation import auto_batch_size, plan_evaluation
+from lit_model.plan.report import check_plan_fits
 from lit_model.recipes.cli import parse
 
 RESULTS_FILE, TABLE_FILE = "results.json", "results.md"
@@ -52,7 +56,8 @@ class EvaluateArgs:
             hellaswag,arc_easy or my_task.yaml
         num_fewshot: examples shown before each question (default: each task's own, else 0)
         limit: score at most this many examples per task (a quick look: the scores are not the benchmark's)
-        batch_size: sequences scored together; auto: up to 64, halved while a batch runs out of memory
+        batch_size: sequences scored (and prompts of equal length generated for) together; auto: the largest (up to
+            64) that the memory plan (--plan) fits on the device, halved while a batch runs out of memory
         out_dir: where results.json and results.md go (default: CHECKPOINT_DIR/eval)
         overwrite: replace the results.json and results.md an earlier evaluation wrote to --out_dir
         precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true; default: the cheapest the device runs
@@ -61,6 +66,11 @@ class EvaluateArgs:
             and of sampling (for tasks that sample)
         apply_chat_template: render each prompt as a conversation in the checkpoint's chat template (or prompt
             style), few-shot examples as earlier turns: for chat models
+        devices: GPUs to place consecutive blocks on, for models that do not fit one (CPU: 1)
+        plan: text or json: print the predicted peak memory of this evaluation (the weights, a batch of requests as
+            long as the context, a generation batch's KV cache) and exit without reading the weights or the tasks;
+            exit status 1 when it does not fit the device and no suggested flag change makes it fit, else 0
+        device_memory: with --plan: plan for a CUDA GPU of this size, e.g. 24GB (default: this machine)
     """
 
     checkpoint_dir: Path = DEFAULT_CHECKPOINT
@@ -74,10 +84,15 @@ class EvaluateArgs:
     quantize: Optional[str] = None
     seed: int = 1234
     apply_chat_template: bool = False
+    devices: int = 1
+    plan: Optional[Literal["text", "json"]] = None
+    device_memory: Optional[str] = None
 
 
 def main(args: EvaluateArgs) -> None:
     specs = check_evaluate_args(args)
+    if args.plan is not None:
+        return print_evaluation_plan(args)
     lm_eval = import_lm_eval()
     checkpoint_dir, config = resolve_checkpoint(None, args.checkpoint_dir, DEFAULT_CHECKPOINT, plan=False)
     out_dir = Path(args.out_dir) if args.out_dir is not None else checkpoint_dir / "eval"
@@ -88,16 +103,22 @@ def main(args: EvaluateArgs) -> None:
             f"{out_dir} already holds the results of an evaluation ({', '.join(written)}). Replace them with "
             "--overwrite, or pick another --out_dir."
         )
-    devices = resolve_devices(1)
+    devices = resolve_devices(args.devices)
     precision = resolve_generation_precision(args.precision, devices[0].type, args.quantize)
+    batch_size = args.batch_size
+    if batch_size == "auto":  # memory available now, before the weights take theirs
+        batch_size = auto_batch_size(config, precision.name, args.quantize, None, devices[0].type,
+                                     len(devices))
+        print(f"--batch_size auto: {batch_size} (the largest the memory plan fits, halved if a batch runs out of "
+              "memory)", file=sys.stderr, flush=True)
     tokenizer = Tokenizer(checkpoint_dir)
     style = PromptStyle.from_checkpoint(checkpoint_dir, config)
     manager, tasks = load_tasks(specs)  # reads (and on first use downloads) the data, before the weights
 
     torch.manual_seed(args.seed)
     model = load_model(checkpoint_dir, devices, precision.dtype, args.quantize, decoding=True)
-    lm = harness_model(model, tokenizer, style, precision, None if args.batch_size == "auto" else args.batch_size,
-                       args.seed, checkpoint_dir)
+    lm = harness_model(model, tokenizer, style, precision, None if args.batch_size == "auto" else batch_size,
+                       args.seed, checkpoint_dir, auto_start=batch_size)
     results = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
         batch_size=args.batch_size, apply_chat_template=args.apply_chat_template, log_samples=False,
@@ -119,21 +140,49 @@ def main(args: EvaluateArgs) -> None:
 
 
 def check_evaluate_args(args: EvaluateArgs) -> list[str]:
-    """The flags that need no file, checked first; returns --tasks as a list."""
+    """The flags that need no file, checked first; returns --tasks as a list (which --plan does without)."""
     specs = [spec.strip() for spec in (args.tasks or "").split(",") if spec.strip()]
-    if not specs:
+    if not specs and args.plan is None:
         raise UsageError(
             "--tasks names no task. Give lm-eval task names or task YAML files, comma-separated, e.g. --tasks "
             "hellaswag,arc_easy (`lm-eval ls tasks` lists them)."
         )
     for flag, value, least in (("num_fewshot", args.num_fewshot, 0), ("limit", args.limit, 1),
                                ("batch_size", None if args.batch_size == "auto" else args.batch_size, 1),
-                               ("seed", args.seed, 0)):
+                               ("seed", args.seed, 0), ("devices", args.devices, 1)):
         if value is not None and value < least:
             raise UsageError(f"--{flag} {value} must be at least {least}.")
     if args.seed >= 2**32:
         raise UsageError(f"--seed {args.seed} must be below 2**32 (NumPy's seeds are 32-bit).")
+    if args.device_memory is not None:
+        if args.plan is None:
+            raise UsageError(
+                f"--device_memory {args.device_memory} applies with --plan only (to plan an evaluation for another "
+                "device). Evaluating runs on this machine's."
+            )
+        parse_memory(args.device_memory)
     return specs
+
+
+def print_evaluation_plan(args: EvaluateArgs) -> None:
+    """--plan text|json: the predicted peak memory of evaluating with these flags, from the checkpoint's config
+    (neither its weights nor the tasks are read), on a CUDA GPU of --device_memory or this machine's device."""
+    _, config = resolve_checkpoint(None, args.checkpoint_dir, DEFAULT_CHECKPOINT, plan=True)
+    device_type = "cuda" if args.device_memory or torch.cuda.is_available() else "cpu"
+    if device_type == "cpu" and args.devices > 1:
+        resolve_devices(args.devices)  # the one-paragraph error: the CPU is one device
+    precision = resolve_generation_precision(args.precision, device_type, args.quantize, planning=True)
+    batch_size = args.batch_size
+    if batch_size == "auto":
+        batch_size = auto_batch_size(config, precision.name, args.quantize, args.device_memory,
+                                     device_type, args.devices)
+    plan = plan_evaluation(config, batch_size, precision.name, args.quantize, args.device_memory,
+                           device_type, devices=args.devices)
+    if args.batch_size == "auto":
+        plan.notes.append(f"--batch_size auto: {batch_size}, the largest power of two up to {AUTO_BATCH_SIZE} "
+                          "whose plan fits.")
+    print(plan.to_json() if args.plan == "json" else plan.to_text())
+    check_plan_fits(plan)
 
 
 def import_lm_eval() -> Any:
@@ -200,7 +249,7 @@ class HarnessModel:
     class is joined to lm-eval's only then, as lm-eval is optional."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, style: PromptStyle, precision: Precision,
-                 batch_size: Optional[int], seed: int, checkpoint_dir: Path) -> None:
+                 batch_size: Optional[int], seed: int, checkpoint_dir: Path, auto_start: int = AUTO_BATCH_SIZE) -> None:
         super().__init__()  # lm-eval's LM: rank 0 of 1
         if tokenizer.bos_id is None and tokenizer.eos_id is None:
             raise UserError(
@@ -209,7 +258,7 @@ class HarnessModel:
             )
         self.model, self.tokenizer, self.style, self.precision = model, tokenizer, style, precision
         self.seed, self.checkpoint_dir = seed, checkpoint_dir
-        self.scorer = Scorer(model, precision, batch_size)
+        self.scorer = Scorer(model, precision, batch_size, auto_start)
         self.generators: dict[Sampling, Generator] = {}
         self.generated, self.generate_seconds = 0, 0.0
 
@@ -245,31 +294,43 @@ class HarnessModel:
             return self.scorer.rolling(texts, self.prefix_token_id, bar.update)
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Each request's continuation, one at a time, longest prompt first (the first KV cache is the largest),
-        ended by an eos token, a stop string (``until``, cut off) or ``max_gen_toks``; greedy unless the task
-        samples (``do_sample``)."""
+        """Each request's continuation, ended by an eos token, a stop string (``until``, cut off) or ``max_gen_toks``;
+        greedy unless the task samples (``do_sample``). Requests with the same generation settings whose prompts
+        (cut to the context) are equally long run together, up to the batch size at a time (the engine pads no
+        prompt, so a batch's rows must start at the same position), longest prompts first (the first KV cache is
+        the largest)."""
         from lm_eval.models.utils import normalize_gen_kwargs
 
         context_size = self.model.max_seq_length
-        prompts = [self.tok_encode(context) for context, _ in (request.args for request in requests)]
+        prompts, settings = [], []
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, request in enumerate(requests):
+            kwargs = normalize_gen_kwargs(request.args[1], MAX_GEN_TOKS)
+            if kwargs["max_gen_toks"] >= context_size:
+                raise UserError(
+                    f"A task asks for up to {kwargs['max_gen_toks']} new tokens (max_gen_toks), which leaves no room "
+                    f"for its prompt in the model's context of {context_size} tokens. Evaluate this model on other "
+                    "tasks."
+                )
+            prompt = self.tok_encode(request.args[0])[-(context_size - kwargs["max_gen_toks"]):]
+            prompts.append(prompt or [self.prefix_token_id])  # lm-eval cuts from the left
+            settings.append(kwargs)
+            groups.setdefault((json.dumps(kwargs, sort_keys=True, default=str), len(prompts[-1])), []).append(i)
+        size = self.scorer.batch_size or self.scorer.auto_start
         texts = [""] * len(requests)
         start = time.perf_counter()
-        for i in tqdm(sorted(range(len(requests)), key=lambda i: -len(prompts[i])), desc="generate_until",
-                      disable=disable_tqdm):
-            kwargs = normalize_gen_kwargs(requests[i].args[1], MAX_GEN_TOKS)
-            max_new = kwargs["max_gen_toks"]
-            if max_new >= context_size:
-                raise UserError(
-                    f"A task asks for up to {max_new} new tokens (max_gen_toks), which leaves no room for its prompt "
-                    f"in the model's context of {context_size} tokens. Evaluate this model on other tasks."
-                )
-            prompt = prompts[i][-(context_size - max_new):] or [self.prefix_token_id]  # lm-eval cuts from the left
-            stream = TextStream(self.tokenizer, kwargs["until"], context=prompt[-4:])
-            result = self._generator(kwargs).generate(
-                torch.tensor(prompt), max_new, eos_ids=self.tokenizer.eos_ids,
-                on_token=lambda row, token: stream.add(token))
-            texts[i] = stream.finish()
-            self.generated += len(result.tokens[0])
+        with tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm) as bar:
+            for _, rows in sorted(groups.items(), key=lambda group: -group[0][1]):
+                for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
+                    kwargs = settings[chunk[0]]
+                    streams = [TextStream(self.tokenizer, kwargs["until"], context=prompts[i][-4:]) for i in chunk]
+                    result = self._generator(kwargs).generate(
+                        torch.tensor([prompts[i] for i in chunk]), kwargs["max_gen_toks"],
+                        eos_ids=self.tokenizer.eos_ids, on_token=lambda row, token: streams[row].add(token))
+                    for i, stream in zip(chunk, streams):
+                        texts[i] = stream.finish()
+                    self.generated += sum(map(len, result.tokens))
+                    bar.update(len(chunk))
         self.generate_seconds += time.perf_counter() - start
         self.model.clear_kv_cache()  # its memory goes back to the scoring batches
         return texts
@@ -313,12 +374,12 @@ class HarnessModel:
 
 
 def harness_model(model: GPT, tokenizer: Tokenizer, style: PromptStyle, precision: Precision,
-                  batch_size: Optional[int], seed: int, checkpoint_dir: Path) -> Any:
+                  batch_size: Optional[int], seed: int, checkpoint_dir: Path, auto_start: int = AUTO_BATCH_SIZE) -> Any:
     """A ``HarnessModel`` that is an ``lm_eval.api.model.TemplateLM`` (lm-eval imported here: it is optional)."""
     from lm_eval.api.model import TemplateLM
 
     cls = type("LitModelLM", (HarnessModel, TemplateLM), {"__module__": __name__})
-    return cls(model, tokenizer, style, precision, batch_size, seed, checkpoint_dir)
+    return cls(model, tokenizer, style, precision, batch_size, seed, checkpoint_dir, auto_start)
 
 
 def cli(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
