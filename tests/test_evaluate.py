@@ -298,27 +298,30 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(problem, code, message, c
     assert not out.exists() and result.stdout == ""
 
 
-def test_generations_batch_by_settings_and_prompt_length_as_one_at_a_time(checkpoint, monkeypatch):
-    """generate_until runs the requests with equal generation settings and equally long prompts as one batch (up to
-    the batch size), and greedy decoding gives each what it gives the request alone."""
-    from lit_model.infer.engine import Generator
+def test_generations_run_batched_by_the_engine_as_one_at_a_time(checkpoint, monkeypatch):
+    """generate_until runs every request through the continuous-batching engine, up to the batch size decoding
+    together whatever their prompts' lengths and settings, and greedy decoding gives each what it gives the request
+    alone."""
+    from lit_model.infer.batching import Engine
 
     lit = ours(checkpoint, batch_size=3)
     ids = lit.tok_encode(LONG)
-    texts = [lit.tokenizer.decode(torch.tensor(ids[i : i + 9])) for i in range(0, 54, 9)]  # most re-encode to 9
+    texts = [lit.tokenizer.decode(torch.tensor(ids[i : i + 9 + i // 9])) for i in range(0, 54, 9)]
     settings = [{"until": ["\n"], "max_gen_toks": 6, "do_sample": False}, {"until": ["x"], "max_gen_toks": 5}]
     prompts = [(text, dict(settings[i % 2])) for i, text in enumerate(texts + [q for q, _, _ in QUESTIONS])]
-    shapes, generate = [], Generator.generate
+    rows, forward = [], Engine._forward
 
-    def recorded(self, prompt_ids, *args, **kwargs):
-        shapes.append(tuple(prompt_ids.shape))
-        return generate(self, prompt_ids, *args, **kwargs)
+    def recorded(self, batch, new_tokens):
+        if len(new_tokens[0]) == 1:  # a decoding step
+            rows.append(len(batch))
+        return forward(self, batch, new_tokens)
 
-    monkeypatch.setattr(Generator, "generate", recorded)
+    monkeypatch.setattr(Engine, "_forward", recorded)
     batched = lit.generate_until(requests("generate_until", prompts))
-    assert max(rows for rows, _ in shapes if rows) == 3 and len(shapes) < len(prompts)  # batches, of at most 3
+    assert max(rows) == 3  # decoding steps of up to the batch size
     alone = ours(checkpoint, batch_size=1).generate_until(requests("generate_until", prompts))
     assert batched == alone and sum(map(len, batched)) > 0
+    assert all(block.attn.kv_cache is None for block in lit.model.blocks)  # the pool is gone after generating
 
 
 def test_scores_are_the_same_when_the_head_runs_few_positions_at_a_time(models, monkeypatch):

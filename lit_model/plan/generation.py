@@ -88,16 +88,20 @@ class StagedPhases:
     dtype: torch.dtype  # the weights' (a --precision string resolved)
 
 
+def generation_dtypes(dtype: Union[torch.dtype, str, None], device_type: str) -> tuple[torch.dtype, torch.dtype]:
+    """The weights' and the computation's (and KV cache's) dtypes of a --precision string, or of a weights' dtype."""
+    if not (isinstance(dtype, str) or dtype is None):
+        return dtype, dtype
+    weights, autocast = PRECISION_DTYPES[resolve_precision(dtype, device_type, present=False)]
+    return weights, autocast or weights  # -mixed: generation keeps the cache in the autocast dtype
+
+
 def generation_phases(config: Config, prompt_length: int, max_new_tokens: int, batch_size: int,
                       dtype: Union[torch.dtype, str, None], quantize: Optional[str], device_type: str, devices: int,
                       score_length: int = 0) -> StagedPhases:
     """``plan_generation``'s tensor bytes: the trace (``trace_generation``) spread over the devices' parts; with
     ``score_length`` evaluate's scoring phase too (held with no KV cache: evaluate frees it after generating)."""
-    compute_dtype = dtype
-    if isinstance(dtype, str) or dtype is None:
-        precision = resolve_precision(dtype, device_type, present=False)
-        dtype, compute_dtype = PRECISION_DTYPES[precision]
-        compute_dtype = compute_dtype or dtype  # -mixed: generation keeps the cache in the autocast dtype
+    dtype, compute_dtype = generation_dtypes(dtype, device_type)
     total = prompt_length + max_new_tokens
     if total > config.block_size:
         raise UsageError(f"Prompt plus new tokens ({total}) exceed {config.name}'s context of {config.block_size} tokens.")

@@ -1,6 +1,6 @@
 """Score a checkpoint on lm-evaluation-harness tasks: lm-eval builds the requests from its tasks and computes the
-metrics, lit-model's inference code answers the requests (``infer/score.py`` the log-likelihoods, ``infer/engine.py``'s
-``Generator`` the generations).
+metrics, lit-model's inference code answers the requests (``infer/score.py`` the log-likelihoods, the continuous-batching
+engine of ``infer/batching.py`` the generations).
 
     python evaluate/main.py --checkpoint_dir out/lora/final --tasks hellaswag,arc_easy --limit 100
     python evaluate/main.py --checkpoint_dir DIR --tasks my_task.yaml --num_fewshot 5 --batch_size auto
@@ -17,7 +17,6 @@ import difflib
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -28,9 +27,11 @@ from tqdm import tqdm
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.core.files import atomic_write, check_out_dir_path
 from lit_model.core.units import parse_memory
-from lit_model.infer.engine import Generator, Sampling
+from lit_model.infer.batching import Engine, Event, Request, complete
+from lit_model.infer.engine import Sampling
 from lit_model.infer.load import (DEFAULT_CHECKPOINT, Precision, load_model, resolve_devices,
                                   resolve_generation_precision)
+from lit_model.infer.paged import DEFAULT_BLOCK_SIZE, PoolSpec, blocks_for
 from lit_model.infer.score import AUTO_BATCH_SIZE, Scorer
 from lit_model.infer.stream import TextStream
 from lit_model.io.download import resolve_checkpoint
@@ -259,7 +260,6 @@ class HarnessModel:
         self.model, self.tokenizer, self.style, self.precision = model, tokenizer, style, precision
         self.seed, self.checkpoint_dir = seed, checkpoint_dir
         self.scorer = Scorer(model, precision, batch_size, auto_start)
-        self.generators: dict[Sampling, Generator] = {}
         self.generated, self.generate_seconds = 0, 0.0
 
     # ---- tokens, as lm-eval's hf model makes them ------------------------------------------------
@@ -295,15 +295,13 @@ class HarnessModel:
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation, ended by an eos token, a stop string (``until``, cut off) or ``max_gen_toks``;
-        greedy unless the task samples (``do_sample``). Requests with the same generation settings whose prompts
-        (cut to the context) are equally long run together, up to the batch size at a time (the engine pads no
-        prompt, so a batch's rows must start at the same position), longest prompts first (the first KV cache is
-        the largest)."""
+        greedy unless the task samples (``do_sample``). All run through the continuous-batching engine
+        (infer/batching.py): up to the batch size decode together, in a pool of batch size x the context (what
+        the plan counts), a request joining the batch as another ends, whatever its prompt's length."""
         from lm_eval.models.utils import normalize_gen_kwargs
 
         context_size = self.model.max_seq_length
-        prompts, settings = [], []
-        groups: dict[tuple[str, int], list[int]] = {}
+        queued = []
         for i, request in enumerate(requests):
             kwargs = normalize_gen_kwargs(request.args[1], MAX_GEN_TOKS)
             if kwargs["max_gen_toks"] >= context_size:
@@ -313,36 +311,29 @@ class HarnessModel:
                     "tasks."
                 )
             prompt = self.tok_encode(request.args[0])[-(context_size - kwargs["max_gen_toks"]):]
-            prompts.append(prompt or [self.prefix_token_id])  # lm-eval cuts from the left
-            settings.append(kwargs)
-            groups.setdefault((json.dumps(kwargs, sort_keys=True, default=str), len(prompts[-1])), []).append(i)
+            sampled = bool(kwargs.get("do_sample"))
+            sampling = Sampling(temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
+                                top_k=kwargs.get("top_k"), top_p=float(kwargs.get("top_p", 1.0)), seed=self.seed + i)
+            queued.append((Request(str(i), tuple(prompt or [self.prefix_token_id]), kwargs["max_gen_toks"], sampling,
+                                   tuple(self.tokenizer.eos_ids)), kwargs["until"]))  # lm-eval cuts from the left
         size = self.scorer.batch_size or self.scorer.auto_start
-        texts = [""] * len(requests)
-        start = time.perf_counter()
+        pool = PoolSpec(size * blocks_for(context_size, DEFAULT_BLOCK_SIZE))
+        engine = Engine(self.model, self.precision, pool, max_batch=size)
+        streams = {r.id: TextStream(self.tokenizer, until, context=r.prompt_ids[-4:]) for r, until in queued}
         with tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm) as bar:
-            for _, rows in sorted(groups.items(), key=lambda group: -group[0][1]):
-                for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
-                    kwargs = settings[chunk[0]]
-                    streams = [TextStream(self.tokenizer, kwargs["until"], context=prompts[i][-4:]) for i in chunk]
-                    result = self._generator(kwargs).generate(
-                        torch.tensor([prompts[i] for i in chunk]), kwargs["max_gen_toks"],
-                        eos_ids=self.tokenizer.eos_ids, on_token=lambda row, token: streams[row].add(token))
-                    for i, stream in zip(chunk, streams):
-                        texts[i] = stream.finish()
-                    self.generated += sum(map(len, result.tokens))
-                    bar.update(len(chunk))
-        self.generate_seconds += time.perf_counter() - start
-        self.model.clear_kv_cache()  # its memory goes back to the scoring batches
-        return texts
 
-    def _generator(self, kwargs: dict[str, Any]) -> Generator:
-        """The engine for a request's sampling settings (one per setting: each keeps its seeded random generator)."""
-        sampled = bool(kwargs.get("do_sample"))
-        sampling = Sampling(temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
-                            top_k=kwargs.get("top_k"), top_p=float(kwargs.get("top_p", 1.0)), seed=self.seed)
-        if sampling not in self.generators:
-            self.generators[sampling] = Generator(self.model, self.precision, sampling)
-        return self.generators[sampling]
+            def on_event(event: Event) -> None:
+                if any([streams[event.id].add(token) for token in event.tokens]) and event.finish_reason is None:
+                    engine.cancel(event.id)  # a stop string ended it
+                bar.update(event.finish_reason is not None)
+
+            try:
+                _, timing = complete(engine, [r for r, _ in queued], on_event)
+            finally:
+                self.model.clear_kv_cache()  # its memory goes back to the scoring batches
+        self.generated += timing.tokens
+        self.generate_seconds += timing.seconds
+        return [streams[str(i)].finish() for i in range(len(requests))]
 
     # ---- chat ----------------------------------------------------------------------------------------
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
