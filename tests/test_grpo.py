@@ -323,6 +323,39 @@ def test_rollouts_leave_no_kv_cache_for_the_training_forward(prompts):
     assert torch.equal(rollouts(data.train[:2], [1, 2])[0], batch[0])  # the same seeds, the same completions
 
 
+def test_a_rollout_that_runs_out_of_memory_recomputes_to_the_same_completions(prompts, monkeypatch):
+    """An out-of-memory error inside a rollout's decoding step preempts the newest sequences (the engine's
+    recovery): the completions are those of a rollout that never ran out."""
+    from lit_model.data.prompts import load_prompt_data
+    from lit_model.infer.batching import Engine
+    from lit_model.infer.load import Precision
+    from lit_model.infer.rollout import Rollouts
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+    from lit_model.methods.load import load_gpt
+    from lit_model.methods.rewards import load_rewards
+
+    model = load_gpt(prompts["base"])
+    tokenizer = Tokenizer(prompts["base"])
+    data = load_prompt_data(prompts["data"], tokenizer, PromptStyle.from_name("alpaca"), 200)
+    spec = GRPOSpec(rewards=("length",), num_generations=3, max_new_tokens=6)  # sampled at temperature 1
+    rewards, weights = load_rewards(spec.rewards, None)
+    rollouts = Rollouts(model, tokenizer, Precision("32-true", torch.float32, None), spec, rewards, weights, 256,
+                        torch.device("cpu"))
+    expected = rollouts.generate(data.train[:2], [1, 2])
+    forward, failures, raised = Engine._forward, iter([True, False, True] + [False] * 1000), []
+
+    def flaky(self, batch, new_tokens):
+        if len(batch) > 1 and next(failures):
+            raised.append(len(batch))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return forward(self, batch, new_tokens)
+
+    monkeypatch.setattr(Engine, "_forward", flaky)
+    assert rollouts.generate(data.train[:2], [1, 2]) == expected and len(raised) == 2
+    assert all(block.attn.kv_cache is None for block in model.blocks)
+
+
 def test_plan_of_a_grpo_run_counts_the_rollout(prompts):
     proc = run("finetune/grpo.py", "--checkpoint_dir", prompts["base"], "--data_path", prompts["data"], "--plan", "json",
                "--max_new_tokens", "16", cache=prompts["cache"])

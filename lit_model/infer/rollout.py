@@ -1,11 +1,11 @@
-"""GRPO's rollouts, generated in the training process by the inference engine with the training weights themselves
-(LoRA's adapters on their shared base, no copy): each prompt's group of G completions is sampled in one batch with
-a KV cache of exactly G x (prompt + --max_new_tokens) positions, allocated for the group and removed before anything
-else runs, so it never adds to the training step's memory. The completions are decoded, scored by the rewards and
+"""GRPO's rollouts, generated in the training process by the continuous-batching engine with the training weights
+themselves (LoRA's adapters on their shared base, no copy): G completions decode at a time in a paged KV cache of
+G x (the longest prompt + --max_new_tokens) positions, allocated for the rollout and removed before anything else
+runs, so it never adds to the training step's memory. The completions are decoded, scored by the rewards and
 turned into a training batch (``methods/grpo.py``'s layout).
 
-Rollouts are seeded per (run seed, step, rank, prompt): the same run draws the same completions, and a resumed one
-those the uninterrupted run would have drawn from the same weights.
+Rollouts are seeded per (run seed, step, rank, prompt, completion): the same run draws the same completions, and a
+resumed one those the uninterrupted run would have drawn from the same weights.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import torch
 from lit_model.data.instruct import IGNORE_INDEX, PAD_MULTIPLE, padded_length
 from lit_model.data.prompts import Prompt
 from lit_model.data.text import GlobalBatchSampler
-from lit_model.infer.engine import Generator, Sampling
+from lit_model.core.errors import UserError
+from lit_model.infer.batching import Engine, Request, complete
+from lit_model.infer.engine import Sampling
 from lit_model.infer.load import Precision
+from lit_model.infer.paged import DEFAULT_BLOCK_SIZE, PoolSpec, blocks_for
 from lit_model.methods.grpo import GRPOSpec, group_advantages, row_weights
 from lit_model.methods.objective import Batch
 from lit_model.methods.rewards import Reward, score
@@ -47,22 +50,30 @@ class Rollouts:
 
     def generate(self, prompts: Sequence[Prompt], seeds: Sequence[int]) -> list[list[int]]:
         """G completions' token ids per prompt (the eos that ended one kept: the policy is trained to stop), in
-        eval mode and without gradients; the KV cache is removed afterwards, whatever happens."""
-        spec, model = self.spec, self.model
-        was_training, completions = model.training, []
+        eval mode and without gradients, through the continuous-batching engine: G sequences decode at a time in a
+        pool of G x (the longest prompt + --max_new_tokens) positions, a group's completions joining as another's
+        end; a step that runs out of memory gives the newest sequences' blocks back and recomputes them later. The
+        cache is removed afterwards, whatever happens."""
+        spec, model, group = self.spec, self.model, self.spec.num_generations
+        longest = max(len(prompt.ids) for prompt in prompts) + spec.max_new_tokens
+        requests = [Request(f"{i}.{g}", tuple(int(t) for t in prompt.ids), spec.max_new_tokens,
+                            Sampling(spec.temperature, spec.top_k, spec.top_p, rollout_seed(seed, g)),
+                            tuple(self.tokenizer.eos_ids))
+                    for i, (prompt, seed) in enumerate(zip(prompts, seeds)) for g in range(group)]
+        was_training = model.training
         model.eval()
         try:
-            for prompt, seed in zip(prompts, seeds):
-                generator = Generator(model, self.precision, Sampling(spec.temperature, spec.top_k, spec.top_p, seed))
-                generator.allocate(spec.num_generations, len(prompt.ids) + spec.max_new_tokens)
-                result = generator.generate(torch.from_numpy(prompt.ids), spec.max_new_tokens, self.tokenizer.eos_ids,
-                                            num_samples=spec.num_generations)
-                eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
-                completions += [tokens + eos if stopped else tokens for tokens, stopped in zip(result.tokens, result.stopped)]
+            engine = Engine(model, self.precision, PoolSpec(group * blocks_for(longest, DEFAULT_BLOCK_SIZE)), group)
+            done, _ = complete(engine, requests)
         finally:
             model.clear_kv_cache()
             model.train(was_training)
-        return completions
+        failed = next((done[r.id].error for r in requests if done[r.id].finish_reason == "error"), None)
+        if failed is not None:
+            raise UserError(f"A rollout failed: {failed} Lower --max_new_tokens or --num_generations, or load the "
+                            "base weights in 4 bits with --quantize bnb.nf4.")
+        eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
+        return [list(done[r.id].tokens) + (eos if done[r.id].finish_reason == "stop" else []) for r in requests]
 
     def __call__(self, prompts: Sequence[Prompt], seeds: Sequence[int], announce: bool = True) -> Batch:
         """The batch of ``prompts``' completions: (input_ids, targets, advantages, weights, stats), G rows per prompt

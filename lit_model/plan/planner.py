@@ -15,11 +15,12 @@ from typing import Any, Optional
 import torch
 
 from lit_model.core.units import format_bytes
+from lit_model.infer.paged import DEFAULT_BLOCK_SIZE, blocks_for, read_bytes
 from lit_model.plan.calibration import PCIE_BYTES_PER_S
 from lit_model.io.checkpoint import WEIGHTS_NAME
 from lit_model.plan import closed_form
 from lit_model.plan.closed_form import CATEGORIES
-from lit_model.plan.generation import plan_generation
+from lit_model.plan.generation import generation_dtypes, plan_generation
 from lit_model.plan.overhead import _finish_phases, _gradients_in_buckets
 from lit_model.plan.report import Plan, plan_of_phases
 from lit_model.plan.trace import (TraceFailed, TraceResult, depth_segments, optimizer_state_ratio, trace_by_layers,
@@ -58,7 +59,13 @@ def _rollout_phase(spec: Run, after_step: dict[str, int]) -> dict[str, int]:
                                  spec.quantize, device_type=spec.device_type, detect=False).phase_categories
     kept = ("parameters", "quantization", "optimizer_state")
     largest = max(generation.values(), key=lambda c: sum(v for k, v in c.items() if k not in (*kept, "overhead")))
-    return {c: after_step.get(c, 0) if c in kept else largest.get(c, 0) for c in CATEGORIES if c != "overhead"}
+    phase = {c: after_step.get(c, 0) if c in kept else largest.get(c, 0) for c in CATEGORIES if c != "overhead"}
+    # the engine's paged pool rounds each sequence up to whole blocks, and a decoding step gathers a layer's cache
+    positions = blocks_for(spec.seq_len, DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+    phase["kv_cache"] += phase["kv_cache"] * (positions - spec.seq_len) // spec.seq_len
+    phase["activations"] += read_bytes(spec.config, grpo.num_generations, positions, "auto",
+                                       generation_dtypes(spec.precision, spec.device_type)[1])
+    return phase
 
 
 def _not_traceable(spec: Run) -> Optional[str]:
