@@ -5,6 +5,7 @@ from setuptools import find_packages, setup
 # mlflow-skinny is MLflow's client without the server and UI (a fraction of the size), all --logger mlflow needs
 LOGGERS = ["tensorboard", "wandb", "mlflow-skinny"]
 LM_EVAL = "lm-eval>=0.4.13,<0.5"
+LITSERVE = "litserve>=0.2.19,<0.3"  # `lit-model serve`: 0.2.19's ContinuousBatchingLoop and OpenAISpec; 0.3 changes the API
 
 # torch is left unpinned here so a GPU machine keeps its CUDA build; on a CPU-only machine install
 # `torch==2.13.0` (the CPU wheel) first, as the README says, and this requirement is already met.
@@ -47,11 +48,12 @@ setup(
         # never passing it), and with datasets >= 4 script data sets do not load at all (0.4.13 drops the key from a
         # task's dataset_kwargs there). Our tests use local tasks; <0.5: 0.5 may change the LM and task APIs we use.
         "evaluate": [LM_EVAL],
+        "serve": [LITSERVE],
         # peft: the DoRA parity test's reference implementation; trl: the preference losses' (tests only, like
         # transformers)
         "test": ["pytest", "transformers>=5", "peft>=0.17", "trl>=1.16", "bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18",
-                 "matplotlib", "datasets>=3", *LOGGERS, LM_EVAL],
+                 "matplotlib", "datasets>=3", *LOGGERS, LM_EVAL, LITSERVE, "openai"],
         "all": ["bitsandbytes>=0.45", "pytorch_optimizer>=4.1", "torchao>=0.18", "matplotlib", "datasets>=3", *LOGGERS,
-                LM_EVAL],
+                LM_EVAL, LITSERVE],
     },
 )

@@ -1,7 +1,7 @@
 """``lit-model``: one command for every script.
 
-    lit-model pretrain | finetune lora|full|adapter|dpo|grpo | generate | chat | evaluate | plan COMMAND | download |
-              convert | merge | config
+    lit-model pretrain | finetune lora|full|adapter|dpo|grpo | generate | chat | evaluate | serve | plan COMMAND |
+              download | convert | merge | config
 
 Each command runs exactly what its script runs: the training and generation commands call the recipe the script
 is a shim over (``lit_model/recipes/pretrain.py`` ...) with the same arguments, so flags, ``--config`` files,
@@ -25,7 +25,8 @@ from lit_model.core.config import CONFIG_DIR, Config
 from lit_model.core.errors import UsageError, run_cli
 from lit_model.download import main as download_main
 from lit_model.methods.lora import cli as lora_cli
-from lit_model.recipes import chat, evaluate, finetune_adapter, finetune_dpo, finetune_full, finetune_grpo, finetune_lora, generate, pretrain
+from lit_model.recipes import (chat, evaluate, finetune_adapter, finetune_dpo, finetune_full, finetune_grpo, finetune_lora,
+                               generate, pretrain, serve)
 from lit_model.plan.closed_form import param_counts
 
 # command -> (the script users know, the recipe's command line that the script runs)
@@ -39,6 +40,7 @@ SCRIPTS: dict[str, tuple[str, Callable[..., None]]] = {
     "generate": ("generate/base.py", generate.cli),
     "chat": ("generate/chat.py", chat.cli),
     "evaluate": ("evaluate/main.py", evaluate.cli),
+    "serve": ("serve/main.py", serve.cli),
 }
 FINETUNE_METHODS = ("lora", "full", "adapter", "dpo", "grpo")
 HELP = {
@@ -47,7 +49,8 @@ HELP = {
     "generate": "continue a prompt (generate/base.py)",
     "chat": "chat with a model (generate/chat.py)",
     "evaluate": "score a checkpoint on lm-evaluation-harness tasks (evaluate/main.py)",
-    "plan": "predict a run's peak memory without running it: plan pretrain|finetune M|generate|chat [flags]",
+    "serve": "serve a model with OpenAI's API, continuous batching over a paged KV cache (serve/main.py)",
+    "plan": "predict a run's peak memory without running it: plan pretrain|finetune M|generate|chat|serve [flags]",
     "download": "download ORG/NAME from the Hugging Face Hub and convert it (python -m lit_model.download)",
     "convert": "convert checkpoints: convert hf_to_lit | lit_to_hf (python -m lit_model.convert)",
     "merge": "merge lora.safetensors into a checkpoint's weights (python -m lit_model.lora merge)",
@@ -77,12 +80,12 @@ def dispatch(argv: list[str]) -> None:
     command, rest = argv[0], argv[1:]
     if command == "plan":
         if rest[:1] == ["evaluate"]:
-            raise UsageError("`lit-model plan` plans pretrain, finetune lora|full|adapter|dpo|grpo, generate or chat; evaluate "
+            raise UsageError("`lit-model plan` plans pretrain, finetune lora|full|adapter|dpo|grpo, generate, chat or serve; evaluate "
                              "has no --plan (it loads the model as generate does: `lit-model plan generate` sizes that).")
         script, rest = _script_for(rest, "lit-model plan")
         asks = any(arg in ("--plan", "-h", "--help") or arg.startswith("--plan=") for arg in rest)
         return script(rest if asks else [*rest, "--plan", "text"])
-    if command in ("pretrain", "finetune", "generate", "chat", "evaluate"):
+    if command in ("pretrain", "finetune", "generate", "chat", "evaluate", "serve"):
         script, rest = _script_for(argv, "lit-model")
         return script(rest)
     modules: dict[str, Callable[[list[str]], None]] = {
@@ -98,7 +101,7 @@ def dispatch(argv: list[str]) -> None:
 def _script_for(argv: list[str], prog: str) -> tuple[Callable[[list[str]], None], list[str]]:
     """The script a command line names, and the arguments left for it."""
     if not argv:
-        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter|dpo|grpo, generate or chat.")
+        raise UsageError(f"`{prog}` needs a command to plan: pretrain, finetune lora|full|adapter|dpo|grpo, generate, chat or serve.")
     command, rest = argv[0], argv[1:]
     if command == "finetune":
         if rest[:1] in (["-h"], ["--help"]):
@@ -112,7 +115,7 @@ def _script_for(argv: list[str], prog: str) -> tuple[Callable[[list[str]], None]
             )
         command, rest = f"finetune {rest[0]}", rest[1:]
     if command not in SCRIPTS:
-        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter|dpo|grpo, generate or chat.")
+        raise UsageError(f"`{prog}` cannot run {command!r}: use pretrain, finetune lora|full|adapter|dpo|grpo, generate, chat or serve.")
     script, cli = SCRIPTS[command]
     return partial(cli, prog=script.split("/")[-1]), rest  # --help and usage name the script, as it does
 

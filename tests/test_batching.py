@@ -10,7 +10,7 @@ from lit_model.core.errors import UsageError
 from lit_model.infer.batching import Engine, Event, Request
 from lit_model.infer.engine import Generator, Sampling
 from lit_model.infer.load import Precision
-from lit_model.infer.paged import BlockPool, PoolSpec, block_bytes, blocks_for, set_paged_cache
+from lit_model.infer.paged import BlockPool, PoolSpec, block_bytes, blocks_for, read_bytes, set_paged_cache
 
 TINY = dict(name="tiny", block_size=128, vocab_size=300, n_layer=2, n_embd=32, n_head=4, n_query_groups=2)
 # Gemma-2-like: local attention on every other layer, soft-capped scores
@@ -213,3 +213,18 @@ def test_block_bytes_and_paged_holds_more_than_reserved():
     assert blocks_for(17, 16) == 2
     with pytest.raises(UsageError, match="kv_cache_dtype"):
         block_bytes(config, 16, "int4", torch.bfloat16)
+
+
+def test_read_bytes_is_what_a_layer_read_makes():
+    """The plan's transient of a layer's read equals the keys, values and mask a read returns (16/32-bit cache)."""
+    config = Config(**TINY)
+    model = GPT(config)
+    pool = BlockPool(PoolSpec(num_blocks=8, block_size=4))
+    set_paged_cache(model, pool, torch.float32)
+    pool.bind([[0, 1, 2], [3]])
+    x = torch.randn(2, 2, 1, 8)
+    k, v, mask = model.blocks[0].attn.kv_cache.update(torch.tensor([[9], [2]]), x, x, None, None)
+    assert read_bytes(config, 2, 12, "auto", torch.float32) == k.nbytes + v.nbytes + mask.nbytes
+    # int8: the stored values gathered before they are dequantized, and a scale per position and head
+    assert read_bytes(config, 2, 12, "int8", torch.float32) == k.nbytes + v.nbytes + mask.nbytes + k.numel() * 2 + (
+        2 * 2 * 12 * 2 * 4)

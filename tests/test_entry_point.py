@@ -42,7 +42,7 @@ def test_help_lists_every_command() -> None:
     result = run_entry("--help")
     assert result.returncode == 0
     listed = re.findall(r"^  (\S+)  ", result.stdout, flags=re.MULTILINE)
-    assert listed == ["pretrain", "finetune", "generate", "chat", "evaluate", "plan", "download", "convert", "merge",
+    assert listed == ["pretrain", "finetune", "generate", "chat", "evaluate", "serve", "plan", "download", "convert", "merge",
                       "config"]
     assert listed == list(HELP)
     assert run_entry().returncode == 2 and run_entry().stdout == result.stdout

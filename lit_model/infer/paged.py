@@ -55,6 +55,17 @@ def block_bytes(config: Config, block_size: int, kv_dtype: str, compute_dtype: t
     return config.n_layer * (values + scales)
 
 
+def read_bytes(config: Config, batch: int, positions: int, kv_dtype: str, compute_dtype: torch.dtype) -> int:
+    """The transient of one layer's read in a step of ``batch`` sequences whose longest holds ``positions``: the
+    gathered keys and values in the compute dtype (+ the gathered stored values and their scales where quantized,
+    before they are dequantized), and the boolean mask. What the plan adds to a step's activations."""
+    dtype = storage_dtype(kv_dtype, compute_dtype)
+    elements = 2 * batch * positions * config.n_query_groups * config.head_size
+    stored = elements * dtype.itemsize + elements // config.head_size * compute_dtype.itemsize if (
+        dtype in QUANTIZED_MAX) else 0
+    return elements * compute_dtype.itemsize + stored + batch * positions
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
@@ -149,8 +160,8 @@ class PagedKVCache(nn.Module):
         by_block[touched] = quantize(by_block[touched].to(SCALE_DTYPE) * ratio[:, None, :, None], data.dtype, q)
         scale[touched] = new
         data[slots] = quantize(x.to(SCALE_DTYPE) / new_or_one(grown[blocks])[..., None], data.dtype, q)
-        read_scale = scale[read // bs]
-        return (data.index_select(0, read).to(SCALE_DTYPE) * read_scale[..., None]).to(dtype)
+        # dequantized in the compute dtype, in place: the read's transient is its stored and its compute copy
+        return data.index_select(0, read).to(dtype).mul_(scale[read // bs].to(dtype)[..., None])
 
 
 def new_or_one(scale: torch.Tensor) -> torch.Tensor:

@@ -287,6 +287,52 @@ def load_saved_lora(model: GPT, checkpoint_dir: Path) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class LoRAWeights:
+    """An unmerged LoRA held beside a base model without changing it (``read_lora``); ``use_lora`` switches the
+    model to it. Several of them share one copy of the base weights (serving ``base:adapter`` models)."""
+
+    config: LoRAConfig
+    weights: dict[str, torch.Tensor]  # lora_A / lora_B (/ lora_magnitude) by parameter name, on their layers' devices
+
+
+def read_lora(directory: Path, model: GPT) -> LoRAWeights:
+    """The LoRA saved in ``directory`` (lora.yaml + lora.safetensors, merged or not: its weights are the update),
+    checked against ``model``'s architecture, on the devices and in the dtype of the layers it adapts."""
+    config = LoRAConfig.from_dir(directory)
+    if config.bias:
+        raise UserError(
+            f"{directory / LORA_CONFIG} trains the adapted layers' biases (bias: true), which replace the shared base "
+            "model's. Merge it (lit-model merge) and serve the merged checkpoint with its own --checkpoint_dir.")
+    shaped = GPT.on_meta(model.config)  # the adapted layers' shapes, no memory; model itself stays as it is
+    apply_lora(shaped, config)
+    weights = read_adapter(Path(directory), config, shaped)
+    dtype = model.embed.weight.dtype
+    placed = {name: tensor.to(model.get_submodule(name.rsplit(".", 1)[0]).weight.device, dtype)
+              for name, tensor in weights.items()}
+    return LoRAWeights(config, placed)
+
+
+def use_lora(model: GPT, adapter: Optional[LoRAWeights]) -> None:
+    """Make ``model`` compute with ``adapter`` (None: the base alone) by pointing its LoRA layers at the adapter's
+    tensors; the base weights are never copied or changed, so switching is cheap and exact."""
+    for name, module in model.named_modules():
+        targeted = adapter is not None and isinstance(module, nn.Linear) and adapter.config.targets(name)
+        if targeted and not isinstance(module, LoRALayer):
+            module.__class__ = mixed_class(LoRALayer, type(module), f"LoRA{type(module).__name__}")
+            module.kernel_policy = model.kernel_policy
+            module.lora_dropout = nn.Identity()  # inference: no dropout
+        if not isinstance(module, LoRALayer):
+            continue
+        module.lora_enabled = targeted
+        if targeted:
+            module.lora_A = nn.Parameter(adapter.weights[f"{name}.lora_A"], requires_grad=False)
+            module.lora_B = nn.Parameter(adapter.weights[f"{name}.lora_B"], requires_grad=False)
+            magnitude = adapter.weights.get(f"{name}.lora_magnitude")
+            module.lora_magnitude = None if magnitude is None else nn.Parameter(magnitude, requires_grad=False)
+            module.lora_scaling = adapter.config.scaling
+
+
 def merge_state_dict(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str, torch.Tensor]:
     """Base weights with the adapter added (in fp32, stored back in each weight's dtype; DoRA: each row scaled to
     its trained magnitude); trained biases replace the base ones. ``base`` and its adapted weights are changed in
