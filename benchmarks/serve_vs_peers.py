@@ -6,23 +6,26 @@ clients, >= 1.2x the better peer's tokens/s, with equal greedy outputs).
     python benchmarks/serve_vs_peers.py --quick                   # 1 and 4 clients, one repeat: a smoke check
     python benchmarks/serve_vs_peers.py --servers lit_model transformers --clients 16 --repeats 5
 
-The model (benchmarks/_peer_prep.py serve_model, made once under benchmarks/.peers/serve/): pythia-31m's shape
-(GPT-NeoX, 6 layers x 256, vocab 50304, context 1024; litgpt's converter takes only the names of its registry)
-with random weights, written as a transformers checkpoint with a byte-level BPE tokenizer of exactly 50304 tokens
-(lit_model.io.tokenizer.train_bpe on the Python standard library's sources) and a chat template that renders the
-user's text as it is (what litgpt's default prompt style does, so every server feeds the model the same tokens).
-The end-of-text token's output row is zero, so greedy decoding never stops early: every request generates its
-whole max_tokens on every server. lit-model reads it through `lit-model convert hf_to_lit`, litgpt through
-`litgpt convert_to_litgpt`, transformers as it is; all compute in float32.
+The model (made once under benchmarks/.peers/serve/): SmolLM2-135M's shape scaled down to 25M parameters (Llama:
+8 layers x 384, 6 query heads over 2 key/value heads, SwiGLU 1024, vocab 16384 untied, context 1024) with random
+weights, written by transformers from lit-model's config_to_hf (benchmarks/_peer_prep.py serve_model) with a
+byte-level BPE tokenizer of exactly 16384 tokens (lit_model.io.tokenizer.train_bpe on the Python standard library's
+sources) and a chat template that renders the user's text as it is (what litgpt's default prompt style does, so
+every server feeds the model the same tokens). The end-of-text token's output row is zero, so greedy decoding never
+stops early: every request generates its whole max_tokens on every server. lit-model reads it through `lit-model
+convert hf_to_lit`; litgpt through its own weight copy (copy_weights_hf_llama, what `litgpt convert_to_litgpt`
+runs for a Llama: that command takes only the names of litgpt's registry, and the smallest Llama there is
+SmolLM2-135M); transformers as it is. All compute in float32.
 
 The servers, each started by this script, on 127.0.0.1, with OMP_NUM_THREADS = MKL_NUM_THREADS = --threads:
   lit-model     lit-model serve --checkpoint_dir DIR --precision 32-true --port P
   transformers  transformers serve DIR --continuous-batching --device cpu --dtype float32 --port P
-  litgpt        litgpt serve DIR --openai_spec true --accelerator cpu --devices 1 --precision 32-true
-                --temperature 0 --max_new_tokens M --timeout 600 --port P
-litgpt's server reads a request's temperature as `temperature or its default` (0 reads as its default, 0.8) and
-takes max_completion_tokens, so its greedy decoding and max_tokens are its own flags too; --timeout because its
-default (30 s) fails requests that wait in its queue (it serves one request at a time) longer than that.
+  litgpt        litgpt serve DIR --openai_spec true --stream true --accelerator cpu --devices 1
+                --precision 32-true --temperature 0 --max_new_tokens M --timeout 600 --port P
+litgpt's server reads a request's temperature as `temperature or its default`, so 0 means its --temperature:
+greedy decoding is its flag (it reads a request's max_completion_tokens; --max_new_tokens is the same number).
+--stream true: without it, LitServe sent this streamed chat a chunk a second. --timeout: its default (30 s) fails
+the requests that wait in its queue (it serves one request at a time) longer than that.
 
 What is measured: each server alone on the machine (one is started, warmed up with two requests, measured at every
 concurrency, stopped; then the next), `--repeats` rounds in a rotating order; the table has the medians of the
@@ -30,7 +33,7 @@ rounds. At C concurrent clients, max(8, C x --requests_per_client) requests, pro
 prompts.json (corpus pieces of 8, 24, 64, 160 and 384 tokens in turn), each client sending its next request when
 its previous one has ended: POST /v1/chat/completions, temperature 0, max_completion_tokens --max_tokens, streamed
 (server-sent events, read with httpx). tokens/s: all the completion tokens (the usage a server reports, else its
-content chunks) over the time from the first request sent to the last one ended. TTFT: from sending a request to
+content chunks: litgpt reports 0 and streams a chunk per token) over the time from the first request sent to the last one ended. TTFT: from sending a request to
 its first chunk with content; p50 and p95 over the requests. greedy_equal: of this server's outputs, how many are
 the same text as lit-model's for the same prompt (lit-model's own: its outputs at every concurrency against the
 first one it gave for that prompt, at the lowest concurrency).
@@ -144,7 +147,8 @@ def server(name: str, port: int, threads: int, max_tokens: int, litgpt: Optional
         argv = [Path(sys.executable).with_name("transformers"), "serve", HF_DIR, "--continuous-batching",
                 "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", port]
         return Server(name, tuple(map(str, argv)), {**base_env(), **threads_env}, str(HF_DIR))
-    argv = [Path(litgpt).with_name("litgpt"), "serve", LITGPT_DIR, "--openai_spec", "true", "--accelerator", "cpu",
+    argv = [Path(litgpt).with_name("litgpt"), "serve", LITGPT_DIR, "--openai_spec", "true", "--stream", "true",
+            "--accelerator", "cpu",
             "--devices", 1, "--precision", "32-true", "--temperature", 0, "--max_new_tokens", max_tokens,
             "--timeout", REQUEST_S, "--port", port]
     return Server(name, tuple(map(str, argv)), {**base_env(), **threads_env}, NAME)
@@ -199,7 +203,7 @@ def tail(log: Path, lines: int = 30) -> str:
 # ---- the clients ----------------------------------------------------------------------------------
 async def request(client: httpx.AsyncClient, url: str, model: str, prompt: int, text: str, max_tokens: int) -> Sample:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
-            "max_completion_tokens": max_tokens, "stream": True}
+            "max_completion_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     pieces: list[str] = []
     usage: Optional[int] = None
     first: Optional[float] = None
@@ -220,7 +224,7 @@ async def request(client: httpx.AsyncClient, url: str, model: str, prompt: int, 
                 pieces.append(content)
     if first is None:
         raise RuntimeError(f"no content streamed for prompt {prompt}")
-    return Sample(prompt, "".join(pieces), usage if usage is not None else len(pieces), first - start)
+    return Sample(prompt, "".join(pieces), usage or len(pieces), first - start)  # litgpt's usage says 0
 
 
 async def level(port: int, model: str, prompts: list[str], indices: list[int], clients: int, max_tokens: int) -> Level:
@@ -297,7 +301,8 @@ def rows(rounds: list[dict[str, dict[int, Level]]], servers: list[str], clients_
             ours = name == "lit_model" and best_peer
             out.append({"clients": clients, "server": name, "tokens_per_s": round(speeds[name], 1),
                         "ttft_p50_ms": round(percentile(ttft, 50)), "ttft_p95_ms": round(percentile(ttft, 95)),
-                        "requests": len(samples), "greedy_equal": f"{equal}/{len(compared)}" if reference else "-",
+                        "requests": len(samples), "tokens_per_request": round(statistics.mean(s.tokens for s in samples), 1),
+                        "greedy_equal": f"{equal}/{len(compared)}" if reference else "-",
                         "lit_model_vs_best_peer": round(speeds[name] / best_peer, 2) if ours else ""})
     return out
 
@@ -324,7 +329,7 @@ def write(table: list[dict], args: argparse.Namespace, load: tuple[float, float]
         f"load average {load[0]:.1f} before, {load[1]:.1f} after (the machine is shared with other jobs: absolute "
         "speeds move with their load; each round measures every server once, in a rotating order).",
         "",
-        f"Model: {NAME}'s shape, random weights, float32; streamed chat completions, greedy, "
+        f"Model: {NAME} (SmolLM2-135M's shape scaled down), random weights, float32; streamed chat completions, greedy, "
         f"{args.max_tokens} new tokens each; prompts of 8-384 tokens. greedy_equal: outputs with the same text as "
         "lit-model's for the same prompt.",
         "",
@@ -346,6 +351,8 @@ def main() -> None:
     parser.add_argument("--out", default="serve_vs_peers", help="the results' file name, without suffix")
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, one repeat")
     args = parser.parse_args()
+    # SIGTERM (timeout, kill) as an exception: measure's finally stops the server, which runs in its own session
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.quick:
         args.clients, args.repeats = [1, 4], 1
     litgpt = prepare(args.servers)
