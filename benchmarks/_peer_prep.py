@@ -9,6 +9,7 @@ the benchmark's own process imports neither torch nor a peer (its peak RSS stays
     _peer_prep.py pairs INSTRUCT TOKENIZER BLOCK OUT     # lit-model's env: preference pairs (.jsonl) from it
     _peer_prep.py litgpt_data DATA_DIR TOKENIZER BLOCK    # litgpt's env: TextFiles.prepare_data (litdata chunks)
     _peer_prep.py litgpt_from_hf HF_DIR MODEL_YAML OUT    # litgpt's env: its own HF->litgpt weight copy
+    _peer_prep.py serve_model CORPUS_DIR HF_DIR            # lit-model's env: serve_vs_peers.py's model (random) and prompts
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ import sys
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# serve_vs_peers.py: its chat template renders the user's text as it is, as litgpt's default prompt style does, so
+# every server feeds the model the same tokens through /v1/chat/completions.
+SERVE_CHAT_TEMPLATE = "{% for message in messages %}{{ message.content }}{% endfor %}"
+SERVE_PROMPT_TOKENS = (8, 24, 64, 160, 384)  # the prompts' lengths, in turn
+SERVE_PROMPTS = 64
 
 
 def tokenizer(corpus: str, vocab: str, out_dir: str) -> None:
@@ -136,6 +142,39 @@ def litgpt_from_hf(hf_dir: str, model_yaml: str, out_dir: str) -> None:
     save_config(config, out)
     for name in TOKENIZER_FILES:
         shutil.copy(Path(hf_dir) / name, out / name)
+
+
+def serve_model(corpus: str, hf_dir: str) -> None:
+    """Into the transformers directory that holds the model's config.json: a tokenizer of exactly its vocabulary
+    (any id the model picks decodes) with SERVE_CHAT_TEMPLATE, random weights with the end-of-text token's output
+    row zeroed (its logit is 0 where the largest of the others is above: greedy decoding never stops early, so every
+    request generates its whole max_tokens on every server), and prompts.json: SERVE_PROMPTS consecutive pieces of
+    the corpus, of SERVE_PROMPT_TOKENS tokens in turn."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_model.io.tokenizer import train_bpe
+
+    out = Path(hf_dir)
+    config = AutoConfig.from_pretrained(out)
+    tok = train_bpe(sorted(Path(corpus).glob("*.txt")), config.vocab_size, out)
+    if tok.processor.get_vocab_size() != config.vocab_size:
+        raise SystemExit(f"The corpus gave {tok.processor.get_vocab_size()} tokens, not {config.vocab_size}")
+    config_path = out / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": SERVE_CHAT_TEMPLATE}))
+    config.bos_token_id = config.eos_token_id = tok.eos_id  # the tokenizer's, for the generation_config.json too
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tok.eos_id] = 0
+    model.save_pretrained(out)
+    ids = [i for path in sorted(Path(corpus).glob("*.txt"))[:4] for i in tok.encode(path.read_text()).tolist()]
+    prompts, start = [], 0
+    for i in range(SERVE_PROMPTS):
+        length = SERVE_PROMPT_TOKENS[i % len(SERVE_PROMPT_TOKENS)]
+        prompts.append(tok.decode(ids[start:start + length]))
+        start += length
+    (out / "prompts.json").write_text(json.dumps(prompts, indent=1))
 
 
 if __name__ == "__main__":

@@ -189,8 +189,7 @@ def model_yaml(block: int) -> Path:
     """lit-model's --model_config for this block size."""
     path = WORK / f"model-b{block}.yaml"
     if not path.exists():
-        fields = {"name": f"peer-5m-b{block}", "hf_type": "llama", "block_size": block, **ARCH}
-        write_yaml(path, fields)
+        write_yaml(path, lit_llama_fields(f"peer-5m-b{block}", block, ARCH))
     return path
 
 
@@ -198,11 +197,20 @@ def litgpt_yaml(block: int) -> Path:
     """litgpt's --model_config: the same architecture in litgpt's Config fields."""
     path = WORK / f"litgpt-b{block}.yaml"
     if not path.exists():
-        arch = {k: v for k, v in ARCH.items() if k != "tie_embeddings"}  # litgpt ties through --train.tie_embeddings
-        fields = {"name": f"peer-5m-b{block}", "block_size": block, **arch, "rotary_percentage": 1.0,
-                  "parallel_residual": False, "bias": False, "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP"}
-        write_yaml(path, fields)
+        write_yaml(path, litgpt_llama_fields(f"peer-5m-b{block}", block, ARCH))
     return path
+
+
+def lit_llama_fields(name: str, block: int, arch: dict) -> dict:
+    """A Llama-style architecture (ARCH's fields) as lit-model's Config fields."""
+    return {"name": name, "hf_type": "llama", "block_size": block, **arch}
+
+
+def litgpt_llama_fields(name: str, block: int, arch: dict) -> dict:
+    """The same in litgpt's Config fields."""
+    arch = {k: v for k, v in arch.items() if k != "tie_embeddings"}  # litgpt ties through --train.tie_embeddings
+    return {"name": name, "block_size": block, **arch, "rotary_percentage": 1.0, "parallel_residual": False,
+            "bias": False, "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP"}
 
 
 def hf_config_dir(block: int) -> Path:
