@@ -86,9 +86,9 @@ def test_cpu_overhead_terms_add_up():
 
     cats = {"parameters": 10**9, "gradients": 300 * MB, "activations": 200 * MB, "logits_loss": 100 * MB}
     terms = cpu_overhead_terms(cats)
-    assert terms == {"runtime": 373 * MiB, "data": 48 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
+    assert terms == {"runtime": OVERHEAD.cpu_runtime, "data": 48 * MiB, "allocator_retention": int(OVERHEAD.cpu_allocator_retention * 600 * MB)}
     # a second process adds its process group; persistent tensors (parameters) leave no retained heap
-    assert cpu_overhead_terms(cats, world_size=2)["runtime"] == 373 * MiB + OVERHEAD.cpu_distributed
+    assert cpu_overhead_terms(cats, world_size=2)["runtime"] == OVERHEAD.cpu_runtime + OVERHEAD.cpu_distributed
     assert cpu_overhead_terms({"parameters": 5 * 10**9})["allocator_retention"] == 0
     # DDP's gradients are views into its buckets, allocated once: only the activations and logits churn
     assert cpu_overhead_terms(cats, world_size=2, gradients_persist=True)["allocator_retention"] == int(
@@ -1095,6 +1095,19 @@ def test_a_cpu_qlora_plan_counts_the_heap_its_dequantized_weights_leave():
 
 
 
+@pytest.mark.slow
+def test_a_cpu_plan_measures_the_runtime_of_the_training_scripts():
+    # the runtime term is measured in a fresh interpreter (overhead.cpu_runtime_bytes), not assumed: it covers at least
+    # what importing the scripts' modules alone makes resident (a constant of an earlier import set was 60 MiB short)
+    import subprocess
+
+    imports = subprocess.run([sys.executable, "-c", "import lit_model.recipes.pretrain, lit_model.recipes.finetune; "
+                              "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
+                              "if l.startswith('VmRSS')))"], capture_output=True, text=True, check=True)
+    plan = plan_training(tiny(), args(), device_type="cpu", engine="analytic", suggest=False, detect=False)
+    assert plan.overhead_terms["runtime"] >= int(imports.stdout.split()[-1])
+
+
 def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_run_its_own_term():
     from lit_model.plan.calibration import OVERHEAD
     from lit_model.plan.overhead import cpu_overhead_terms, gathered_bytes
@@ -1106,7 +1119,8 @@ def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_ru
     assert gathered_bytes(resolved(config, args(devices=2, strategy="ddp"), "full", "cpu")) == 0
     plan = plan_training(config, fsdp, device_type="cpu", engine="analytic", suggest=False, detect=False)
     for phase, cats in plan.phase_categories.items():  # the step and the evaluation gather; the save and sample do not
-        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2, cpu_heap=run.cpu_heap).values())
+        runtime = plan.overhead_terms["runtime"] - OVERHEAD.cpu_distributed
+        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2, cpu_heap=run.cpu_heap, runtime=runtime).values())
         runs_model = phase in ("train_step", "evaluation")
         assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention * gathered_bytes(run) if runs_model else 0, abs=2)
     for trainable in ("lora", "adapter"):

@@ -71,12 +71,14 @@ class Overhead:
     # CPU, per process: what a training process holds besides the model's tensors, in named terms (overhead.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
-    # runtime: the libraries a script imports (torch, lightning, numpy, tokenizers, lit_model's training modules):
-    # 373 MiB of VmRSS at the start of training (284 anonymous, 89 file-backed). What the first step adds beyond its
-    # tensors is retained heap (with MALLOC_MMAP_THRESHOLD_=65536, which returns freed blocks at once, it adds only
-    # 0-30 MB): cpu_allocator_retention counts it. (Earlier versions of this term also held 100-112 MB of that heap,
-    # counted twice, and over-planned the smallest model by ~14 %.)
-    cpu_runtime: int = 373 * MiB
+    # runtime: the libraries a script imports (torch, lightning and what it imports, numpy, tokenizers, lit_model's
+    # training modules) and the kernels a step pages in. It grows with every import the code gains (373 MiB of VmRSS
+    # at the start of training when it was measured first; 436 after the imports alone on 2026-11-29, when Lightning's
+    # torchmetrics imported transformers, and the plans of small runs were 60-100 MiB under: issue 50), so the plan
+    # measures it (overhead.cpu_runtime_bytes: a fresh interpreter's VmRSS after those imports and two steps of a tiny
+    # model, 454 MiB in fp32 and 470 in bf16 here, 2026-11-29). This value stands in where that cannot run. What a
+    # step adds beyond its tensors is retained heap: cpu_allocator_retention counts it.
+    cpu_runtime: int = 470 * MiB
     # --compile on the CPU (each block compiled by inductor): the compiler, its generated code and the heap its kernels
     # leave, beyond the eager run. pretrain/main.py, 32-true, 6 steps, glibc's defaults, compiled minus eager peak RSS:
     # lit-model-5m 4 x 128 +128 MiB, pythia-70m 4 x 128 +173 and 8 x 256 +241, pythia-160m 4 x 128 +217; least

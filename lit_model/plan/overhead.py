@@ -4,7 +4,10 @@ constants behind them live in ``calibration.py``. It imports nothing of the trai
 
 from __future__ import annotations
 
+import functools
 import math
+import subprocess
+import sys
 from typing import Any, Optional
 
 from lit_model.kernels.ops import onednn_kernel_cache_bytes
@@ -14,11 +17,45 @@ from lit_model.plan.closed_form import CATEGORIES
 from lit_model.run import CPU_HEAP_TOP_PAD, Run
 
 
+# A fresh interpreter that imports what the training scripts import and runs two AdamW steps of a one-block model in
+# the given dtype (which pages in the kernels a step uses), then prints its resident bytes: the runtime of a CPU
+# training process, measured where it will run rather than assumed. Named by string, not imported: the plan sits
+# below the recipes (and must not load them into a process that only plans).
+_RUNTIME_PROBE = """
+import sys, torch, lit_model.recipes.pretrain, lit_model.recipes.finetune
+from lit_model import GPT, Config
+from lit_model.methods.objective import CausalLM, mean_loss
+torch.set_default_dtype(getattr(torch, sys.argv[1]))
+model = GPT(Config(name="probe", block_size=64, vocab_size=128, n_layer=1, n_embd=64, n_head=4, n_query_groups=2,
+                   intermediate_size=128))
+model.init_weights()
+optimizer, tokens = torch.optim.AdamW(model.parameters()), torch.randint(0, 128, (2, 64))
+for _ in range(2):
+    mean_loss(CausalLM(), model, (tokens, tokens)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print(next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS")))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_runtime_bytes(dtype: str = "float32") -> int:
+    """A CPU training process's runtime (the libraries the scripts import and the kernels of a step in ``dtype``),
+    measured once per process by ``_RUNTIME_PROBE`` (seconds); ``Overhead.cpu_runtime`` where it cannot run (no
+    /proc, a failed import)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, dtype], capture_output=True, text=True, timeout=300)
+        return int(out.stdout.split()[-1]) if out.returncode == 0 else OVERHEAD.cpu_runtime
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return OVERHEAD.cpu_runtime
+
+
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
                        transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
-                       compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc") -> dict[str, int]:
+                       compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc",
+                       runtime: int = OVERHEAD.cpu_runtime) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -39,7 +76,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     its decode step (generate --compile), else None. ``cpu_heap``: how glibc's heap behaves in the process
     (``Run.cpu_heap``): where the run sets it ("lit_model"), what a trim leaves at the heap's top
     (``run.CPU_HEAP_TOP_PAD``) is counted whole; where the user's mmap threshold returns freed blocks at once
-    ("returns_freed"), little is retained."""
+    ("returns_freed"), little is retained. ``runtime``: the training process's runtime (``cpu_runtime_bytes``)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     after_backward = transient_high + gathered > transient
@@ -58,7 +95,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
                                          + OVERHEAD.cpu_generation_compile_per_parameter * compiled_decode_parameters)
         return terms
     terms = {
-        "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
+        "runtime": runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
         "allocator_retention": int(retained),
     }
@@ -151,7 +188,8 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     if generation:
         return {"generation": True, "cpu_heap": spec.cpu_heap,
                 "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
-    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap}
+    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap,
+            "runtime": cpu_runtime_bytes("bfloat16" if spec.compute_bytes == 2 else "float32")}
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,
