@@ -157,6 +157,12 @@ class Overhead:
     # transient bytes (0.63-0.65), and 214-250 MiB on 320 (0.67-0.78) once attention by blocks kept its probabilities
     # (benchmarks/plan_accuracy.py, 2026-11-28). Rounded up from those runs; the 32-true runs of the quantized optimizers
     # keep less (their plans, +0.9 % to +1.4 % at 0.40, are +6.6 % to +7.9 % with this).
+    # Activation checkpointing on the CPU saves the process much less than its tensors (pythia-70m 32-true mb8 x 256:
+    # 1,871-1,994 MiB with checkpointing, 2,147 without, where the traced tensor peaks are 1,079 and 1,350 MiB): the
+    # recompute allocates each block's activations again between the gradients backward keeps, and the step's peak
+    # (its optimizer stretch) holds 277-336 MiB of heap beyond the other terms, as much as the step without
+    # checkpointing (278 MiB on its 544 MiB of activations and logits). Planned as the un-checkpointed step's
+    # activations kept at this after-backward rate (overhead.recomputed_transient_bytes; issue 50).
     cpu_allocator_retention_after_backward: float = 0.80
     cpu_allocator_retention_mmap: float = 0.025
     # A quantized model dequantizes each frozen weight into a new tensor in forward and again in backward and frees

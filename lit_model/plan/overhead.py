@@ -182,13 +182,26 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
                                          else None)}
 
 
+def recomputed_transient_bytes(spec: Run) -> int:
+    """CPU, activation checkpointing: the heap a checkpointed step passes through. Each block's forward frees what it
+    does not keep, and its recompute in backward allocates it all again between the gradients that block makes (which
+    stay until the optimizer step): glibc cannot give those activations' blocks back from under the gradients, so the
+    heap reaches about the height the step without checkpointing reaches (calibration.py,
+    cpu_allocator_retention_after_backward): the activations and logits the same step would keep without it."""
+    plain = closed_form.activations(spec.replace(ac_interval=0, ac_selective=False))
+    return int(plain.kept + plain.loss_forward)
+
+
 def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """``cpu_overhead_terms``' keywords for a phase of a training run (``transient_highs``: the trace's most transient
     bytes of any stretch of each phase), or of a generation process."""
     if generation:
         return {"generation": True, "cpu_heap": spec.cpu_heap,
                 "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
-    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap,
+    high = (transient_highs or {}).get(phase, 0)
+    if phase == "train_step" and spec.ac_interval:
+        high = max(high, recomputed_transient_bytes(spec))
+    return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.cpu_heap,
             "runtime": cpu_runtime_bytes("bfloat16" if spec.compute_bytes == 2 else "float32")}
 
 
