@@ -19,7 +19,8 @@ from lit_model.run import CPU_HEAP_TOP_PAD, Run
 
 # A fresh interpreter that imports what the training scripts import and runs two AdamW steps of a one-block model in
 # the given dtype (which pages in the kernels a step uses), then prints its resident bytes: the runtime of a CPU
-# training process, measured where it will run rather than assumed. Named by string, not imported: the plan sits
+# training process, measured where it will run rather than assumed; and what importing bitsandbytes adds to that
+# (its 8-bit optimizers' library term). Named by string, not imported: the plan sits
 # below the recipes (and must not load them into a process that only plans).
 _RUNTIME_PROBE = """
 import sys, torch, lit_model.recipes.pretrain, lit_model.recipes.finetune
@@ -34,20 +35,37 @@ for _ in range(2):
     mean_loss(CausalLM(), model, (tokens, tokens)).backward()
     optimizer.step()
     optimizer.zero_grad()
-print(next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS")))
+rss = lambda: next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+runtime = rss()
+try:
+    import bitsandbytes
+except ImportError:  # then no run here uses its optimizers
+    pass
+print(runtime, rss() - runtime)
 """
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_runtime_bytes(dtype: str = "float32") -> int:
-    """A CPU training process's runtime (the libraries the scripts import and the kernels of a step in ``dtype``),
-    measured once per process by ``_RUNTIME_PROBE`` (seconds); ``Overhead.cpu_runtime`` where it cannot run (no
-    /proc, a failed import)."""
+def _probe(dtype: str) -> tuple[int, int]:
+    """``_RUNTIME_PROBE``'s two numbers, measured once per process (seconds); ``Overhead.cpu_runtime`` and
+    ``Overhead.cpu_bitsandbytes_import`` where it cannot run (no /proc, a failed import)."""
+    fallback = (OVERHEAD.cpu_runtime, OVERHEAD.cpu_bitsandbytes_import)
     try:
         out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, dtype], capture_output=True, text=True, timeout=300)
-        return int(out.stdout.split()[-1]) if out.returncode == 0 else OVERHEAD.cpu_runtime
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return OVERHEAD.cpu_runtime
+        runtime, library = (int(word) for word in out.stdout.split()[-2:])
+        return (runtime, library) if out.returncode == 0 else fallback
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return fallback
+
+
+def cpu_runtime_bytes(dtype: str = "float32") -> int:
+    """A CPU training process's runtime: the libraries the scripts import and the kernels of a step in ``dtype``."""
+    return _probe(dtype)[0]
+
+
+def bitsandbytes_import_bytes() -> int:
+    """What importing bitsandbytes adds to a CPU training process (its 8-bit optimizers' library)."""
+    return _probe("float32")[1]
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
@@ -177,7 +195,8 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer,
-                                                             lambda: closed_form.model_bytes(spec).trainable),
+                                                             lambda: closed_form.model_bytes(spec).trainable,
+                                                             bitsandbytes_import_bytes),
             "compiled_trainable_bytes": (closed_form.model_bytes(spec).trainable * spec.param_bytes if spec.compile
                                          else None)}
 
@@ -187,7 +206,9 @@ def recomputed_transient_bytes(spec: Run) -> int:
     does not keep, and its recompute in backward allocates it all again between the gradients that block makes (which
     stay until the optimizer step): glibc cannot give those activations' blocks back from under the gradients, so the
     heap reaches about the height the step without checkpointing reaches (calibration.py,
-    cpu_allocator_retention_after_backward): the activations and logits the same step would keep without it."""
+    cpu_allocator_retention_after_backward): the activations and logits the same step would keep without it. Counted
+    where the blocks' weights train (a LoRA or adapter backward makes no gradients of the blocks' weights to pin the
+    heap: an adapter SmolLM2-135M run checkpointing every 2nd block was planned +25 % with it, issue 50)."""
     plain = closed_form.activations(spec.replace(ac_interval=0, ac_selective=False))
     return int(plain.kept + plain.loss_forward)
 
@@ -199,7 +220,7 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
         return {"generation": True, "cpu_heap": spec.cpu_heap,
                 "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
     high = (transient_highs or {}).get(phase, 0)
-    if phase == "train_step" and spec.ac_interval:
+    if phase == "train_step" and spec.ac_interval and spec.trainable == "full":
         high = max(high, recomputed_transient_bytes(spec))
     return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.cpu_heap,
             "runtime": cpu_runtime_bytes("bfloat16" if spec.compute_bytes == 2 else "float32")}
