@@ -560,7 +560,7 @@ def replan_random(seed: int, out_dir: Path, work: Path) -> list[dict]:
         rows.append(row(case, [measured], plan_case(case, work, env, tokenizer_dir)))
         print(json.dumps({"label": case.label, "measured_mib": rows[-1]["measured_mib"],
                           "predicted_mib": rows[-1]["predicted_mib"], "error_pct": rows[-1]["error_pct"]}), flush=True)
-    write_random_results(rows, failed_rows, seed, out_dir)
+    write_random_results(rows, failed_rows, seed, out_dir, replanned=True)
     print(json.dumps(stats(rows)))
     return rows
 
@@ -839,7 +839,11 @@ def write_results(rows: list[dict], published: list[dict], outcomes: list[dict],
 RANDOM_COLUMNS = [*COLUMNS[:10], "compile", "ac_interval", "ac_selective", "offload", "mlp_tiles", "packing", *COLUMNS[10:]]
 
 
-def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_dir: Path) -> None:
+REPLANNED = ("Re-planned (`--replan`) after a planner change: the measurements are the runs', the predictions the "
+             "planner's as committed with this table.")
+
+
+def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_dir: Path, replanned: bool = False) -> None:
     name = f"plan_accuracy_random-{seed}"
     write_csv(out_dir / f"{name}.csv", rows, RANDOM_COLUMNS)
     st = stats(rows)
@@ -853,6 +857,7 @@ def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_di
         "`--plan json` for the same command line. Measured: `summary.json` `peak_memory_bytes` (VmHWM of the largest "
         "rank). Error = (predicted - measured) / measured; MiB = 2^20 bytes. Targets (issue 50): none under its "
         "measured peak by more than 5 %, median |error| at most 5 %, on two seeds.",
+        *(["", REPLANNED] if replanned else []),
         "",
         f"**{len(under)} of {st['n']} under by more than 5 %{f' ({len(failed)} more failed: below)' if failed else ''}; median error {st['median']:+.1f} % (median |error| "
         f"{st['median_abs']:.1f} %); worst under-prediction {st['worst_under']:+.1f} %, worst over-prediction "
