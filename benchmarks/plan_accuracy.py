@@ -8,6 +8,7 @@
     python benchmarks/plan_accuracy.py --generation   # generate/base.py's whole runs against its plan (~10 minutes)
     python benchmarks/plan_accuracy.py --generation --add   # its new cases only, the committed ones re-planned
     python benchmarks/plan_accuracy.py --random 30 --seed 1  # 30 configurations drawn at random from the flag space
+    python benchmarks/plan_accuracy.py --random 30 --seed 1 --replan  # its measurements re-planned (a planner change)
 
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
 ``--quantize bnb.nf4``, adapter.py, dpo.py with LoRA and full) started as a user starts it, in the default environment (every ``MALLOC_*``
@@ -531,6 +532,39 @@ def random_accuracy(n: int, seed: int, out_dir: Path, work: Path) -> list[dict]:
     return rows
 
 
+def case_of(record: dict[str, str]) -> Case:
+    """The case of a row of a random table's CSV."""
+    flag = lambda name: record[name] == "True"  # noqa: E731
+    return Case(record["method"], record["model"], record["precision"], int(record["micro_batch"]), int(record["seq_len"]),
+                ac=flag("ac"), devices=int(record["devices"]), strategy=record["strategy"], optimizer=record["optimizer"],
+                compile=flag("compile"), ac_interval=int(record["ac_interval"]), ac_selective=flag("ac_selective"),
+                offload=record["offload"] or None, mlp_tiles=int(record["mlp_tiles"]), packing=flag("packing"))
+
+
+def replan_random(seed: int, out_dir: Path, work: Path) -> list[dict]:
+    """``--random N --seed S --replan``: plan_accuracy_random-S's measurements against the planner as it is now (each
+    case's command line planned again, nothing run); the table's failed runs are kept as they were."""
+    env = default_env(work)
+    tokenizer_dir = prepare(work, env)
+    name = out_dir / f"plan_accuracy_random-{seed}"
+    with open(name.with_suffix(".csv")) as f:
+        records = list(csv.DictReader(f))
+    failed = name.with_suffix(".md").read_text().partition("## Runs that failed")[2]
+    failed_rows = [{"label": cells[1].strip(), "error": cells[2].strip()} for cells in
+                   (line.split("|") for line in failed.splitlines()[6:] if line.startswith("|"))]
+    rows = []
+    for record in records:
+        case = case_of(record)
+        measured = {"measured": float(record["measured_mib"]) * MiB, "wall_s": float(record["wall_s"]),
+                    "measured_all_ranks": float(record["measured_mean_rank_mib"]) * MiB * case.devices}
+        rows.append(row(case, [measured], plan_case(case, work, env, tokenizer_dir)))
+        print(json.dumps({"label": case.label, "measured_mib": rows[-1]["measured_mib"],
+                          "predicted_mib": rows[-1]["predicted_mib"], "error_pct": rows[-1]["error_pct"]}), flush=True)
+    write_random_results(rows, failed_rows, seed, out_dir, replanned=True)
+    print(json.dumps(stats(rows)))
+    return rows
+
+
 def run(argv: list[str], env: dict[str, str], timeout: float = 1200) -> str:
     out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if out.returncode != 0:
@@ -805,7 +839,11 @@ def write_results(rows: list[dict], published: list[dict], outcomes: list[dict],
 RANDOM_COLUMNS = [*COLUMNS[:10], "compile", "ac_interval", "ac_selective", "offload", "mlp_tiles", "packing", *COLUMNS[10:]]
 
 
-def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_dir: Path) -> None:
+REPLANNED = ("Re-planned (`--replan`) after a planner change: the measurements are the runs', the predictions the "
+             "planner's as committed with this table.")
+
+
+def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_dir: Path, replanned: bool = False) -> None:
     name = f"plan_accuracy_random-{seed}"
     write_csv(out_dir / f"{name}.csv", rows, RANDOM_COLUMNS)
     st = stats(rows)
@@ -819,6 +857,7 @@ def write_random_results(rows: list[dict], failed: list[dict], seed: int, out_di
         "`--plan json` for the same command line. Measured: `summary.json` `peak_memory_bytes` (VmHWM of the largest "
         "rank). Error = (predicted - measured) / measured; MiB = 2^20 bytes. Targets (issue 50): none under its "
         "measured peak by more than 5 %, median |error| at most 5 %, on two seeds.",
+        *(["", REPLANNED] if replanned else []),
         "",
         f"**{len(under)} of {st['n']} under by more than 5 %{f' ({len(failed)} more failed: below)' if failed else ''}; median error {st['median']:+.1f} % (median |error| "
         f"{st['median_abs']:.1f} %); worst under-prediction {st['worst_under']:+.1f} %, worst over-prediction "
@@ -1005,7 +1044,8 @@ def main() -> None:
         speed(args.out_dir)
         return
     if args.random:
-        random_accuracy(args.random, args.seed, args.out_dir, args.work)
+        (replan_random(args.seed, args.out_dir, args.work) if args.replan
+         else random_accuracy(args.random, args.seed, args.out_dir, args.work))
         return
     if args.generation:
         cases = [c for c in GENERATION_GRID if args.only is None or args.only in c.label]

@@ -71,12 +71,16 @@ class Overhead:
     # CPU, per process: what a training process holds besides the model's tensors, in named terms (overhead.py
     # cpu_overhead_terms). Measured on whole runs of the real scripts (benchmarks/plan_accuracy.py; VmRSS
     # sampled every 10 ms with the phase on the main thread's stack: pythia-70m, pretrain/main.py).
-    # runtime: the libraries a script imports (torch, lightning, numpy, tokenizers, lit_model's training modules):
-    # 373 MiB of VmRSS at the start of training (284 anonymous, 89 file-backed). What the first step adds beyond its
-    # tensors is retained heap (with MALLOC_MMAP_THRESHOLD_=65536, which returns freed blocks at once, it adds only
-    # 0-30 MB): cpu_allocator_retention counts it. (Earlier versions of this term also held 100-112 MB of that heap,
-    # counted twice, and over-planned the smallest model by ~14 %.)
-    cpu_runtime: int = 373 * MiB
+    # runtime: the libraries a script imports (torch, lightning and what it imports, numpy, tokenizers, lit_model's
+    # training modules) and the kernels a step pages in. It grows with every import the code gains (373 MiB of VmRSS
+    # at the start of training when it was measured first; 436 after the imports alone on 2026-11-29, when Lightning's
+    # torchmetrics imported transformers, and the plans of small runs were 60-100 MiB under: issue 50), so the plan
+    # measures it (overhead.cpu_runtime_bytes: a fresh interpreter's VmRSS after those imports and two steps of a tiny
+    # model, 454 MiB in fp32 and 470 in bf16 here, 2026-11-29). This value stands in where that cannot run. What a
+    # step adds beyond its tensors is retained heap: cpu_allocator_retention counts it.
+    cpu_runtime: int = 470 * MiB
+    # ... and what importing bitsandbytes adds to it (CPU_OPTIMIZER_LIBRARY), where the probe cannot run: 40 MiB here
+    cpu_bitsandbytes_import: int = 40 * MiB
     # --compile on the CPU (each block compiled by inductor): the compiler, its generated code and the heap its kernels
     # leave, beyond the eager run. pretrain/main.py, 32-true, 6 steps, glibc's defaults, compiled minus eager peak RSS:
     # lit-model-5m 4 x 128 +128 MiB, pythia-70m 4 x 128 +173 and 8 x 256 +241, pythia-160m 4 x 128 +217; least
@@ -112,10 +116,12 @@ class Overhead:
     cpu_evaluation_libraries: int = 256 * MiB
     cpu_generation_compile_per_parameter: float = 0.25
     # a second process adds this per rank: the gloo process group, DDP's reducer or FSDP's bookkeeping, and the heap
-    # they leave. Measured with pretrain/main.py at glibc's defaults: lit-model-5m 32-true, two DDP ranks 709-712 MB
-    # each against 606-664 MB in one process (beyond DDP's gradient buckets, which the trace counts); pythia-70m
-    # with MALLOC_MMAP_THRESHOLD_=65536 +105 MB. Rounded up.
-    cpu_distributed: int = 96 * MiB
+    # they leave. Measured first at glibc's defaults (lit-model-5m 32-true, two DDP ranks 709-712 MB each against
+    # 606-664 MB in one process: 96 MiB); with the heap settings the scripts now give a CPU run (run.CPU_HEAP),
+    # pretrain/main.py two DDP ranks against one process (2026-11-29, issue 50): lit-model-5m 32-true mb4 x 256 670
+    # against 658 MiB, pythia-70m bf16-true mb2 x 128 1,174 against 1,060, which the other terms (DDP's buckets, the
+    # retained heap) leave 0 and 22 MiB of to explain; 96 MiB planned small 2-process runs 20-30 % over. Rounded up.
+    cpu_distributed: int = 32 * MiB
     # FSDP: each block's parameters are all-gathered (and freed after use) in forward and again in backward: that
     # many times the unsharded parameters count as transient bytes of a pass through the model, kept at
     # cpu_allocator_retention's rate. Fitted with the terms below to whole runs of 2 ranks (benchmarks/plan_accuracy.py:
@@ -161,6 +167,12 @@ class Overhead:
     # transient bytes (0.63-0.65), and 214-250 MiB on 320 (0.67-0.78) once attention by blocks kept its probabilities
     # (benchmarks/plan_accuracy.py, 2026-11-28). Rounded up from those runs; the 32-true runs of the quantized optimizers
     # keep less (their plans, +0.9 % to +1.4 % at 0.40, are +6.6 % to +7.9 % with this).
+    # Activation checkpointing on the CPU saves the process much less than its tensors (pythia-70m 32-true mb8 x 256:
+    # 1,871-1,994 MiB with checkpointing, 2,147 without, where the traced tensor peaks are 1,079 and 1,350 MiB): the
+    # recompute allocates each block's activations again between the gradients backward keeps, and the step's peak
+    # (its optimizer stretch) holds 277-336 MiB of heap beyond the other terms, as much as the step without
+    # checkpointing (278 MiB on its 544 MiB of activations and logits). Planned as the un-checkpointed step's
+    # activations kept at this after-backward rate (overhead.recomputed_transient_bytes; issue 50).
     cpu_allocator_retention_after_backward: float = 0.80
     cpu_allocator_retention_mmap: float = 0.025
     # A quantized model dequantizes each frozen weight into a new tensor in forward and again in backward and frees
@@ -186,23 +198,29 @@ CPU_QUANTIZED_STEP_COPIES: dict[str, tuple[float, float]] = {  # optimizer -> (f
 
 # ... and what loading them adds to a CPU process, beyond those temporaries (whole runs of pretrain/main.py,
 # pythia-70m mb4 x 128, 32-true and bf16-true, against the same run with AdamW, at glibc's defaults, rounded up):
-# bitsandbytes 118-127 MB (importing it alone: 120 MB of resident memory); torchao's AdamWFp8 64-82 MB and AdamW4bit
+# bitsandbytes 118-127 MB when importing it alone took 120 MB of resident memory, so its term is that import, measured
+# (overhead.cpu_runtime_bytes's probe): by 2026-11-29 the scripts' own imports (transformers, through Lightning's
+# torchmetrics) had loaded most of what it loads, it added 40 MiB, and a constant of 128 MiB planned a 2-process
+# lit-model-5m AdamW8bit run +27 % (issue 50). torchao's AdamWFp8 64-82 MB and AdamW4bit
 # 215-252 MB (torch.compile's inductor and a compiled step for each shape of tensor). AdamW4bit's runs kept more
 # heap the more parameters they step (32-true, mb4 x 128, beyond its state and step temporaries): lit-model-5m ~93 MB,
 # pythia-70m ~310 MB, pythia-160m 523 MB at the median of two runs (3,406 and 3,670 MB): 96 MiB + 0.7 x the trainable
 # parameters' fp32 bytes, which plans those runs -1.1 %, +3.9 % (bf16-true +2.5 %) and +1.7 % (against the higher run
 # -2.0 %): an estimate fitted to three models.
-CPU_OPTIMIZER_LIBRARY: dict[str, int] = {
-    "adamw8bit": 128 * MiB, "pagedadamw8bit": 128 * MiB, "adamw4bit": 96 * MiB, "adamwfp8": 96 * MiB,
-}
+CPU_OPTIMIZER_LIBRARY: dict[str, int] = {"adamw4bit": 96 * MiB, "adamwfp8": 96 * MiB}
+BITSANDBYTES_CPU_OPTIMIZERS = ("adamw8bit", "pagedadamw8bit")
 CPU_OPTIMIZER_HEAP_PER_FP32_BYTE: dict[str, float] = {"adamw4bit": 0.7}
 TORCHAO_OPTIMIZERS = ("adamw4bit", "adamwfp8")
 
 
-def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: Callable[[], int]) -> int:
+def cpu_optimizer_library_bytes(optimizer: str, trainable_numel: Callable[[], int],
+                                bitsandbytes_import: Callable[[], int]) -> int:
     """What the optimizer's library and its step leave in a CPU process beyond the tensors (0 for torch's own).
-    ``trainable_numel`` is asked only for an optimizer whose heap grows with the model (plans run this per phase)."""
+    ``trainable_numel`` is asked only for an optimizer whose heap grows with the model (plans run this per phase),
+    ``bitsandbytes_import`` (the resident bytes importing bitsandbytes adds, measured) only for its optimizers."""
     name = optimizer.lower()
+    if name in BITSANDBYTES_CPU_OPTIMIZERS:
+        return bitsandbytes_import()
     heap = CPU_OPTIMIZER_HEAP_PER_FP32_BYTE.get(name)
     return CPU_OPTIMIZER_LIBRARY.get(name, 0) + (int(heap * 4 * trainable_numel()) if heap else 0)
 

@@ -4,7 +4,10 @@ constants behind them live in ``calibration.py``. It imports nothing of the trai
 
 from __future__ import annotations
 
+import functools
 import math
+import subprocess
+import sys
 from typing import Any, Optional
 
 from lit_model.kernels.ops import onednn_kernel_cache_bytes
@@ -14,11 +17,63 @@ from lit_model.plan.closed_form import CATEGORIES
 from lit_model.run import CPU_HEAP_TOP_PAD, Run
 
 
+# A fresh interpreter that imports what the training scripts import and runs two AdamW steps of a one-block model in
+# the given dtype (which pages in the kernels a step uses), then prints its resident bytes: the runtime of a CPU
+# training process, measured where it will run rather than assumed; and what importing bitsandbytes adds to that
+# (its 8-bit optimizers' library term). Named by string, not imported: the plan sits
+# below the recipes (and must not load them into a process that only plans).
+_RUNTIME_PROBE = """
+import sys, torch, lit_model.recipes.pretrain, lit_model.recipes.finetune
+from lit_model import GPT, Config
+from lit_model.methods.objective import CausalLM, mean_loss
+torch.set_default_dtype(getattr(torch, sys.argv[1]))
+model = GPT(Config(name="probe", block_size=64, vocab_size=128, n_layer=1, n_embd=64, n_head=4, n_query_groups=2,
+                   intermediate_size=128))
+model.init_weights()
+optimizer, tokens = torch.optim.AdamW(model.parameters()), torch.randint(0, 128, (2, 64))
+for _ in range(2):
+    mean_loss(CausalLM(), model, (tokens, tokens)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+rss = lambda: next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+runtime = rss()
+try:
+    import bitsandbytes
+except ImportError:  # then no run here uses its optimizers
+    pass
+print(runtime, rss() - runtime)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(dtype: str) -> tuple[int, int]:
+    """``_RUNTIME_PROBE``'s two numbers, measured once per process (seconds); ``Overhead.cpu_runtime`` and
+    ``Overhead.cpu_bitsandbytes_import`` where it cannot run (no /proc, a failed import)."""
+    fallback = (OVERHEAD.cpu_runtime, OVERHEAD.cpu_bitsandbytes_import)
+    try:
+        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, dtype], capture_output=True, text=True, timeout=300)
+        runtime, library = (int(word) for word in out.stdout.split()[-2:])
+        return (runtime, library) if out.returncode == 0 else fallback
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return fallback
+
+
+def cpu_runtime_bytes(dtype: str = "float32") -> int:
+    """A CPU training process's runtime: the libraries the scripts import and the kernels of a step in ``dtype``."""
+    return _probe(dtype)[0]
+
+
+def bitsandbytes_import_bytes() -> int:
+    """What importing bitsandbytes adds to a CPU training process (its 8-bit optimizers' library)."""
+    return _probe("float32")[1]
+
+
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
                        transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
-                       compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc") -> dict[str, int]:
+                       compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc",
+                       runtime: int = OVERHEAD.cpu_runtime) -> dict[str, int]:
     """What a CPU training process holds besides these tensor bytes, by term (see calibration.py): the
     imported runtime, the training data, and the heap glibc keeps from freed transient tensors (``dequantized``:
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
@@ -39,7 +94,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     its decode step (generate --compile), else None. ``cpu_heap``: how glibc's heap behaves in the process
     (``Run.cpu_heap``): where the run sets it ("lit_model"), what a trim leaves at the heap's top
     (``run.CPU_HEAP_TOP_PAD``) is counted whole; where the user's mmap threshold returns freed blocks at once
-    ("returns_freed"), little is retained."""
+    ("returns_freed"), little is retained. ``runtime``: the training process's runtime (``cpu_runtime_bytes``)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     after_backward = transient_high + gathered > transient
@@ -58,7 +113,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
                                          + OVERHEAD.cpu_generation_compile_per_parameter * compiled_decode_parameters)
         return terms
     terms = {
-        "runtime": OVERHEAD.cpu_runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
+        "runtime": runtime + (OVERHEAD.cpu_distributed if world_size > 1 else 0),
         "data": OVERHEAD.cpu_data,
         "allocator_retention": int(retained),
     }
@@ -140,9 +195,22 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
             "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer,
-                                                             lambda: closed_form.model_bytes(spec).trainable),
+                                                             lambda: closed_form.model_bytes(spec).trainable,
+                                                             bitsandbytes_import_bytes),
             "compiled_trainable_bytes": (closed_form.model_bytes(spec).trainable * spec.param_bytes if spec.compile
                                          else None)}
+
+
+def recomputed_transient_bytes(spec: Run) -> int:
+    """CPU, activation checkpointing: the heap a checkpointed step passes through. Each block's forward frees what it
+    does not keep, and its recompute in backward allocates it all again between the gradients that block makes (which
+    stay until the optimizer step): glibc cannot give those activations' blocks back from under the gradients, so the
+    heap reaches about the height the step without checkpointing reaches (calibration.py,
+    cpu_allocator_retention_after_backward): the activations and logits the same step would keep without it. Counted
+    where the blocks' weights train (a LoRA or adapter backward makes no gradients of the blocks' weights to pin the
+    heap: an adapter SmolLM2-135M run checkpointing every 2nd block was planned +25 % with it, issue 50)."""
+    plain = closed_form.activations(spec.replace(ac_interval=0, ac_selective=False))
+    return int(plain.kept + plain.loss_forward)
 
 
 def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
@@ -151,7 +219,11 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     if generation:
         return {"generation": True, "cpu_heap": spec.cpu_heap,
                 "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
-    return {**_cpu_churn(phase, spec), "transient_high": (transient_highs or {}).get(phase, 0), "cpu_heap": spec.cpu_heap}
+    high = (transient_highs or {}).get(phase, 0)
+    if phase == "train_step" and spec.ac_interval and spec.trainable == "full":
+        high = max(high, recomputed_transient_bytes(spec))
+    return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.cpu_heap,
+            "runtime": cpu_runtime_bytes("bfloat16" if spec.compute_bytes == 2 else "float32")}
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,
