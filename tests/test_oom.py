@@ -202,13 +202,15 @@ def test_rehearsal_keeps_the_losses(tiny_setup, tmp_path):
         r["train_loss"] for r in read_metrics(tmp_path / "b")]
 
 
-def test_auto_micro_batch_size_keeps_the_global_batch(tiny_setup, tmp_path):
+def test_auto_micro_batch_size_keeps_the_global_batch(tiny_setup, tmp_path, monkeypatch):
     from lit_model.plan.search import max_micro_batch_size
     from lit_model.run import resolve_run
     from lit_model.train.args import TrainArgs
 
     from lit_model.plan.training import plan_training
 
+    # the script's cache: the CPU runtime it plans with is the one measured and kept there (plan/overhead.py)
+    monkeypatch.setenv("LIT_MODEL_CACHE", str(tiny_setup["root"] / "cache"))
     config = Config.from_file(tiny_setup["config"])
     peaks = [plan_training(config, TrainArgs(micro_batch_size=m, global_batch_size=8), device_type="cpu", engine="analytic",
                            suggest=False, detect=False).peak_bytes for m in (2, 4)]

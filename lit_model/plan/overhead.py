@@ -5,11 +5,18 @@ constants behind them live in ``calibration.py``. It imports nothing of the trai
 from __future__ import annotations
 
 import functools
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
+from lit_model.core.errors import UserError
+from lit_model.core.files import atomic_write
+from lit_model.data.cache import cache_root, file_lock
 from lit_model.kernels.ops import onednn_kernel_cache_bytes
 from lit_model.plan import closed_form
 from lit_model.plan.calibration import OVERHEAD, cpu_optimizer_library_bytes, quantized_step_bytes
@@ -18,23 +25,25 @@ from lit_model.run import CPU_HEAP_TOP_PAD, Run
 
 
 # A fresh interpreter that imports what the training scripts import and runs two AdamW steps of a one-block model in
-# the given dtype (which pages in the kernels a step uses), then prints its resident bytes: the runtime of a CPU
-# training process, measured where it will run rather than assumed; and what importing bitsandbytes adds to that
+# float32 and two in bfloat16 (which pages in the kernels a step uses), then prints its resident bytes: the runtime of
+# a CPU training process, measured where it will run rather than assumed, the same for either dtype (so a plan, and a
+# suggested change of --precision, never counts one dtype's kernels less than a run may page in: bf16's add ~15 MiB); and what importing bitsandbytes adds to that
 # (its 8-bit optimizers' library term). Named by string, not imported: the plan sits
 # below the recipes (and must not load them into a process that only plans).
 _RUNTIME_PROBE = """
 import sys, torch, lit_model.recipes.pretrain, lit_model.recipes.finetune
 from lit_model import GPT, Config
 from lit_model.methods.objective import CausalLM, mean_loss
-torch.set_default_dtype(getattr(torch, sys.argv[1]))
-model = GPT(Config(name="probe", block_size=64, vocab_size=128, n_layer=1, n_embd=64, n_head=4, n_query_groups=2,
-                   intermediate_size=128))
-model.init_weights()
-optimizer, tokens = torch.optim.AdamW(model.parameters()), torch.randint(0, 128, (2, 64))
-for _ in range(2):
-    mean_loss(CausalLM(), model, (tokens, tokens)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+for dtype in (torch.float32, torch.bfloat16):
+    torch.set_default_dtype(dtype)
+    model = GPT(Config(name="probe", block_size=64, vocab_size=128, n_layer=1, n_embd=64, n_head=4, n_query_groups=2,
+                       intermediate_size=128))
+    model.init_weights()
+    optimizer, tokens = torch.optim.AdamW(model.parameters()), torch.randint(0, 128, (2, 64))
+    for _ in range(2):
+        mean_loss(CausalLM(), model, (tokens, tokens)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
 rss = lambda: next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
 runtime = rss()
 try:
@@ -45,27 +54,43 @@ print(runtime, rss() - runtime)
 """
 
 
+def _probe() -> tuple[int, int]:
+    """``_RUNTIME_PROBE``'s two numbers, measured once per interpreter, torch and lit-model installation and kept in
+    the cache ($LIT_MODEL_CACHE/runtime_probe.json: every process planning with that cache plans with the same value,
+    where a measurement per process would differ by a few MiB and turn a plan's verdicts on small runs)."""
+    return _probe_cached(cache_root() / "runtime_probe.json")
+
+
 @functools.lru_cache(maxsize=None)
-def _probe(dtype: str) -> tuple[int, int]:
-    """``_RUNTIME_PROBE``'s two numbers, measured once per process (seconds); ``Overhead.cpu_runtime`` and
-    ``Overhead.cpu_bitsandbytes_import`` where it cannot run (no /proc, a failed import)."""
+def _probe_cached(path: Path) -> tuple[int, int]:
+    """``_probe`` with the cache file ``path``; ``Overhead.cpu_runtime`` and ``Overhead.cpu_bitsandbytes_import``
+    where it cannot run (no /proc, a failed import, a cache that cannot be written)."""
     fallback = (OVERHEAD.cpu_runtime, OVERHEAD.cpu_bitsandbytes_import)
+    key = f"{sys.executable} {sys.version} torch {torch.__version__} {Path(__file__).resolve().parents[1]}"
     try:
-        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, dtype], capture_output=True, text=True, timeout=300)
-        runtime, library = (int(word) for word in out.stdout.split()[-2:])
-        return (runtime, library) if out.returncode == 0 else fallback
-    except (OSError, ValueError, subprocess.TimeoutExpired):
+        with file_lock(path.with_suffix(".lock")):
+            known = json.loads(path.read_text()) if path.is_file() else {}
+            known = known if isinstance(known, dict) else {}
+            if isinstance(known.get(key), list) and len(known[key]) == 2:
+                return tuple(int(v) for v in known[key])
+            out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, timeout=300)
+            measured = tuple(int(word) for word in out.stdout.split()[-2:]) if out.returncode == 0 else None
+            if measured is None or len(measured) != 2:
+                return fallback
+            atomic_write(path, json.dumps({**known, key: list(measured)}))
+            return measured
+    except (OSError, ValueError, UserError, subprocess.TimeoutExpired):
         return fallback
 
 
-def cpu_runtime_bytes(dtype: str = "float32") -> int:
-    """A CPU training process's runtime: the libraries the scripts import and the kernels of a step in ``dtype``."""
-    return _probe(dtype)[0]
+def cpu_runtime_bytes() -> int:
+    """A CPU training process's runtime: the libraries the scripts import and the kernels of a step (either dtype)."""
+    return _probe()[0]
 
 
 def bitsandbytes_import_bytes() -> int:
     """What importing bitsandbytes adds to a CPU training process (its 8-bit optimizers' library)."""
-    return _probe("float32")[1]
+    return _probe()[1]
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
@@ -223,7 +248,7 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     if phase == "train_step" and spec.ac_interval and spec.trainable == "full":
         high = max(high, recomputed_transient_bytes(spec))
     return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.cpu_heap,
-            "runtime": cpu_runtime_bytes("bfloat16" if spec.compute_bytes == 2 else "float32")}
+            "runtime": cpu_runtime_bytes()}
 
 
 def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: bool = False,
