@@ -87,6 +87,20 @@ def tiny_checkpoint(tiny_setup: dict[str, Path], tmp_path_factory: pytest.TempPa
                                tokenizer_dir=tiny_setup["tokenizer"])
 
 
+def random_checkpoint(config: Any, tokenizer_dir: Path, out_dir: Path, std: float = 0.1) -> Path:
+    """A checkpoint of ``config`` with normal(0, ``std``) weights (seeded): large enough that greedy decoding does not
+    repeat one token and that a model's choices differ."""
+    from lit_model import GPT
+    from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, std)
+    return save_checkpoint_dir(lit_state_dict(model, config), config, out_dir, tokenizer_dir=tokenizer_dir)
+
+
 def run_script(script: str, *args: str, cache: Path | None = None, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LIT_MODEL_DEBUG", None)

@@ -19,8 +19,8 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from conftest import run_captured  # noqa: E402
-from lit_model import GPT, Config, UserError  # noqa: E402
+from conftest import random_checkpoint, run_captured  # noqa: E402
+from lit_model import Config, UserError  # noqa: E402
 from lit_model.entry import main as lit_model_main  # noqa: E402
 from lit_model.infer.load import Precision, load_model  # noqa: E402
 from lit_model.infer.score import Scorer, rolling_windows  # noqa: E402
@@ -61,14 +61,7 @@ def offline():
 @pytest.fixture(scope="module")
 def checkpoint(tiny_setup, tmp_path_factory) -> Path:
     """A random Llama-style checkpoint whose weights are large enough that its choices differ."""
-    torch.manual_seed(0)
-    config = Config(**TINY)
-    model = GPT(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.1)
-    return save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path_factory.mktemp("eval") / "ckpt",
-                               tokenizer_dir=tiny_setup["tokenizer"])
+    return random_checkpoint(Config(**TINY), tiny_setup["tokenizer"], tmp_path_factory.mktemp("eval") / "ckpt")
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,11 @@ import torch
 pytest.importorskip("litserve")
 openai = pytest.importorskip("openai")
 
-from conftest import ROOT, run_captured  # noqa: E402
+from conftest import random_checkpoint, ROOT, run_captured  # noqa: E402
 from lit_model import GPT, Config  # noqa: E402
 from lit_model.infer.engine import Generator, Sampling  # noqa: E402
 from lit_model.infer.load import Precision, load_model  # noqa: E402
 from lit_model.infer.stream import TextStream  # noqa: E402
-from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir  # noqa: E402
 from lit_model.io.prompts import PromptStyle  # noqa: E402
 from lit_model.io.tokenizer import Tokenizer  # noqa: E402
 from lit_model.methods.lora import LoRAConfig, apply_lora, load_saved_lora, read_lora, save_adapter, use_lora  # noqa: E402
@@ -51,14 +50,7 @@ PROMPTS = ["def f(x):\n    return", "import os\nimport", "for i in range(10):\n 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_setup, tmp_path_factory) -> Path:
     """Random weights large enough that greedy decoding does not repeat one token."""
-    torch.manual_seed(0)
-    config = Config(**TINY)
-    model = GPT(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.1)
-    return save_checkpoint_dir(lit_state_dict(model, config), config, tmp_path_factory.mktemp("serve") / "ckpt",
-                               tokenizer_dir=tiny_setup["tokenizer"])
+    return random_checkpoint(Config(**TINY), tiny_setup["tokenizer"], tmp_path_factory.mktemp("serve") / "ckpt")
 
 
 @pytest.fixture(scope="module")
