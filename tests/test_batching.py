@@ -250,3 +250,47 @@ def test_read_bytes_is_what_a_layer_read_makes():
     # int8: the stored values gathered before they are dequantized, and a scale per position and head
     assert read_bytes(config, 2, 12, "int8", torch.float32) == k.nbytes + v.nbytes + mask.nbytes + k.numel() * 2 + (
         2 * 2 * 12 * 2 * 4)
+
+
+# ---- prefix caching ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("fields", [{}, LOCAL], ids=["plain", "local-softcap"])
+def test_prefix_caching_shares_full_blocks_and_changes_no_token(fields, kv_dtype):
+    """A request that begins like an earlier one (a chat's next turn, a shared system prompt, several at once) takes
+    the earlier one's full blocks and computes only the rest; every output is what the engine computes without."""
+    model = tiny_model(**fields)
+    system = prompts(1, seed=5)[0] * 3  # 3 x up to 39 tokens: several blocks of 4
+    turns = [system + p for p in prompts(4, seed=6)]
+    requests = [Request(str(i), p, 7, GREEDY) for i, p in enumerate(turns)]
+    requests.append(Request("4", turns[0] + (11, 12, 13), 7, GREEDY))  # begins with request 0's tokens
+    expected = run(Engine(model, FP32, PoolSpec(64, 4, kv_dtype), max_batch=4), requests)
+    engine = Engine(model, FP32, PoolSpec(64, 4, kv_dtype), max_batch=4, prefix_caching=True)
+    assert run(engine, requests[:1]) == {"0": expected["0"]}
+    assert engine.stats().shared_positions == 0 and engine.stats().free_blocks == 64
+    assert run(engine, requests[1:]) == {k: v for k, v in expected.items() if k != "0"}
+    # requests 1-3 share the system prompt's full blocks, 4 request 0's blocks up to its last full one
+    shared = [len(system) // 4 * 4] * 3 + [(len(turns[0]) + 2) // 4 * 4]
+    assert engine.stats().shared_positions == sum(shared)
+    assert engine.stats().free_blocks == 64  # remembered blocks no sequence holds count as free
+
+
+def test_prefix_caching_reuses_remembered_blocks_last_and_forgets_on_a_weight_change():
+    model = tiny_model()
+    first, other = prompts(2, seed=7)
+    first = first * 2
+    engine = Engine(model, FP32, PoolSpec(blocks_for(len(first) + 3, 4) + 1, 4), max_batch=1, prefix_caching=True)
+    run(engine, [Request("a", first, 3, GREEDY)])
+    remembered = dict(engine.pool.block_of_prefix)
+    assert len(remembered) == (len(first) + 2) // 4  # every full block it wrote, generated positions included
+    run(engine, [Request("b", first, 3, GREEDY)])
+    assert engine.stats().shared_positions == (len(first) - 1) // 4 * 4
+    # a request that needs the whole pool takes the remembered blocks (oldest first) once the free ones run out
+    long = tuple(range(1, engine.pool.spec.num_blocks * 4 - 2))  # with its 3 new tokens: every position
+    expected = run(Engine(model, FP32, PoolSpec(64, 4), max_batch=1), [Request("c", long, 3, GREEDY)])
+    assert run(engine, [Request("c", long, 3, GREEDY)]) == expected
+    assert not set(remembered) & set(engine.pool.block_of_prefix)  # their prefixes forgotten
+    engine.forget_prefixes()
+    assert not engine.pool.block_of_prefix and engine.stats().free_blocks == engine.stats().total_blocks
+    before = engine.stats().shared_positions
+    run(engine, [Request("d", long, 3, GREEDY)])
+    assert engine.stats().shared_positions == before

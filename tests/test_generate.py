@@ -14,7 +14,9 @@ from lit_model.kernels import ops
 from lit_model.io.checkpoint import lit_state_dict, save_checkpoint_dir
 from lit_model.core.errors import UsageError, UserError
 from lit_model.infer.decode import check_lengths, forward_last, generate
-from lit_model.infer.engine import ChatSession, Generator, Sampling
+from lit_model.infer.chat import ChatSession
+from lit_model.infer.engine import Generator, Sampling
+from lit_model.infer.paged import DEFAULT_BLOCK_SIZE
 from lit_model.infer.kv_cache import kv_cache_nbytes, set_kv_cache
 from lit_model.infer.load import Precision, load_model
 from lit_model.infer.sampling import make_generator, sample
@@ -35,9 +37,16 @@ LOCAL_SOFTCAP = dict(
 )
 
 
+FP32 = Precision("32-true", torch.float32, autocast=None)
+
+
 def greedy(model: GPT) -> Generator:
     """The inference engine over an fp32 ``model``, decoding greedily."""
-    return Generator(model, Precision("32-true", torch.float32, autocast=None), Sampling(temperature=0))
+    return Generator(model, FP32, Sampling(temperature=0))
+
+
+def greedy_chat(model: GPT, tokenizer: Tokenizer, style: PromptStyle, max_length: int) -> ChatSession:
+    return ChatSession(model, FP32, Sampling(temperature=0), tokenizer, style, max_length)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -257,35 +266,37 @@ def test_chat_keeps_the_conversation_in_the_kv_cache(checkpoint_dir: Path) -> No
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
     style = PromptStyle.from_name("chatml")
-    session = ChatSession(greedy(model), tokenizer, style, 256)
+    session = greedy_chat(model, tokenizer, style, 256)
     first = session.send("def add(a, b):", 6)
-    after_first, cached_after_first = list(session.tokens), session.cached
-    assert after_first[: -len(session.last.tokens[0])] == tokenizer.encode(style.apply("def add(a, b):")).tolist()
-    # all of the first turn but its last sampled token (never fed back) is in the cache
-    assert cached_after_first == len(after_first) - 1
+    after_first = list(session.tokens)
+    assert after_first[: -len(session.last.tokens)] == tokenizer.encode(style.apply("def add(a, b):")).tolist()
+    assert session.last_start_pos == 0  # nothing to share yet
     session.send("return a + b", 6)
-    # the second turn was prefilled from where the first stopped, not from position 0 ...
-    assert session.last_start_pos == cached_after_first
-    prompt = session.tokens[: len(session.tokens) - len(session.last.tokens[0])]
+    # the second turn shared every full block of the first (all of it but its last sampled token, never fed back,
+    # in whole blocks), and computed only the rest ...
+    assert session.last_start_pos == (len(after_first) - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE > 0
+    prompt = session.tokens[: len(session.tokens) - len(session.last.tokens)]
     assert prompt == after_first + tokenizer.encode(style.next_turn("return a + b"), bos=False).tolist()
     # ... and continues exactly as a single pass over the whole conversation would
     fresh = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
-    assert generate(fresh, torch.tensor(prompt), 6, temperature=0).tokens == session.last.tokens
-    # /reset: the next message starts a new conversation
+    assert generate(fresh, torch.tensor(prompt), 6, temperature=0).tokens == [list(session.last.tokens)]
+    # /reset: the next message starts a new conversation, which may share the blocks of one that began alike
     session.reset()
-    assert session.send("def add(a, b):", 6) == first and session.last_start_pos == 0
+    assert session.send("def add(a, b):", 6) == first and session.turns == 1
+    assert session.engine.stats().free_blocks == session.engine.stats().total_blocks  # nothing held between turns
 
 
 def test_chat_starts_over_when_the_context_would_overflow(checkpoint_dir: Path) -> None:
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=40)
-    session = ChatSession(greedy(model), tokenizer, PromptStyle.from_name("default"), 40)
+    session = greedy_chat(model, tokenizer, PromptStyle.from_name("default"), 40)
     notices: list[str] = []
     session.send("def f(x):", 8, notify=notices.append)
     session.send("return x", 8, notify=notices.append)
-    assert notices == [] and session.last_start_pos > 0
+    assert notices == [] and session.turns == 2
     session.send("import os, sys", 20, notify=notices.append)
-    assert len(notices) == 1 and "starting over" in notices[0] and session.last_start_pos == 0
+    assert len(notices) == 1 and "starting over" in notices[0] and session.turns == 1
+    assert session.tokens[:-len(session.last.tokens)] == tokenizer.encode("import os, sys").tolist()
     with pytest.raises(UserError, match="does not fit the context of 40 tokens"):
         session.send("x" * 200, 8)
     assert session.turns == 1  # the failed message left the conversation as it was
@@ -299,7 +310,7 @@ def test_chat_script_reads_piped_input_until_exit(checkpoint_dir: Path) -> None:
     assert "Traceback" not in proc.stderr and "conversation reset" in proc.stderr
     model = load_model(checkpoint_dir, dtype=torch.float32, max_seq_length=256)
     tokenizer = Tokenizer(checkpoint_dir)
-    session = ChatSession(greedy(model), tokenizer, PromptStyle.from_checkpoint(checkpoint_dir), 256)
+    session = greedy_chat(model, tokenizer, PromptStyle.from_checkpoint(checkpoint_dir), 256)
     first, second = session.send("hello there", 5), session.send("and then?", 5)
     assert proc.stdout == f"{first}\n{second}\n{first}\n"
 

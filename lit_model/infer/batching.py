@@ -10,6 +10,10 @@ and the tokens they have so far, prefilled again) when blocks free up. Running o
 does the same, one sequence at a time, down to a batch of one. A request that could never fit (``rejection``) is
 refused before it is queued.
 
+With ``prefix_caching``, a sequence's full blocks stay remembered after it ends (paged.BlockPool), and a request that
+begins with the same tokens (a chat's conversation so far, a shared system prompt or few-shot examples, a preempted
+sequence recomputed) shares those blocks and prefills only the rest.
+
 Synchronous and single-threaded: the caller (the server's worker loop, generate with several prompts) calls
 ``add``, ``cancel`` and ``step`` from one thread.
 """
@@ -26,7 +30,8 @@ import torch
 from lit_model.infer.decode import forward_last
 from lit_model.infer.engine import Sampling, is_out_of_memory
 from lit_model.infer.load import Precision
-from lit_model.infer.paged import BlockPool, PoolSpec, blocks_for, read_budget, set_paged_cache, storage_dtype
+from lit_model.infer.paged import (BlockPool, PoolSpec, blocks_for, prefix_digests, read_budget, set_paged_cache,
+                                   storage_dtype)
 from lit_model.infer.sampling import make_generator, sample
 from lit_model.kernels.ops import decoding_kernels
 from lit_model.model.gpt import GPT
@@ -61,6 +66,7 @@ class EngineStats:
     free_blocks: int
     total_blocks: int
     preemptions: int
+    shared_positions: int
 
 
 @dataclass(eq=False)
@@ -72,6 +78,7 @@ class _Sequence:
     emitted: int = 0  # kept[:emitted] have been reported
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # positions written to the cache
+    prefixes: list[bytes] = field(default_factory=list)  # the digests of its full blocks (prefix caching)
 
     @property
     def tokens(self) -> list[int]:
@@ -82,8 +89,9 @@ class Engine:
     """A loaded model serving many requests at once from one pool of KV-cache blocks (``pool``), at most
     ``max_batch`` sequences per decoding step."""
 
-    def __init__(self, model: GPT, precision: Precision, pool: PoolSpec, max_batch: int = 64) -> None:
-        self.model, self.precision, self.max_batch = model, precision, max_batch
+    def __init__(self, model: GPT, precision: Precision, pool: PoolSpec, max_batch: int = 64,
+                 prefix_caching: bool = False) -> None:
+        self.model, self.precision, self.max_batch, self.prefix_caching = model, precision, max_batch, prefix_caching
         self.max_read = read_budget(max_batch, model.max_seq_length)
         self.pool = BlockPool(pool)
         set_paged_cache(model, self.pool, storage_dtype(pool.kv_dtype, precision.compute_dtype))
@@ -92,6 +100,7 @@ class Engine:
         self.running: list[_Sequence] = []  # in admission order: the newest is preempted first
         self.cancelled: set[str] = set()
         self.preemptions = 0
+        self.shared_positions = 0  # prompt positions taken from remembered blocks instead of computed
 
     def rejection(self, request: Request) -> Optional[str]:
         """Why ``request`` can never run, naming the limit; None when it can."""
@@ -127,12 +136,16 @@ class Engine:
                 self._free(sequence)
                 self.cancelled.add(request_id)
 
+    def forget_prefixes(self) -> None:
+        """The weights changed: no remembered block may be shared any more."""
+        self.pool.forget_prefixes()
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.cancelled)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.running), len(self.waiting), self.pool.free_blocks, self.pool.spec.num_blocks,
-                           self.preemptions)
+                           self.preemptions, self.shared_positions)
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
@@ -156,13 +169,21 @@ class Engine:
         events: list[Event] = []
         while self.waiting and len(self.running) < self.max_batch:
             sequence = self.waiting[0]
-            needed = blocks_for(len(sequence.tokens) + 1, self.pool.spec.block_size)
+            tokens, size = sequence.tokens, self.pool.spec.block_size
+            # the last token is computed even when remembered: its logits sample the next one
+            prefixes = prefix_digests(tokens[:-1], size) if self.prefix_caching else []
+            shared = self.pool.share(prefixes)
+            needed = blocks_for(len(tokens) + 1, size) - len(shared)
             if needed > self.pool.free_blocks:
+                self.pool.release(shared)
                 break
             self.waiting.popleft()
-            sequence.blocks = self.pool.allocate(needed)
+            sequence.blocks = shared + self.pool.allocate(needed)
+            sequence.cached = len(shared) * size
+            self.shared_positions += sequence.cached
+            sequence.prefixes = prefixes[:len(shared)]
             try:
-                logits = self._forward([sequence], [sequence.tokens])
+                logits = self._forward([sequence], [tokens[sequence.cached:]])
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_out_of_memory(error):
                     raise
@@ -225,7 +246,7 @@ class Engine:
 
     def _free(self, sequence: _Sequence) -> None:
         self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.cached = [], 0
+        sequence.blocks, sequence.cached, sequence.prefixes = [], 0, []
 
     def _forward(self, batch: list[_Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
         """The last position's logits of each sequence, after writing ``new_tokens`` (the same number per sequence)
@@ -237,7 +258,16 @@ class Engine:
             logits = forward_last(self.model, torch.tensor(new_tokens, device=self.device), positions)
         for sequence in batch:
             sequence.cached += count
+            if self.prefix_caching and sequence.cached // self.pool.spec.block_size > len(sequence.prefixes):
+                self._remember_full_blocks(sequence)
         return logits
+
+    def _remember_full_blocks(self, sequence: _Sequence) -> None:
+        size, known = self.pool.spec.block_size, len(sequence.prefixes)
+        new = prefix_digests(sequence.tokens[:sequence.cached], size, sequence.prefixes[-1] if known else b"", known)
+        for block, prefix in zip(sequence.blocks[known:], new):
+            self.pool.remember(block, prefix)
+        sequence.prefixes += new
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> list[Event]:
         """Each sequence's next token from its own sampling settings and generator; the events of the step."""

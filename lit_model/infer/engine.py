@@ -1,7 +1,7 @@
-"""The inference engine: a ``Generator`` holds a loaded model with its precision, sampling settings, seeded random
-generator, decode step and KV cache, and generates for a batch of prompts; a ``ChatSession`` keeps a conversation in
-its cache. generate/base.py, generate/chat.py and the end-of-run sample run through it (later: serving, evaluation,
-rollouts)."""
+"""The inference engine for one prompt: a ``Generator`` holds a loaded model with its precision, sampling settings,
+seeded random generator, decode step (compiled with --compile) and contiguous KV cache, and generates for a prompt
+and its samples. generate/base.py's single prompt and the end-of-run sample run through it; several prompts, chat,
+serving, evaluation and rollouts run on the continuous-batching engine (infer/batching.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from lit_model.infer.decode import Generation, Step, decode_step, generate
 from lit_model.infer.kv_cache import set_kv_cache
 from lit_model.infer.load import Precision
 from lit_model.infer.sampling import make_generator
-from lit_model.infer.stream import TextStream
 from lit_model.model.gpt import GPT
 
 
@@ -54,72 +53,6 @@ class Generator:
             return generate(self.model, prompt_ids, max_new_tokens, self.sampling.temperature, self.sampling.top_k,
                             self.sampling.top_p, eos_ids, stop_sequences, on_token, num_samples, self.random,
                             start_pos, self.step)
-
-
-class ChatSession:
-    """A multi-turn conversation whose tokens stay in the KV cache: each turn prefills only what the cache
-    does not hold yet (the end of the previous reply and the new user turn), at the positions after it."""
-
-    def __init__(self, generator: "Generator", tokenizer, style, max_length: int, system: Optional[str] = None,
-                 stop: Sequence[str] = ()) -> None:
-        self.generator, self.tokenizer, self.style, self.system = generator, tokenizer, style, system
-        self.max_length = max_length
-        self.stop_sequences = style.stop_tokens(tokenizer)
-        self.stop_strings = [*style.stop_strings, *stop]
-        generator.allocate(1, max_length)
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the conversation (the cache is overwritten from position 0 on the next turn)."""
-        self.tokens: list[int] = []  # the whole conversation, token by token
-        self.cached = 0  # self.tokens[:cached] are in the KV cache
-        self.turns = 0
-        self.last: Optional[Generation] = None
-        self.last_start_pos = 0
-
-    def turn_ids(self, message: str) -> list[int]:
-        if self.turns == 0:
-            return self.tokenizer.encode(self.style.turn(message, system=self.system)).tolist()
-        return self.tokenizer.encode(self.style.next_turn(message), bos=False).tolist()
-
-    def send(self, message: str, max_new_tokens: int, write: Optional[Callable[[str], object]] = None,
-             notify: Callable[[str], object] = lambda text: None) -> str:
-        """Answer ``message``; the reply streams through ``write``. A conversation that would overflow the
-        context is started over with this message (``notify`` says so)."""
-        first_ids = self.tokenizer.encode(self.style.turn(message, system=self.system)).tolist()
-        if len(first_ids) + max_new_tokens > self.max_length:
-            raise UserError(
-                f"This message is {len(first_ids)} tokens long; with a reply of up to {max_new_tokens} tokens it "
-                f"does not fit the context of {self.max_length} tokens. Send a shorter message (or pass a smaller "
-                "--max_new_tokens or a larger --max_seq_length)."
-            )
-        new_ids = self.turn_ids(message) if self.turns else first_ids
-        if self.turns and len(self.tokens) + len(new_ids) + max_new_tokens > self.max_length:
-            notify(
-                f"The conversation ({len(self.tokens)} tokens) plus this message ({len(new_ids)}) and a reply of up "
-                f"to {max_new_tokens} tokens would not fit the context of {self.max_length} tokens; starting over "
-                "with this message."
-            )
-            self.reset()
-            new_ids = first_ids
-        pending = torch.tensor(self.tokens[self.cached:] + new_ids, dtype=torch.long)
-        stream = TextStream(self.tokenizer, self.stop_strings, context=(self.tokens + new_ids)[-4:], write=write)
-        result = self.generator.generate(  # on an error (e.g. out of memory) the conversation stays as it was
-            pending, max_new_tokens, eos_ids=self.tokenizer.eos_ids, stop_sequences=self.stop_sequences,
-            on_token=lambda row, token: stream.add(token), start_pos=self.cached,
-        )
-        self.last_start_pos = self.cached
-        self.tokens.extend(new_ids)
-        reply = stream.finish()
-        kept = result.tokens[0]
-        reply_ids = self.tokenizer.encode(reply, bos=False).tolist() if stream.stopped else kept
-        fed = result.steps - 1  # every sampled token but the last went through the model
-        same = next((i for i, (a, b) in enumerate(zip(reply_ids, kept)) if a != b), min(len(reply_ids), len(kept)))
-        self.cached = len(self.tokens) + min(same, fed)
-        self.tokens.extend(reply_ids)
-        self.turns += 1
-        self.last = result
-        return reply
 
 
 def peak_memory_bytes(devices: Sequence[torch.device]) -> int:

@@ -12,10 +12,13 @@ the attention kernel the policy picks, masked per row by position: the blocks pa
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,28 +81,92 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
 
+def prefix_digests(tokens: Sequence[int], block_size: int, start: bytes = b"", first_block: int = 0) -> list[bytes]:
+    """The digest of ``tokens`` up to the end of each full block from ``first_block`` on (``start``: the digest of the
+    block before it): equal digests mean equal tokens from the sequence's start, so equal keys and values."""
+    digests, digest = [], start
+    for begin in range(first_block * block_size, len(tokens) - block_size + 1, block_size):
+        block = np.asarray(tokens[begin:begin + block_size], dtype=np.int64).tobytes()
+        digest = hashlib.sha256(digest + block).digest()
+        digests.append(digest)
+    return digests
+
+
 class BlockPool:
     """Which blocks are free, and the block tables of the batch the model runs now (``bind``), shared by the layers'
-    caches. Block ids index the same block in every layer."""
+    caches. Block ids index the same block in every layer.
+
+    Prefix caching (vLLM's automatic prefix caching): a full block can be remembered under the digest of the tokens
+    from the sequence's start to its end (``remember``); a later sequence that begins with the same tokens shares it
+    (``share``) instead of computing it again. A block is written only while it is its writer's last, partial block,
+    so a shared (full) block never changes. Blocks no sequence holds stay remembered while the pool has other free
+    blocks; they are reused, least recently released first, only when the never-remembered ones are gone."""
 
     def __init__(self, spec: PoolSpec) -> None:
         if spec.num_blocks < 1 or spec.block_size < 1:
             raise UsageError(f"A KV cache pool needs at least one block of at least one position, not {spec}.")
         self.spec = spec
         self.free: list[int] = list(range(spec.num_blocks - 1, -1, -1))  # a stack: the lowest ids go first
+        self.holders = [0] * spec.num_blocks  # sequences holding each block
+        self.block_of_prefix: dict[bytes, int] = {}
+        self.prefix_of_block: dict[int, bytes] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()  # remembered blocks no sequence holds, oldest first
         self.tables: dict[torch.device, torch.Tensor] = {}
 
     @property
     def free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.idle)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self.free):
-            raise ValueError(f"{count} blocks asked, {len(self.free)} free")
-        return [self.free.pop() for _ in range(count)]
+        if count > self.free_blocks:
+            raise ValueError(f"{count} blocks asked, {self.free_blocks} free")
+        blocks = []
+        for _ in range(count):
+            if self.free:
+                block = self.free.pop()
+            else:  # the least recently released remembered block: its prefix is forgotten
+                block = self.idle.popitem(last=False)[0]
+                del self.block_of_prefix[self.prefix_of_block.pop(block)]
+            self.holders[block] = 1
+            blocks.append(block)
+        return blocks
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        unremembered = []
+        for block in blocks:
+            self.holders[block] -= 1
+            if self.holders[block] == 0:
+                if block in self.prefix_of_block:
+                    self.idle[block] = None
+                else:
+                    unremembered.append(block)
+        self.free.extend(reversed(unremembered))
+
+    def share(self, prefixes: list[bytes]) -> list[int]:
+        """The remembered blocks of the longest run of ``prefixes`` (digests, from the first block on), now also held
+        by the caller."""
+        blocks = []
+        for prefix in prefixes:
+            block = self.block_of_prefix.get(prefix)
+            if block is None:
+                break
+            self.idle.pop(block, None)
+            self.holders[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def remember(self, block: int, prefix: bytes) -> None:
+        """``block`` is full and holds the last tokens of ``prefix`` (a digest; see ``prefix_digests``)."""
+        if prefix not in self.block_of_prefix and block not in self.prefix_of_block:
+            self.block_of_prefix[prefix], self.prefix_of_block[block] = block, prefix
+
+    def forget_prefixes(self) -> None:
+        """Drop every remembered prefix: the weights changed (another adapter), so the cached keys and values are not
+        what the model would compute now."""
+        self.free.extend(reversed(list(self.idle)))
+        self.idle.clear()
+        self.block_of_prefix.clear()
+        self.prefix_of_block.clear()
 
     def bind(self, tables: list[list[int]]) -> None:
         """The block tables (one row per sequence of the next forward, padded with block 0: past a row's length

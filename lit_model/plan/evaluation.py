@@ -11,12 +11,11 @@ import torch
 
 from lit_model.core.config import Config
 from lit_model.core.units import format_bytes
-from lit_model.infer.paged import DEFAULT_BLOCK_SIZE, blocks_for, read_bytes
 from lit_model.infer.score import AUTO_BATCH_SIZE, head_rows
 from lit_model.parallel.dims import ParallelDims
 from lit_model.plan import closed_form
 from lit_model.plan.calibration import OVERHEAD
-from lit_model.plan.generation import generation_dtypes, generation_phases, pipeline_note
+from lit_model.plan.generation import add_paged_pool, generation_phases, pipeline_note
 from lit_model.plan.overhead import _finish_phases
 from lit_model.plan.report import Plan, Suggestion, _resolve_memory, plan_of_phases
 from lit_model.run import Run, render_flags, resolve_cpu_heap
@@ -39,14 +38,8 @@ def plan_evaluation(config: Config, batch_size: int, dtype: Union[torch.dtype, s
     spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1,
                parallel=ParallelDims(dp_replicate=1, dp_shard=1), micro_batch_size=batch_size,
                global_batch_size=batch_size, seq_len=length, cpu_heap=resolve_cpu_heap(device_type, sets_heap=False))
+    add_paged_pool(staged, config, batch_size, length, dtype, device_type)  # generate_until's engine
     phases, terms = _finish_phases(staged.phases, spec, generation=True)
-    # generate_until decodes in the engine's paged pool (batch x the context, rounded up to whole blocks), and a
-    # decoding step gathers one layer's cache at a time: both beyond the contiguous cache the trace holds
-    pool_positions = blocks_for(length, DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
-    rounding = staged.kv_cache_bytes * (pool_positions - length) // length
-    read = read_bytes(config, batch_size, pool_positions, "auto", generation_dtypes(dtype, device_type)[1])
-    for category, size in (("kv_cache", rounding), ("activations", read)):
-        phases["decode"][category] += size
     if device_type == "cpu":
         # the head's fp32 (rows, vocabulary) logits and logsumexp's exponentials of them: blocks glibc maps apart
         # from its heap when they are this large, and unmaps when freed, so none of them stays in the heap

@@ -14,6 +14,7 @@ from lit_model.core.errors import UsageError
 from lit_model.core.precision import PRECISION_DTYPES, resolve_precision
 from lit_model.core.units import format_bytes
 from lit_model.infer.load import pipeline_stages
+from lit_model.infer.paged import DEFAULT_BLOCK_SIZE, blocks_for, read_bytes
 from lit_model.parallel.dims import ParallelDims
 from lit_model.plan import closed_form
 from lit_model.plan.calibration import OVERHEAD
@@ -36,6 +37,7 @@ def plan_generation(
     detect: bool = True,
     devices: int = 1,
     compile: bool = False,
+    paged: bool = False,
 ) -> Plan:
     """Predicted peak memory of ``generate/base.py``, traced (``trace_generation.py``): weights (quantized
     linears packed), the KV cache for exactly prompt + new positions (not block_size), the prefill's and the
@@ -43,9 +45,12 @@ def plan_generation(
     (default bf16 on CUDA, fp32 on the CPU). ``devices``: the GPUs ``--devices`` splits the blocks over
     (``load.pipeline_stages``); the plan is the fullest one's, each GPU holding its parts and the bytes the trace
     had in flight at its peak. ``compile``: the decode step is compiled (--compile): on the CPU the compiler and its
-    code add a term; the tensors are the eager step's (the last step reads the whole cache either way)."""
+    code add a term; the tensors are the eager step's (the last step reads the whole cache either way). ``paged``: the
+    tokens decode in the engine's paged pool (several prompts, chat): ``add_paged_pool``."""
     total = prompt_length + max_new_tokens
     staged = generation_phases(config, prompt_length, max_new_tokens, batch_size, dtype, quantize, device_type, devices)
+    if paged:
+        add_paged_pool(staged, config, batch_size, total, dtype, device_type)
     phases, kv, dtype = staged.phases, staged.kv_cache_bytes, staged.dtype
     B = batch_size
     spec = Run(config=config, precision="bf16-true", device_type=device_type, devices=devices, num_nodes=1,
@@ -86,6 +91,17 @@ class StagedPhases:
     stages: dict[str, int]
     kv_cache_bytes: int
     dtype: torch.dtype  # the weights' (a --precision string resolved)
+
+
+def add_paged_pool(staged: StagedPhases, config: Config, batch_size: int, positions: int,
+                   dtype: Union[torch.dtype, str, None], device_type: str) -> None:
+    """What decoding in the engine's paged pool adds to the traced contiguous cache of ``positions`` per sequence: the
+    pool's rounding up to whole blocks, and a decoding step's gather of one layer's cache at a time (``paged.read_bytes``)."""
+    pool_positions = blocks_for(positions, DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+    rounding = staged.kv_cache_bytes * (pool_positions - positions) // positions
+    read = read_bytes(config, batch_size, pool_positions, "auto", generation_dtypes(dtype, device_type)[1])
+    for category, size in (("kv_cache", rounding), ("activations", read)):
+        staged.phases["decode"][category] += size
 
 
 def generation_dtypes(dtype: Union[torch.dtype, str, None], device_type: str) -> tuple[torch.dtype, torch.dtype]:

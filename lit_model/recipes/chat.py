@@ -1,4 +1,5 @@
-"""Chat with a checkpoint's model in its family's prompt style; the conversation stays in the KV cache.
+"""Chat with a checkpoint's model in its family's prompt style; the conversation stays in the KV cache (the engine's
+paged pool with prefix caching: a turn computes only what earlier turns did not).
 
     python generate/chat.py --model_name Qwen/Qwen2.5-0.5B-Instruct   # after lit-model download Qwen/Qwen2.5-0.5B-Instruct
     printf 'Hi!\\nAnd then?\\n/exit\\n' | python generate/chat.py --checkpoint_dir DIR   # reads lines until EOF
@@ -15,7 +16,7 @@ from typing import Optional
 
 from lit_model.recipes.cli import parse
 from lit_model.core.errors import UsageError, UserError, run_cli
-from lit_model.infer.engine import ChatSession
+from lit_model.infer.chat import ChatSession
 from lit_model.infer.stream import stdout_writer
 from lit_model.recipes.generation import GenerationArgs, prepare_generation, print_generation_plan
 from lit_model.io.tokenizer import check_utf8
@@ -28,7 +29,7 @@ class ChatArgs(GenerationArgs):
     Args:
         max_new_tokens: longest reply in tokens
         max_seq_length: context kept in the KV cache, in tokens; default: the block size, at most 4096. --plan
-            plans a cache of this many positions and a message that fills all of it but --max_new_tokens
+            plans a pool of this many positions and a message that fills all of it but --max_new_tokens
         system: system message (default: the prompt style's, if any)
     """
 
@@ -48,11 +49,14 @@ def main(args: ChatArgs) -> None:
             f"--max_new_tokens must be between 1 and {context - 1} (the context of {context} tokens also holds "
             "the messages)."
         )
+    if args.compile:
+        raise UsageError("--compile compiles generate/base.py's decode step of one prompt; chat decodes in the paged "
+                         "engine, which it does not compile: leave --compile out.")
     if args.plan is not None:
-        return print_generation_plan(setup, context - args.max_new_tokens, args.max_new_tokens, 1)
+        return print_generation_plan(setup, context - args.max_new_tokens, args.max_new_tokens, 1, paged=True)
 
-    session = ChatSession(setup.generator(setup.load(max_seq_length=context)), setup.tokenizer, setup.style, context,
-                          system=args.system, stop=setup.stop)
+    session = ChatSession(setup.load(max_seq_length=context), setup.precision, setup.sampling(), setup.tokenizer,
+                          setup.style, context, system=args.system, stop=setup.stop)
     interactive = sys.stdin is not None and sys.stdin.isatty()  # None: started with stdin closed, no input
     if interactive:
         name = setup.config.name or setup.checkpoint_dir

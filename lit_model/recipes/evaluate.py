@@ -318,7 +318,7 @@ class HarnessModel:
                                    tuple(self.tokenizer.eos_ids)), kwargs["until"]))  # lm-eval cuts from the left
         size = self.scorer.batch_size or self.scorer.auto_start
         pool = PoolSpec(size * blocks_for(context_size, DEFAULT_BLOCK_SIZE))
-        engine = Engine(self.model, self.precision, pool, max_batch=size)
+        engine = Engine(self.model, self.precision, pool, max_batch=size, prefix_caching=True)  # few-shot prefixes
         streams = {r.id: TextStream(self.tokenizer, until, context=r.prompt_ids[-4:]) for r, until in queued}
         with tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm) as bar:
 

@@ -113,9 +113,9 @@ def generate_batch(setup: GenerationSetup, args: BaseArgs, prompts: list[str]) -
     if args.compile:
         raise UsageError("--compile compiles the decode step of one prompt; with several prompts leave it out.")
     styled = [setup.style.apply(p) for p in prompts]
-    if args.plan is not None:  # the contiguous cache of the longest prompt for all: an upper bound of the pool
+    if args.plan is not None:  # the pool as if every prompt were the longest: an upper bound
         longest = max(args.prompt_length or math.ceil(len(p) / CHARACTERS_PER_TOKEN) for p in styled)
-        return print_generation_plan(setup, longest, args.max_new_tokens, len(prompts) * args.num_samples)
+        return print_generation_plan(setup, longest, args.max_new_tokens, len(prompts) * args.num_samples, paged=True)
     encoded = [tuple(setup.tokenizer.encode(p).tolist()) for p in styled]
     for text, ids in zip(prompts, encoded):
         if not ids:

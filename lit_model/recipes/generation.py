@@ -91,18 +91,23 @@ class GenerationSetup:
             return load_model(self.checkpoint_dir, self.devices, self.precision.dtype, self.args.quantize,
                               max_seq_length, decoding=True)
 
+    def sampling(self) -> Sampling:
+        return Sampling(self.args.temperature, self.args.top_k, self.args.top_p, self.args.seed)
+
     def generator(self, model: GPT) -> Generator:
         """The inference engine over ``model`` with the flags' precision, sampling and decode step."""
-        sampling = Sampling(self.args.temperature, self.args.top_k, self.args.top_p, self.args.seed)
-        return Generator(model, self.precision, sampling, compile=self.args.compile)
+        return Generator(model, self.precision, self.sampling(), compile=self.args.compile)
 
 
-def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_tokens: int, batch_size: int) -> None:
+def print_generation_plan(setup: GenerationSetup, prompt_length: int, max_new_tokens: int, batch_size: int,
+                          paged: bool = False) -> None:
     """generate/base.py's and chat.py's ``--plan text|json``: the predicted peak memory of generating
-    ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings."""
+    ``max_new_tokens`` after ``prompt_length`` tokens for ``batch_size`` samples with the script's settings
+    (``paged``: in the continuous-batching engine's pool)."""
     args = setup.args
     plan = plan_generation(setup.config, prompt_length, max_new_tokens, batch_size, setup.precision.name,
-                           args.quantize, args.device_memory, setup.device_type, devices=args.devices, compile=args.compile)
+                           args.quantize, args.device_memory, setup.device_type, devices=args.devices,
+                           compile=args.compile, paged=paged)
     print(plan.to_json() if args.plan == "json" else plan.to_text())
     check_plan_fits(plan)
 

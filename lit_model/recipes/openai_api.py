@@ -389,7 +389,7 @@ class EngineAPI(ls.LitAPI):
                 f"--kv_cache_memory gives {pool_bytes:,} bytes, less than one block of the KV cache ({per_block:,} "
                 f"bytes for {options.block_size} positions). Pass a larger size or fraction.")
         pool = PoolSpec(block_size=options.block_size, num_blocks=num_blocks, kv_dtype=options.kv_cache_dtype)
-        self.engine = Engine(self.model, options.precision, pool, max_batch=options.max_batch)
+        self.engine = Engine(self.model, options.precision, pool, max_batch=options.max_batch, prefix_caching=True)
         self.stop_tokens = tuple(tuple(ids) for ids in options.style.stop_tokens(self.tokenizer))
         self.queue: deque[Queued] = deque()
         self.live: dict[str, Live] = {}
@@ -420,6 +420,8 @@ class EngineAPI(ls.LitAPI):
             outputs += self._take(uid, job)
         outputs += self._cancel_abandoned()
         if self.queue and not self.engine.has_work():  # between adapters: switch to the oldest waiting request's
+            if self.queue[0].adapter != self.adapter:
+                self.engine.forget_prefixes()  # the cached keys and values are the other weights'
             self.adapter = self.queue[0].adapter
             use_lora(self.model, self.adapters[self.adapter])
         while self.queue and self.queue[0].adapter == self.adapter:
