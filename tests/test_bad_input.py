@@ -141,6 +141,7 @@ CASES = [
     (CHAT, ["--max_seq_length", "1"], 2, "--max_seq_length 1 must be at least 2"),
     (CHAT, ["--max_new_tokens", "0"], 2, "--max_new_tokens 0 must be at least 1"),
     (CHAT, ["--top_k", "-3"], 2, "--top_k must be at least 1"),
+    (CHAT, ["--compile", "true"], 2, "chat decodes in the paged engine, which it does not compile"),
     # the other entry points
     (CONVERT, ["lit_to_hf", "--checkpoint_dir", "RUN", "--out_dir", "OUT", "--overwrite", "maybe"], 2,
      "--overwrite 'maybe' is not valid: give true or false"),

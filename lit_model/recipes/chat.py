@@ -39,6 +39,9 @@ class ChatArgs(GenerationArgs):
 
 
 def main(args: ChatArgs) -> None:
+    if args.compile:
+        raise UsageError("--compile compiles generate/base.py's decode step of one prompt; chat decodes in the paged "
+                         "engine, which it does not compile: leave --compile out.")
     setup = prepare_generation(args)
     block_size = setup.config.block_size
     context = args.max_seq_length or min(block_size, 4096)
@@ -49,9 +52,6 @@ def main(args: ChatArgs) -> None:
             f"--max_new_tokens must be between 1 and {context - 1} (the context of {context} tokens also holds "
             "the messages)."
         )
-    if args.compile:
-        raise UsageError("--compile compiles generate/base.py's decode step of one prompt; chat decodes in the paged "
-                         "engine, which it does not compile: leave --compile out.")
     if args.plan is not None:
         return print_generation_plan(setup, context - args.max_new_tokens, args.max_new_tokens, 1, paged=True)
 
