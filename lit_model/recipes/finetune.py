@@ -159,8 +159,8 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
     """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: the longest sample,
     padded as ``collate`` pads it), not the model's whole context, with where that length comes from. Without the
     checkpoint's tokenizer (a model not downloaded yet) the samples are counted in UTF-8 bytes, an upper bound of any
-    tokenizer's count. Packed sequences, a recipe without data to read, data not there yet and data the run would
-    stop on (noted) are planned at the run's length."""
+    tokenizer's count. Packed samples' sequences (``packs_whole_length``), a recipe without data to read, data not
+    there yet and data the run would stop on (noted) are planned at the run's length."""
     if packs_whole_length(run) or read_data is None:
         return run
     if args.data_path is not None and not Path(args.data_path).exists():  # planned before the data is there
@@ -174,8 +174,9 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
         return run.replace(seq_len_source=f"planned at the whole length: the run would stop on its data: {error}")
     length = padded_length(max(data.train.lengths), max_length=run.seq_len)
     unit = "tokens" if tokenizer is not None else "UTF-8 bytes (no tokenizer yet: an upper bound of its tokens)"
+    packed = "; --packing packs a micro batch's rows into at most as many tokens" if run.packing else ""
     return run.replace(seq_len=length, seq_len_source=f"the longest sample of the data, counted in {unit} and padded "
-                                                      f"as batches are ({data.description})")
+                                                      f"as batches are ({data.description}){packed}")
 
 
 def packs_whole_length(run: Run) -> bool:
