@@ -323,7 +323,8 @@ def test_the_planner_traces_the_preference_step():
     def peak(micro: int, spec=None, packing: bool = False) -> int:
         run = resolved(tiny(n_layer=2), args(micro_batch_size=micro, global_batch_size=micro), "lora",
                        device_type="cpu")
-        phases = trace_training(run.replace(preference=spec, packing=packing), phases=("train_step",)).phases["train_step"]
+        traced = trace_training(run.replace(preference=spec, packing=packing), phases=("train_step",))
+        phases = traced.phases["train_step"]
         return sum(phases.values())
 
     sft, adapters_off, precomputed = peak(4), peak(2, PreferenceSpec("dpo")), peak(2, PreferenceSpec("dpo", reference="precomputed"))

@@ -5,10 +5,11 @@ A batch is ``(input_ids, targets)`` of shape (pairs, 2, time), the chosen comple
 outside the completion (prompt and padding); DPO and IPO also need the reference's log-probabilities, either in the
 batch as a third part of shape (pairs, 2) (computed before training) or from the model itself with its adapters
 switched off (``reference``: LoRA's base is the reference, no second model). The step splits a batch by pairs, and
-the loss is averaged over pairs. With --packing (``pack_length``) a micro batch's rows are packed into rows of up to
-the run's length before the forward (``pair_rows``), each attending only to itself, and each row's log-probability is
-summed over its own span of the packed rows: the same values, fewer padding tokens computed. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
-recomputed in backward): the vocabulary-wide logits of a batch never exist.
+the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
+recomputed in backward): the vocabulary-wide logits of a batch never exist. With --packing (``pack_length``) a micro
+batch's rows are packed into rows of up to the run's length before the forward (``pair_rows``), each attending only
+to itself, and each row's log-probability is summed over its own span of the packed rows: the same values, fewer
+padding tokens computed (packed in the objective, not the loader, so the step still splits a batch by pairs).
 
 The losses and logged rewards are TRL's (``DPOTrainer`` loss_type "sigmoid" and "ipo", ``CPOTrainer`` "simpo",
 ``ORPOTrainer``): tests/test_preference.py holds them to TRL's own functions.
@@ -51,8 +52,8 @@ def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, 
     place in packed hidden states (``pair_rows``), read in the same chunks from the row's first token."""
     spans = spans if spans is not None else [(row, 0, targets.size(1)) for row in range(targets.size(0))]
     language_model = CausalLM(chunk_size)
-    log_probs = torch.stack([-language_model.readout(model, hidden[packed, start : start + length], targets[row, :length])
-                             for row, (packed, start, length) in enumerate(spans)])
+    log_probs = torch.stack([-language_model.readout(model, hidden[at, start : start + length], targets[row, :length])
+                             for row, (at, start, length) in enumerate(spans)])
     return log_probs, (targets != IGNORE_INDEX).sum(dim=1)
 
 

@@ -68,7 +68,7 @@ class DPOArgs(LoRAArgs):
             checkpoint)
         packing: pack each micro batch's chosen and rejected rows into rows of up to the run's sequence length,
             each attending only to itself with its positions from 0: the same log-probabilities, losses and rewards,
-            far less padding; --global_batch_size and --micro_batch_size still count pairs
+            less padding computed; --global_batch_size and --micro_batch_size still count pairs
     """
 
     data_kind: ClassVar[Optional[str]] = None  # --data names instruction sets; pairs come from --data_path
