@@ -90,7 +90,8 @@ class Run:
     grad_clip: float = DEFAULT_GRAD_CLIP
     compile: bool = False
     checkpoint_dir: Optional[Path] = None  # the verified checkpoint a fine-tune starts from
-    packing: bool = False  # fine-tuning samples packed into sequences of seq_len tokens, with document masks
+    # fine-tuning samples packed into sequences of seq_len tokens (preference: each micro batch's rows), document masks
+    packing: bool = False
     preference: Optional[PreferenceSpec] = None  # a preference objective (DPO and kin); None: the language-model loss
     # where seq_len comes from when a plan took it from the data (its longest sample); "": the flag or the model's context
     seq_len_source: str = ""
@@ -240,14 +241,11 @@ WHOLE_MATRIX_OPTIMIZERS = ("GaLore", "APOLLO", "AdamMini", "AdaLomo")
 BITSANDBYTES_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit")
 
 
-def refuse_sophia_and_packing(args: Any, loss: str, rows: str) -> None:
-    """What the preference and GRPO objectives cannot train with: a second derivative of ``loss`` (Sophia), or
-    ``rows`` packed together."""
+def refuse_sophia(args: Any, loss: str) -> None:
+    """What the preference and GRPO objectives cannot train with: a second derivative of ``loss`` (Sophia)."""
     if canonical_name(args.optimizer) == "Sophia":
         raise UsageError(f"--optimizer Sophia estimates a Hessian by differentiating the loss twice, which {loss} "
                          "cannot be. Use AdamW (the default) or another first-order optimizer.")
-    if getattr(args, "packing", False):
-        raise UsageError(f"--packing does not apply to {rows}. Drop --packing.")
 
 
 def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
@@ -261,8 +259,7 @@ def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
         raise UsageError(f"--loss {loss!r}: choose one of {', '.join(PREFERENCE_LOSSES)}.")
     if not args.beta > 0:
         raise UsageError(f"--beta {args.beta} must be positive (DPO's is 0.1; SimPO's 2.0 to 2.5).")
-    refuse_sophia_and_packing(args, "the preference losses", "preference pairs yet: each pair is its own (2, length) "
-                              "row pair")
+    refuse_sophia(args, "the preference losses")
     if loss not in WITH_REFERENCE:
         reference = "none"
     elif trainable == "lora" and getattr(args, "reference_model", None) is None:
@@ -312,7 +309,10 @@ def resolve_grpo(args: Any, trainable: str) -> Optional[GRPOSpec]:
         raise UsageError(f"--beta {args.beta} keeps the policy near a reference, which --method full would need a "
                          "second model for (rollouts are new every step, so nothing can be computed in advance). Use "
                          "--method lora (the reference is the base with its adapters off) or --beta 0.")
-    refuse_sophia_and_packing(args, "GRPO's loss", "GRPO: each completion is its own row, generated during the run")
+    refuse_sophia(args, "GRPO's loss")
+    if getattr(args, "packing", False):
+        raise UsageError("--packing does not apply to GRPO: each completion is its own row, generated during the run. "
+                         "Drop --packing.")
     weights = None if args.reward_weights is None else tuple(float(w) for w in args.reward_weights)
     return GRPOSpec(tuple(args.reward), weights, int(generations), int(args.max_new_tokens), float(args.temperature),
                     args.top_k, float(args.top_p), args.loss_type, float(args.beta), float(args.epsilon),

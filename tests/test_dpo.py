@@ -1,6 +1,6 @@
 """finetune/dpo.py end to end on a tiny checkpoint: LoRA-DPO (the reference is the base with its adapters off) and
 full DPO (the reference's log-probabilities computed once and cached, verified and rebuilt), what is logged, exact
-resume, the plan, and one clear message for bad input."""
+resume, the plan, --packing (the unpacked run's metrics, less padding), and one clear message for bad input."""
 
 from __future__ import annotations
 
@@ -122,19 +122,65 @@ def test_the_other_losses_train(pairs, tmp_path, loss):
     assert reference in proc.stdout
 
 
-def test_plan_of_a_dpo_run(pairs):
+@pytest.mark.parametrize("packing", ["false", pytest.param("true", marks=pytest.mark.slow)])
+def test_plan_of_a_dpo_run(pairs, packing):
+    """A packed run's plan traces packed rows (tests/test_preference.py: the document masks on top) at the data's
+    longest micro batch, as unpacked: its packed rows never hold more tokens."""
     proc = run("finetune/dpo.py", "--checkpoint_dir", pairs["base"], "--data_path", pairs["data"], "--plan", "json",
-               "--micro_batch_size", "2", cache=pairs["cache"])
+               "--micro_batch_size", "2", "--packing", packing, cache=pairs["cache"])
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["peak_bytes"] > 0
+    assert plan["peak_bytes"] > 0 and plan["run"]["packing"] == (packing == "true")
+    assert plan["run"]["seq_length"] == 128  # the longest pair (96 tokens), padded
+    assert ("--packing packs a micro batch's rows" in plan["run"]["seq_length_source"]) == (packing == "true")
+
+
+def close_metrics(first: list[dict[str, str]], second: list[dict[str, str]]) -> None:
+    """The same logged rows, each value within the last of metrics.csv's four decimals."""
+    assert [row.keys() for row in first] == [row.keys() for row in second]
+    for a, b in zip(first, second):
+        for name, value in a.items():
+            assert (value == "") == (b[name] == ""), name
+            if value:
+                assert float(b[name]) == pytest.approx(float(value), abs=2e-4), (a["step"], name)
+
+
+@pytest.mark.slow  # ~25 s: a six-step run
+def test_packed_lora_dpo_logs_the_unpacked_runs_metrics_with_less_padding(pairs, lora_dpo, tmp_path):
+    """--packing: each micro batch's 4 rows (2 pairs of ~95 tokens, padded to 128) go into 2 rows of 192 tokens; the
+    same pairs make each step, so every loss and reward logged is the unpacked run's, the reference (the adapters
+    off) included, and summary.json says how much less padding was computed."""
+    out = tmp_path / "packed"
+    proc = dpo(pairs, out, "--save_interval", "2", "--keep_last", "10", "--lora_dropout", "0", "--packing", "true")
+    assert proc.returncode == 0, proc.stderr
+    assert "with --packing (each micro batch's 4 rows in rows of up to 256 tokens)" in proc.stdout
+    close_metrics(losses(lora_dpo), losses(out))
+    unpacked, packed = (json.loads((path / "summary.json").read_text()) for path in (lora_dpo, out))
+    assert unpacked["padding_fraction"] == unpacked["padding_fraction_without_packing"] > 0.25
+    assert packed["padding_fraction"] == packed["padding_fraction_with_packing"] < 0.01
+    assert packed["padding_fraction_without_packing"] == unpacked["padding_fraction"]
+
+
+@pytest.mark.slow  # ~45 s: two two-step runs
+def test_packed_full_dpo_computes_its_reference_packed_and_logs_the_unpacked_metrics(pairs, tmp_path):
+    """Full fine-tuning's reference log-probabilities are computed packed as training packs its rows (cached apart
+    from the unpacked ones): the policy starts as its reference (ln 2), and the run logs the unpacked run's values."""
+    cache = tmp_path / "cache"
+    for name, packing in (("unpacked", "false"), ("packed", "true")):
+        proc = dpo(pairs, tmp_path / name, "--method", "full", "--max_steps", "2", "--eval_interval", "2",
+                   "--packing", packing, cache=cache)
+        assert proc.returncode == 0, proc.stderr
+        assert "Computing the reference's log-probabilities of the 54 train pairs" in proc.stdout
+    packed = read_metrics(tmp_path / "packed")
+    assert float(packed[0]["train_loss"]) == pytest.approx(math.log(2), abs=1e-4)
+    close_metrics(losses(tmp_path / "unpacked"), losses(tmp_path / "packed"))
+    assert len(list((cache / "reference").glob("*.f32"))) == 4  # train and validation, unpacked and packed
 
 
 @pytest.mark.parametrize("extra, code, needle", [
     (("--data", "alpaca"), 2, "reads preference pairs from --data_path"),
     (("--loss", "kto"), 2, "loss"),
     (("--method", "full", "--quantize", "bnb.nf4"), 2, "--method full trains every weight"),
-    (("--packing", "true"), 2, "--packing does not apply to preference pairs"),
     (("--beta", "0"), 2, "--beta 0.0 must be positive"),
 ])
 def test_bad_flags_are_one_paragraph(pairs, tmp_path, extra, code, needle):

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from lit_model import GPT, Config
 from lit_model.core.errors import UserError
 from lit_model.data.instruct import IGNORE_INDEX
-from lit_model.data.preference import collate_pairs, load_preference_data
+from lit_model.data.instruct import padded_length
+from lit_model.data.preference import collate_pairs, load_preference_data, pack_rows
 from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.lora import LoRAConfig, adapters_disabled, apply_lora
-from lit_model.methods.preference import Preference, sequence_log_probs
+from lit_model.methods.preference import Preference, pair_rows, sequence_log_probs
 
 trl = pytest.importorskip("trl")
 from trl import DPOTrainer  # noqa: E402
@@ -189,6 +190,57 @@ def test_the_loss_of_a_batch_is_the_sum_of_its_pairs():
     assert whole.item() == pytest.approx(sum(p.item() for p in parts), abs=1e-5)
 
 
+# ---- --packing: a micro batch's rows packed into rows of up to the run's length ----------------------------------
+@pytest.mark.parametrize("loss, reference", [("dpo", "precomputed"), ("dpo", "adapters"), ("simpo", "none")])
+def test_packed_rows_give_the_unpacked_loss_rewards_and_gradients(loss, reference):
+    """--packing packs the six rows of three pairs into two rows of 32 tokens, each row attending only to itself with
+    its positions from 0: the loss, every logged reward and every gradient are the unpacked ones (to float rounding),
+    for a precomputed reference, LoRA's (its adapters off, through the same packed rows) and a reference-free loss."""
+    ids, mask, _ = pair_batch()
+    inputs, targets = lit_batch(ids, mask)
+    batch = (inputs, targets, policy_log_probs(tiny_model(2), ids, mask).view(PAIRS, 2)) if reference == "precomputed" \
+        else (inputs, targets)
+    assert pair_rows(batch, 32).input_ids.shape == (2, 32)  # 2 x 32 tokens computed, not 6 x 12
+
+    def step(pack_length):
+        model = tiny_model(1)
+        if reference == "adapters":
+            apply_lora(model, LoRAConfig(r=4, alpha=8, dropout=0.0))
+            torch.manual_seed(3)
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    if name.endswith("lora_B"):
+                        parameter.normal_(0, 0.5)  # a policy away from its reference
+        objective = Preference(loss=loss, beta=0.5, chunk_size=5, pack_length=pack_length,
+                               reference=adapters_disabled if reference == "adapters" else None)
+        sums = objective.loss_sum(model, batch)
+        sums.loss.backward()
+        return sums, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    (unpacked, unpacked_grads), (packed, packed_grads) = step(None), step(32)
+    assert packed.count.item() == unpacked.count.item() == PAIRS
+    assert packed.loss.item() == pytest.approx(unpacked.loss.item(), abs=1e-5)
+    assert unpacked.metrics["rewards/margins"].abs().item() > 0.01  # rewards that say something
+    for name, value in unpacked.metrics.items():
+        assert packed.metrics[name].item() == pytest.approx(value.item(), abs=1e-5), name
+    assert packed_grads.keys() == unpacked_grads.keys() and unpacked_grads
+    for name, grad in unpacked_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_pack_rows_places_every_row_once_within_the_length_and_never_in_more_tokens():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        count, length = int(torch.randint(1, 17, (1,), generator=generator)), 256
+        lengths = torch.randint(1, length + 1, (count,), generator=generator).tolist()
+        rows, width = pack_rows(lengths, length)
+        assert sorted(i for row in rows for i in row) == list(range(count))
+        assert max(sum(lengths[i] for i in row) for row in rows) <= width <= length
+        assert len(rows) * width <= count * padded_length(max(lengths), max_length=length)  # the unpacked layout's
+    rows, width = pack_rows([100, 90, 95, 80], 256)  # two pairs of rows of up to 100 tokens: two rows of 192
+    assert (len(rows), width) == (2, 192)
+
+
 # ---- data: records -> pairs of token rows --------------------------------------------------------------------
 def write_jsonl(path, records) -> None:
     path.write_text("\n".join(json.dumps(record) for record in records) + "\n")
@@ -260,18 +312,22 @@ def test_the_planner_traces_the_preference_step():
     """A preference run's plan is the trace of its own step: pairs of rows through the policy, and with LoRA the
     reference's forward with the adapters off, which runs before the policy's and so adds nothing to the step's peak
     (the peak of a reference precomputed in the batches); two rows a pair hold no more than two rows of supervised
-    fine-tuning (each row's log-probabilities come from the same fused chunked head, a row at a time)."""
+    fine-tuning (each row's log-probabilities come from the same fused chunked head, a row at a time). With
+    --packing the trace packs the example rows (each whole: one a packed row) and adds their document masks, no
+    more than packed supervised fine-tuning's."""
     from test_memory_plan import args, resolved, tiny
 
     from lit_model.methods.preference import PreferenceSpec
     from lit_model.plan.trace import trace_training
 
-    def peak(micro: int, spec=None) -> int:
+    def peak(micro: int, spec=None, packing: bool = False) -> int:
         run = resolved(tiny(n_layer=2), args(micro_batch_size=micro, global_batch_size=micro), "lora",
                        device_type="cpu")
-        phases = trace_training(run.replace(preference=spec), phases=("train_step",)).phases["train_step"]
+        traced = trace_training(run.replace(preference=spec, packing=packing), phases=("train_step",))
+        phases = traced.phases["train_step"]
         return sum(phases.values())
 
     sft, adapters_off, precomputed = peak(4), peak(2, PreferenceSpec("dpo")), peak(2, PreferenceSpec("dpo", reference="precomputed"))
     assert adapters_off == precomputed
     assert 0.5 * sft < precomputed <= sft
+    assert precomputed < peak(2, PreferenceSpec("dpo", reference="precomputed"), packing=True) <= peak(4, packing=True)

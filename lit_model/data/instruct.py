@@ -231,17 +231,23 @@ class LengthGroupedSampler(GlobalBatchSampler):
 
 
 def padding_fraction(lengths: Sequence[int], global_batch_size: int, micro_batch_size: int, steps: int,
-                     max_length: int, seed: int = 0) -> float:
+                     max_length: int, seed: int = 0,
+                     micro_tokens: Optional[Callable[[list[int]], tuple[int, int]]] = None) -> float:
     """The share of padding tokens in the micro batches of the first ``steps`` steps, as LengthGroupedSampler
-    groups them and ``collate`` pads them (the same micro batches for any number of processes)."""
+    groups them and ``collate`` pads them (the same micro batches for any number of processes).
+    ``micro_tokens(indices) -> (real tokens, tokens run)`` of a micro batch made otherwise (preference pairs)."""
     sampler = LengthGroupedSampler(lengths, global_batch_size, micro_batch_size, 0, 1, seed=seed)
     real = padded = 0
     for step in range(steps):
         indices = sampler.step_indices(step)
         for start in range(0, len(indices), micro_batch_size):
-            chunk = [lengths[i] for i in indices[start : start + micro_batch_size]]
-            real += sum(chunk)
-            padded += len(chunk) * padded_length(max(chunk), max_length=max_length)
+            chunk = indices[start : start + micro_batch_size]
+            if micro_tokens is not None:
+                tokens = micro_tokens(chunk)
+            else:
+                tokens = (sum(lengths[i] for i in chunk),
+                          len(chunk) * padded_length(max(lengths[i] for i in chunk), max_length=max_length))
+            real, padded = real + tokens[0], padded + tokens[1]
     return 1 - real / max(padded, 1)
 
 

@@ -10,6 +10,7 @@ in the run's prompt style, as instruction fine-tuning writes it (``instruct.segm
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -68,12 +69,14 @@ def _completion_pieces(prompt: list[Any], completion: list[Any], where: str, sty
 class PreferenceDataset(Dataset):
     """Pairs of token rows: each item ``(input_ids, targets)`` of shape (2, length), chosen first, right-padded to
     the longer of the two (targets IGNORE_INDEX outside the completion), and with ``reference`` (pairs, 2) the
-    pair's reference log-probabilities as a third part; ``lengths`` for grouping by length."""
+    pair's reference log-probabilities as a third part; ``lengths`` for grouping by length, ``ends`` each row's
+    length up to its last target (what --packing packs: ``pack_rows``)."""
 
     def __init__(self, pairs: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
                  prompts: list[str], reference: Optional[torch.Tensor] = None) -> None:
         self.pairs, self.prompts, self.reference = pairs, prompts, reference
         self.lengths = [max(len(ids) for ids, _ in pair) - 1 for pair in pairs]
+        self.ends = [tuple(int(np.flatnonzero(flags[1:])[-1]) + 1 for _, flags in pair) for pair in pairs]
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -104,6 +107,41 @@ class PreferenceDataset(Dataset):
     @property
     def target_tokens(self) -> int:
         return int(sum(flags[1:].sum() for pair in self.pairs for _, flags in pair))
+
+    def batch_tokens(self, indices: Sequence[int], max_length: int, packed: bool) -> tuple[int, int]:
+        """A micro batch's rows' tokens up to their last target, and the tokens the step runs: ``collate_pairs``'s
+        padded rows, or with ``packed`` the rows ``pack_rows`` makes of them (``padding_fraction``'s micro_tokens)."""
+        ends = [end for i in indices for end in self.ends[i]]
+        if packed:
+            rows, width = pack_rows(ends, max_length)
+            return sum(ends), len(rows) * width
+        return sum(ends), len(ends) * padded_length(max(self.lengths[i] for i in indices), max_length=max_length)
+
+
+def pack_rows(lengths: Sequence[int], max_length: int) -> tuple[list[list[int]], int]:
+    """Rows of ``lengths`` tokens (a micro batch's chosen and rejected rows) packed into rows of at most
+    ``max_length`` tokens: the packed rows' indices into ``lengths`` and the width they are padded to (as
+    ``collate_pairs`` pads). Of every row count from the fewest that could hold them to one row each, the one whose
+    padded rows hold the fewest tokens, each filled longest first into the emptiest row (balanced: a last, nearly
+    empty row would be padded to the full width). One row each is the unpacked layout, so the packed rows never hold
+    more tokens than ``collate_pairs``' (what the planner plans: the data's longest micro batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    longest = padded_length(max(lengths), max_length=max_length)
+    best: tuple[int, list[list[int]], int] = (len(lengths) * longest + 1, [], 0)
+    for count in range(-(-sum(lengths) // max_length), len(lengths) + 1):
+        if count * longest >= best[0]:  # no row is narrower than the longest: more rows only cost more
+            break
+        rows: list[list[int]] = [[] for _ in range(count)]
+        fills = [(0, row) for row in range(count)]  # a heap: the emptiest row first
+        for index in order:
+            fill, row = heapq.heappop(fills)
+            rows[row].append(index)
+            heapq.heappush(fills, (fill + lengths[index], row))
+        fullest = max(fill for fill, _ in fills)
+        width = padded_length(fullest, max_length=max_length)
+        if fullest <= max_length and count * width < best[0]:
+            best = (count * width, rows, width)
+    return best[1], best[2]
 
 
 def collate_pairs(items: Sequence[tuple[torch.Tensor, ...]], pad_id: int = 0, multiple: int = PAD_MULTIPLE,

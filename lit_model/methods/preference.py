@@ -6,7 +6,10 @@ outside the completion (prompt and padding); DPO and IPO also need the reference
 batch as a third part of shape (pairs, 2) (computed before training) or from the model itself with its adapters
 switched off (``reference``: LoRA's base is the reference, no second model). The step splits a batch by pairs, and
 the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
-recomputed in backward): the vocabulary-wide logits of a batch never exist.
+recomputed in backward): the vocabulary-wide logits of a batch never exist. With --packing (``pack_length``) a micro
+batch's rows are packed into rows of up to the run's length before the forward (``pair_rows``), each attending only
+to itself, and each row's log-probability is summed over its own span of the packed rows: the same values, fewer
+padding tokens computed (packed in the objective, not the loader, so the step still splits a batch by pairs).
 
 The losses and logged rewards are TRL's (``DPOTrainer`` loss_type "sigmoid" and "ipo", ``CPOTrainer`` "simpo",
 ``ORPOTrainer``): tests/test_preference.py holds them to TRL's own functions.
@@ -21,8 +24,10 @@ from typing import Callable, ClassVar, ContextManager, Iterable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from lit_model.data.instruct import IGNORE_INDEX
+from lit_model.data.preference import pack_rows
 from lit_model.model.gpt import GPT
 from lit_model.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from lit_model.methods.objective import Batch, CausalLM, LossSums, target_tokens
@@ -34,29 +39,78 @@ WITH_REFERENCE = ("dpo", "ipo")
 AVERAGED = ("ipo", "simpo", "orpo")
 # what a preference objective logs, under TRL's names: sums over a batch's pairs (LossSums.metrics)
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+# where a row sits in packed rows: (packed row, offset, length)
+Span = tuple[int, int, int]
 
 
-def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                       spans: Optional[list[Span]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed log-probability of each row's targets (rows, time) and each row's number of targets, from the
     final hidden states (rows, time, embedding): a readout of ``GPT.forward``. Each row's is the language-model
     loss's own fused chunked head and cross-entropy (``CausalLM.readout``) over that row, negated: a row's logits
-    never exist whole, and the step's memory is that of the loss whose plan is measured most."""
+    never exist whole, and the step's memory is that of the loss whose plan is measured most. ``spans``: each row's
+    place in packed hidden states (``pair_rows``), read in the same chunks from the row's first token."""
+    spans = spans if spans is not None else [(row, 0, targets.size(1)) for row in range(targets.size(0))]
     language_model = CausalLM(chunk_size)
-    log_probs = torch.stack([-language_model.readout(model, hidden[i], targets[i]) for i in range(hidden.size(0))])
+    log_probs = torch.stack([-language_model.readout(model, hidden[at, start : start + length], targets[row, :length])
+                             for row, (at, start, length) in enumerate(spans)])
     return log_probs, (targets != IGNORE_INDEX).sum(dim=1)
 
 
+@dataclass(frozen=True)
+class PairRows:
+    """A batch's rows as the model reads them (``pair_rows``): ``targets`` (pairs * 2, time), chosen and rejected
+    alternating; ``input_ids`` those rows, or packed rows with each token's ``positions`` and each row's ``spans``."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    positions: Optional[torch.Tensor] = None
+    spans: Optional[list[Span]] = None
+
+    def log_probs(self, model: nn.Module, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sequence_log_probs`` of every row under ``model``."""
+        readout = partial(sequence_log_probs, targets=self.targets, chunk_size=chunk_size, spans=self.spans)
+        return model(self.input_ids, positions=self.positions, readout=readout)
+
+
+def completion_ends(targets: torch.Tensor) -> list[int]:
+    """Each row's length up to its last target (what follows cannot change its log-probabilities); a host sync. The
+    planner's example rows are fake tensors, without values, whose every token is a target (``example_batch``)."""
+    if is_fake(targets):
+        return [targets.size(1)] * targets.size(0)
+    last = (targets != IGNORE_INDEX).flip(1).int().argmax(dim=1)
+    return (targets.size(1) - last).tolist()
+
+
+def pair_rows(batch: Batch, pack_length: Optional[int] = None) -> PairRows:
+    """The batch's (pairs, 2, time) rows; with ``pack_length`` (--packing) packed into rows of at most that many
+    tokens as ``pack_rows`` places them, each row cut after its last target and its positions counting from 0 (a
+    document of its own: ``GPT.forward``; a padding token is one too)."""
+    input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)
+    if pack_length is None:
+        return PairRows(input_ids, targets)
+    ends = completion_ends(targets)
+    packs, width = pack_rows(ends, pack_length)
+    packed = input_ids.new_zeros(len(packs), width)
+    positions = torch.zeros(len(packs), width, dtype=torch.long)  # made here, moved once
+    spans: list[Span] = [(0, 0, 0)] * len(ends)
+    for index, pack in enumerate(packs):
+        start = 0
+        for row in pack:
+            packed[index, start : start + ends[row]] = input_ids[row, : ends[row]]
+            positions[index, start : start + ends[row]] = torch.arange(ends[row])
+            spans[row] = (index, start, ends[row])
+            start += ends[row]
+    return PairRows(packed, targets, positions.to(input_ids.device), spans)
+
+
 @torch.no_grad()
-def reference_log_probs(model: nn.Module, batches: Iterable[Batch], chunk_size: int) -> torch.Tensor:
+def reference_log_probs(model: nn.Module, batches: Iterable[Batch], chunk_size: int,
+                        pack_length: Optional[int] = None) -> torch.Tensor:
     """The summed log-probabilities (pairs, 2) of every pair's completions under ``model``, the reference, in the
-    batches' order (batches as ``Preference.loss_sum`` takes them): computed once, before training."""
-    values = []
-    for batch in batches:
-        input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)
-        log_probs, _ = model(input_ids, readout=partial(sequence_log_probs, targets=targets, chunk_size=chunk_size))
-        values.append(log_probs.float().view(-1, 2).cpu())
-    return torch.cat(values)
+    batches' order (batches as ``Preference.loss_sum`` takes them, packed alike): computed once, before training."""
+    return torch.cat([pair_rows(batch, pack_length).log_probs(model, chunk_size)[0].float().view(-1, 2).cpu()
+                      for batch in batches])
 
 
 def pair_losses(loss: str, beta: float, log_probs: torch.Tensor, lengths: torch.Tensor,
@@ -112,6 +166,7 @@ class Preference:
     simpo_gamma: float = 0.5
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     reference: Optional[Callable[[nn.Module], ContextManager]] = None
+    pack_length: Optional[int] = None  # --packing: a micro batch's rows packed into rows of at most this many tokens
     differentiable_twice: bool = False
     metric_names: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
@@ -131,8 +186,7 @@ class Preference:
         return (*tokens, torch.zeros(rows, 2)) if self.precomputed_reference else tokens
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> LossSums:
-        input_ids, targets = batch[0].flatten(0, 1), batch[1].flatten(0, 1)  # (pairs * 2, time): chosen, rejected, ...
-        readout = partial(sequence_log_probs, targets=targets, chunk_size=self.chunk_size)
+        rows = pair_rows(batch, self.pack_length)  # packed once, read by the reference and the policy
         ref = None
         if self.loss in WITH_REFERENCE:
             if len(batch) > 2:
@@ -141,10 +195,10 @@ class Preference:
                 # before the policy's forward: its transient tensors are freed before the policy's activations are
                 # made, so they never add to them (and the heap reuses their memory)
                 with torch.no_grad(), self.reference(model):
-                    ref = model(input_ids, readout=readout)[0].view(-1, 2)
+                    ref = rows.log_probs(model, self.chunk_size)[0].view(-1, 2)
             else:
                 raise ValueError(f"{self.loss} needs the reference's log-probabilities: in the batch or a reference")
-        log_probs, lengths = model(input_ids, readout=readout)
+        log_probs, lengths = rows.log_probs(model, self.chunk_size)
         losses, rewards = pair_losses(self.loss, self.beta, log_probs.view(-1, 2), lengths.view(-1, 2), ref,
                                       self.simpo_gamma)
         chosen, rejected = rewards.unbind(1)

@@ -224,6 +224,7 @@ def _run_summary(spec: Run) -> dict[str, Any]:
         "accumulation_steps": spec.accumulation,
         "seq_length": spec.seq_len,
         "seq_length_source": spec.seq_len_source or "--override_max_seq_length, else the model's context",
+        "packing": spec.packing,
         "world_size": spec.world_size,
         "strategy": spec.parallel.strategy_name,
         "sharding_strategy": spec.parallel.sharding_strategy if spec.parallel.fsdp else None,

@@ -159,9 +159,9 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
     """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: the longest sample,
     padded as ``collate`` pads it), not the model's whole context, with where that length comes from. Without the
     checkpoint's tokenizer (a model not downloaded yet) the samples are counted in UTF-8 bytes, an upper bound of any
-    tokenizer's count. Packed sequences, a recipe without data to read, data not there yet and data the run would
-    stop on (noted) are planned at the run's length."""
-    if run.packing or read_data is None:
+    tokenizer's count. Packed samples' sequences (``packs_whole_length``), a recipe without data to read, data not
+    there yet and data the run would stop on (noted) are planned at the run's length."""
+    if packs_whole_length(run) or read_data is None:
         return run
     if args.data_path is not None and not Path(args.data_path).exists():  # planned before the data is there
         return run.replace(seq_len_source=f"--data_path {args.data_path} does not exist yet: planned at the whole "
@@ -174,8 +174,15 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
         return run.replace(seq_len_source=f"planned at the whole length: the run would stop on its data: {error}")
     length = padded_length(max(data.train.lengths), max_length=run.seq_len)
     unit = "tokens" if tokenizer is not None else "UTF-8 bytes (no tokenizer yet: an upper bound of its tokens)"
+    packed = "; --packing packs a micro batch's rows into at most as many tokens" if run.packing else ""
     return run.replace(seq_len=length, seq_len_source=f"the longest sample of the data, counted in {unit} and padded "
-                                                      f"as batches are ({data.description})")
+                                                      f"as batches are ({data.description}){packed}")
+
+
+def packs_whole_length(run: Run) -> bool:
+    """Whether the run's micro batches are sequences of its whole length: packed samples fill them; packed preference
+    rows never hold more tokens than their micro batch unpacked (``pack_rows``), which is planned instead."""
+    return run.packing and run.preference is None
 
 
 def check_own_data(args: Any, script: str, what: str, example: str) -> None:
@@ -217,13 +224,20 @@ def prepare(fabric: Fabric, run: Run, args: FinetuneArgs) -> tuple[Run, Setup]:
     steps = min(args.max_steps or 1, math.ceil(len(data.train) / run.global_batch_size))  # at most an epoch
     fractions = [padding_fraction(train.lengths, run.global_batch_size, run.micro_batch_size, steps, run.seq_len, args.seed)
                  for train in (data.train, packed)]
-    padding = {"padding_fraction_without_packing": fractions[0], "padding_fraction_with_packing": fractions[1],
-               "padding_fraction": fractions[run.packing]}
-    fabric.print(f"Padding: {fractions[0]:.1%} of the tokens in the micro batches without packing, {fractions[1]:.1%} "
-                 f"with --packing ({len(data.train)} samples in {len(packed)} sequences of up to {run.seq_len} tokens)")
+    padding = padding_summary(fabric, run, fractions, f"{len(data.train)} samples in {len(packed)} sequences of up to "
+                                                      f"{run.seq_len} tokens")
     if run.packing:
         data = dataclasses.replace(data, train=packed, val=PackedDataset(data.val, run.seq_len))
     return run, Setup(checkpoint_dir, tokenizer, style, data, padding)
+
+
+def padding_summary(fabric: Fabric, run: Run, fractions: list[float], packed: str) -> dict[str, float]:
+    """summary.json's padding fractions (the micro batches' share of padding tokens, without and with packing, and
+    this run's), printed with how packing makes its batches (``packed``)."""
+    fabric.print(f"Padding: {fractions[0]:.1%} of the tokens in the micro batches without packing, {fractions[1]:.1%} "
+                 f"with --packing ({packed})")
+    return {"padding_fraction_without_packing": fractions[0], "padding_fraction_with_packing": fractions[1],
+            "padding_fraction": fractions[run.packing]}
 
 
 def choose_for_data(fabric: Fabric, run: Run, args: FinetuneArgs, data: Union[InstructData, PreferenceData]) -> Run:
@@ -233,7 +247,7 @@ def choose_for_data(fabric: Fabric, run: Run, args: FinetuneArgs, data: Union[In
     if not (run.micro_batch_auto or run.loss_chunk_auto):
         return run
     longest = max(max(data.train.lengths), max(data.val.lengths))
-    planned = run if run.packing else run.replace(seq_len=padded_length(longest, max_length=run.seq_len))
+    planned = run if packs_whole_length(run) else run.replace(seq_len=padded_length(longest, max_length=run.seq_len))
     chosen = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, planned, args), args)
     return run.replace(micro_batch_size=chosen.micro_batch_size, micro_batch_auto=False,
                        loss_chunk_size=chosen.loss_chunk_size, loss_chunk_auto=False)
@@ -281,7 +295,7 @@ def train(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, model: nn.
         max_steps = math.ceil(args.max_tokens / (run.global_batch_size * tokens_per_sample))
     if not max_steps or max_steps < 1:
         raise UsageError("Give the run a length: --max_steps N or --max_tokens N.")
-    unit = "sequences" if run.packing else "pairs" if run.preference is not None else "samples"
+    unit = "pairs" if run.preference is not None else "sequences" if run.packing else "samples"
     fabric.print(
         f"Training {max_steps} steps of {run.global_batch_size} {unit} "
         f"(~{tokens_per_sample:.0f} response tokens "

@@ -5,6 +5,7 @@ reference's log-probabilities (once, when the loss needs them and no adapters gi
     python finetune/dpo.py --data_path pairs.jsonl --quantize bnb.nf4   # QLoRA-DPO
     python finetune/dpo.py --data_path pairs.jsonl --method full        # every weight; the reference computed once
     python finetune/dpo.py --data_path pairs.jsonl --loss simpo --beta 2.0   # reference-free
+    python finetune/dpo.py --data_path pairs.jsonl --packing true       # each micro batch's rows packed
 
 The reference costs no second model during training: with LoRA it is the model with its adapters off; for full
 fine-tuning (or with --reference_model) its per-pair log-probabilities are computed before training, a batch at a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +31,7 @@ from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, UserError, run_cli
 from lit_model.data.cache import cache_root, cached, checked_record, checkpoint_digest
+from lit_model.data.instruct import padding_fraction
 from lit_model.data.preference import (PAIR_EXAMPLE, PreferenceData, PreferenceDataset, collate_pairs,
                                       load_preference_data)
 from lit_model.infer.load import load_model as load_checkpoint_model
@@ -63,6 +66,9 @@ class DPOArgs(LoRAArgs):
         reference_model: checkpoint whose log-probabilities are DPO's/IPO's reference, computed once before
             training (default: with LoRA the base model with its adapters off; for full fine-tuning the starting
             checkpoint)
+        packing: pack each micro batch's chosen and rejected rows into rows of up to the run's sequence length,
+            each attending only to itself with its positions from 0: the same log-probabilities, losses and rewards,
+            less padding computed; --global_batch_size and --micro_batch_size still count pairs
     """
 
     data_kind: ClassVar[Optional[str]] = None  # --data names instruction sets; pairs come from --data_path
@@ -100,18 +106,24 @@ def prepare(fabric: Fabric, run: Run, args: DPOArgs) -> tuple[Run, finetune.Setu
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
     run = finetune.choose_for_data(fabric, run, args, data)
+    steps = min(args.max_steps or 1, math.ceil(len(data.train) / run.global_batch_size))  # at most an epoch
+    fractions = [padding_fraction(data.train.lengths, run.global_batch_size, run.micro_batch_size, steps, run.seq_len,
+                                  args.seed, partial(data.train.batch_tokens, max_length=run.seq_len, packed=packed))
+                 for packed in (False, True)]
+    padding = finetune.padding_summary(fabric, run, fractions, f"each micro batch's {2 * run.micro_batch_size} rows "
+                                                               f"in rows of up to {run.seq_len} tokens")
     if run.preference.reference == "precomputed":
         reference = args.reference_model or run.checkpoint_dir
         data.train = data.train.with_reference(reference_values(fabric, run, reference, data.train, "train"))
         data.val = data.val.with_reference(reference_values(fabric, run, reference, data.val, "validation"))
-    return run, finetune.Setup(run.checkpoint_dir, tokenizer, style, data, {})
+    return run, finetune.Setup(run.checkpoint_dir, tokenizer, style, data, padding)
 
 
 def reference_key(run: Run, reference: Path, dataset: PreferenceDataset) -> str:
     """What the reference's log-probabilities depend on: its weights (its manifest's checksums, else the weights'
-    own), the pairs' tokens, the dtypes they are computed in and the loss chunk (summation order)."""
-    identity = {"weights": checkpoint_digest(reference), "pairs": dataset.digest(),
-                "precision": run.precision, "chunk": run.loss_chunk_size, "format": 1}
+    own), the pairs' tokens, the dtypes they are computed in, the loss chunk and the packing (summation order)."""
+    identity = {"weights": checkpoint_digest(reference), "pairs": dataset.digest(), "precision": run.precision,
+                "chunk": run.loss_chunk_size, "packing": run.seq_len if run.packing else None, "format": 1}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:40]
 
 
@@ -151,7 +163,8 @@ def _read_reference(path: Path, pairs: int) -> Optional[torch.Tensor]:
 
 
 def compute_reference(fabric: Fabric, run: Run, reference: Path, dataset: PreferenceDataset, split: str) -> torch.Tensor:
-    """The reference model's log-probabilities of every pair, ``run.eval_batch`` pairs at a time, in the run's dtype."""
+    """The reference model's log-probabilities of every pair, ``run.eval_batch`` pairs at a time (packed as training
+    packs them), in the run's dtype."""
     fabric.print(f"Computing the reference's log-probabilities of the {len(dataset)} {split} pairs with {reference} ...",
                  flush=True)
     model = load_checkpoint_model(reference, [fabric.device], run.param_dtype, max_seq_length=run.seq_len)
@@ -162,7 +175,7 @@ def compute_reference(fabric: Fabric, run: Run, reference: Path, dataset: Prefer
     batches = (tuple(part.to(fabric.device) for part in pad([dataset[i] for i in range(start, min(start + run.eval_batch, len(dataset)))]))
                for start in range(0, len(dataset), run.eval_batch))
     with fabric.autocast():
-        values = reference_log_probs(model, batches, run.loss_chunk_size)
+        values = reference_log_probs(model, batches, run.loss_chunk_size, run.seq_len if run.packing else None)
     del model
     gc.collect()
     return values

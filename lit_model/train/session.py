@@ -75,6 +75,7 @@ def objective(run: Run, optimizer: Any) -> Objective:
     spec = run.preference
     return Preference(spec.loss, spec.beta, spec.simpo_gamma, run.loss_chunk_size,
                       reference=adapters_disabled if spec.reference == "adapters" else None,
+                      pack_length=run.seq_len if run.packing else None,
                       precomputed_reference=spec.reference == "precomputed")
 
 
