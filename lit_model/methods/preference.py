@@ -4,8 +4,8 @@ and the rejected, from each completion's log-probability under the policy (summe
 A batch is ``(input_ids, targets)`` of shape (pairs, 2, time), the chosen completion first, targets IGNORE_INDEX
 outside the completion (prompt and padding); DPO and IPO also need the reference's log-probabilities, either in the
 batch as a third part of shape (pairs, 2) (computed before training) or from the model itself with its adapters
-switched off (``reference``: LoRA's base is the reference, no second model). The step splits a batch by pairs, and
-the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
+switched off (``reference``: LoRA's or LLaMA-Adapter's base is the reference, no second model). The step splits a
+batch by pairs, and the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
 recomputed in backward): the vocabulary-wide logits of a batch never exist.
 
 The losses and logged rewards are TRL's (``DPOTrainer`` loss_type "sigmoid" and "ipo", ``CPOTrainer`` "simpo",
@@ -104,8 +104,8 @@ class PreferenceSpec:
 @dataclass(frozen=True)
 class Preference:
     """A preference objective (``loss`` one of PREFERENCE_LOSSES, TRL's defaults). ``reference``: a context in which
-    the model is the reference (LoRA's adapters off, ``lora.adapters_disabled``); None: the reference's
-    log-probabilities come in the batch (or the loss needs none)."""
+    the model is the reference (LoRA's or LLaMA-Adapter's adapters off, ``lora.adapters_disabled``); None: the
+    reference's log-probabilities come in the batch (or the loss needs none)."""
 
     loss: str = "dpo"
     beta: float = 0.1
