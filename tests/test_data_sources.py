@@ -51,7 +51,7 @@ PAIR_SOURCES = {
     "orca_dpo": [{"system": "", "question": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"}
                  for i in range(20)],
 }
-GSM8K = [{"question": f"Natalia sold {i} clips in April and twice as many in May. How many in all?",
+GSM8K = [{"question": f"Natalia sold {i} and twice as many. In all?",
           "answer": f"In May she sold {i} * 2 = <<{i}*2={2 * i}>>{2 * i}.\nIn all {i} + {2 * i} = {3 * i}.\n#### {3 * i}"}
          for i in range(20)]
 # openai/gsm8k's layout: a configuration per directory, named in the dataset card
@@ -217,6 +217,36 @@ def test_finetune_on_a_named_dataset(hub: Path, tiny_checkpoint: Path, tmp_path:
                                 monkeypatch=monkeypatch)
     assert proc.returncode == 0, proc.stderr
     assert "Data: dolly (databricks/databricks-dolly-15k): 4 records, 3 train / 1 val samples" in proc.stdout
+
+
+def test_dpo_reads_the_named_pairs_its_flags_name(hub: Path, tiny_setup: dict[str, Path]) -> None:
+    """finetune/dpo.py --data NAME --data_fields ...: what its runs and plans read (``read_pairs``)."""
+    from types import SimpleNamespace
+
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.recipes.cli import parse
+    from lit_model.recipes.finetune_dpo import DPOArgs, read_pairs
+
+    args = parse(DPOArgs, ["--data", "orca_dpo", "--data_fields", "rejected=chosen,chosen=rejected"])
+    data = read_pairs(SimpleNamespace(seq_len=256), args, Tokenizer(tiny_setup["tokenizer"]), PromptStyle.from_name("alpaca"))
+    assert data.description.startswith("orca_dpo (Intel/orca_dpo_pairs): 20 records, 19 train / 1 val pairs")
+    # the flags' mapping on top of the named set's own (question -> prompt): here the pairs' sides swapped
+    tokenizer = Tokenizer(tiny_setup["tokenizer"])
+    (chosen, flags), _ = data.val.pairs[0]
+    completion = tokenizer.decode(torch.from_numpy(chosen[flags]))
+    assert any(completion.startswith(f"{i + 2}") for i in range(20)) and "What is" in data.sample_instruction
+
+
+@pytest.mark.slow  # ~5 s: one GRPO step end to end
+def test_grpo_on_a_named_dataset(hub: Path, tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = run_script_inprocess("finetune/grpo.py", "--checkpoint_dir", tiny_checkpoint, "--out_dir", tmp_path / "out",
+                                "--data", "gsm8k", "--max_steps", "1", "--global_batch_size", "4", "--num_generations",
+                                "2", "--micro_batch_size", "4", "--max_new_tokens", "4", "--eval_iters", "1",
+                                "--prompt_style", "default", "--rehearse", "false", cache=tmp_path / "cache",
+                                monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    assert "Data: gsm8k (openai/gsm8k): 20 records, 19 train / 1 val prompts" in proc.stdout
+    assert (tmp_path / "out" / "final" / "lora.safetensors").is_file()
 
 
 FINETUNE = ("finetune/lora.py", "--checkpoint_dir", "{checkpoint}", "--out_dir", "{tmp}/out", "--max_steps", "1")
