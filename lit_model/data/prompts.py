@@ -51,7 +51,8 @@ def read_prompt_records(path: Path, fields: dict[str, str]) -> list[tuple[str, A
                          f"like {PROMPT_EXAMPLE}.")
     if is_table(path):
         return table_records(None, path, fields, "prompts")[0]
-    return [(where, map_record(record, fields, where, "prompts")) for where, record in json_records(path, PROMPT_EXAMPLE)]
+    return [(where, map_record(record, fields, where, "prompts"))
+            for where, record in json_records(path, PROMPT_EXAMPLE)]
 
 
 def prompt_text(record: Any, where: str, style: PromptStyle) -> tuple[Any, str, dict[str, Any]]:

@@ -79,7 +79,6 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "bot": "assistant", "model": "assistant"}
-FIELDS_EXAMPLE = f"--data_fields {KINDS['instruct'].example}"
 
 
 # ---- flags -----------------------------------------------------------------------------------------------

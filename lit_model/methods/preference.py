@@ -5,8 +5,8 @@ A batch is ``(input_ids, targets)`` of shape (pairs, 2, time), the chosen comple
 outside the completion (prompt and padding); DPO and IPO also need the reference's log-probabilities, either in the
 batch as a third part of shape (pairs, 2) (computed before training) or from the model itself with its adapters
 switched off (``reference``: LoRA's or LLaMA-Adapter's base is the reference, no second model). The step splits a
-batch by pairs, and the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
-recomputed in backward): the vocabulary-wide logits of a batch never exist.
+batch by pairs, and the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a
+time (checkpointed, recomputed in backward): the vocabulary-wide logits of a batch never exist.
 
 The losses and logged rewards are TRL's (``DPOTrainer`` loss_type "sigmoid" and "ipo", ``CPOTrainer`` "simpo",
 ``ORPOTrainer``): tests/test_preference.py holds them to TRL's own functions.

@@ -165,9 +165,10 @@ def continue_adapter(run: Run, checkpoint_dir: Path) -> Run:
     if run.preference is not None and run.preference.reference == "adapters":
         run = run.replace(preference=dataclasses.replace(run.preference, reference="precomputed"))
     if run.grpo is not None and run.grpo.reference == "adapters":
-        raise UsageError(f"--beta {run.grpo.beta} keeps the policy near the model it starts from, but {checkpoint_dir} "
-                         "carries a trained LLaMA-Adapter, so the base with its prefixes off is another model. Use --beta "
-                         "0, or start from a checkpoint without an adapter (a merged LoRA or a full fine-tune).")
+        raise UsageError(f"--beta {run.grpo.beta} keeps the policy near the model it starts from, but "
+                         f"{checkpoint_dir} carries a trained LLaMA-Adapter, so the base with its prefixes off is "
+                         "another model. Use --beta 0, or start from a checkpoint without an adapter (a merged LoRA or "
+                         "a full fine-tune).")
     return run
 
 
@@ -386,7 +387,7 @@ def save_trained(fabric: Fabric, run: Run, setup: Setup, model: nn.Module, final
         save_final(fabric, model, run.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
         return
     adapter_weights = gather_trainable(model)  # a collective under FSDP: every rank
-    if fabric.global_rank == 0 and run.lora is not None:  # merged from the full-precision base weights, never a quantized copy
+    if fabric.global_rank == 0 and run.lora is not None:  # merged from the full-precision base weights
         save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, run.lora, final_dir, setup.style.save,
                                DERIVED_FILES, overwrite=True)  # this run's own final/ (check_out_dir)
     elif fabric.global_rank == 0:
@@ -396,7 +397,8 @@ def save_trained(fabric: Fabric, run: Run, setup: Setup, model: nn.Module, final
     fabric.barrier()
 
 
-def write_adapter(weights: dict[str, torch.Tensor], adapter: AdapterConfig, style: PromptStyle, directory: Path) -> None:
+def write_adapter(weights: dict[str, torch.Tensor], adapter: AdapterConfig, style: PromptStyle, directory: Path
+                  ) -> None:
     """The adapter's files in a checkpoint directory of the base weights: its prefixes and gates, its config and the
     prompt style."""
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / ADAPTER_WEIGHTS))

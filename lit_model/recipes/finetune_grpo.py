@@ -128,8 +128,8 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     spec = run.grpo
     tokenizer, style = Tokenizer(run.checkpoint_dir), finetune.prompt_style(run, args)
-    data = load_prompt_data(args.data_path, tokenizer, style, run.seq_len - spec.max_new_tokens, args.val_split_fraction,
-                            data=args.data, fields=parse_fields(args.data_fields, "prompts"))
+    data = load_prompt_data(args.data_path, tokenizer, style, run.seq_len - spec.max_new_tokens,
+                            args.val_split_fraction, data=args.data, fields=parse_fields(args.data_fields, "prompts"))
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
