@@ -1,6 +1,7 @@
-"""Preference fine-tuning (DPO, IPO, SimPO, ORPO; LoRA, QLoRA or every weight): setup -> fit -> save.
+"""Preference fine-tuning (DPO, IPO, SimPO, ORPO; LoRA, QLoRA, LLaMA-Adapter or every weight): setup -> fit -> save.
 
     python finetune/dpo.py --data_path pairs.jsonl                      # LoRA-DPO: the reference is the base
+    python finetune/dpo.py --data ultrafeedback --method adapter        # a named hub set; LLaMA-Adapter
     python finetune/dpo.py --data_path pairs.jsonl --method full        # the reference's log-probabilities once
     python finetune/dpo.py --data_path pairs.jsonl --loss simpo --beta 2.0
 """

@@ -1,8 +1,10 @@
-"""GRPO fine-tuning on prompts and rewards (LoRA, QLoRA or every weight): setup -> fit (rollouts + training) -> save.
+"""GRPO fine-tuning on prompts and rewards (LoRA, QLoRA, LLaMA-Adapter or every weight): setup -> fit (rollouts +
+training) -> save.
 
     python finetune/grpo.py --data_path prompts.jsonl                          # LoRA; exact match with "answer"
     python finetune/grpo.py --data_path prompts.jsonl --reward rewards.py:correct --reward length \
         --reward_weights '[1.0, -0.01]'
+    python finetune/grpo.py --data gsm8k --method adapter                    # a named hub set; LLaMA-Adapter
     python finetune/grpo.py --data_path prompts.jsonl --method full
 """
 

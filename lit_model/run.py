@@ -250,8 +250,8 @@ def refuse_sophia(args: Any, loss: str) -> None:
 
 def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
     """The preference objective of a run whose flags name a ``--loss`` (finetune/dpo.py), else None. The reference:
-    none for a reference-free loss; LoRA's base (its adapters off) unless ``--reference_model`` names another; else
-    log-probabilities computed once before training."""
+    none for a reference-free loss; with LoRA or LLaMA-Adapter the base (its adapters off) unless
+    ``--reference_model`` names another; else log-probabilities computed once before training."""
     loss = getattr(args, "loss", None)
     if loss is None:
         return None
@@ -262,7 +262,7 @@ def resolve_preference(args: Any, trainable: str) -> Optional[PreferenceSpec]:
     refuse_sophia(args, "the preference losses")
     if loss not in WITH_REFERENCE:
         reference = "none"
-    elif trainable == "lora" and getattr(args, "reference_model", None) is None:
+    elif trainable in ("lora", "adapter") and getattr(args, "reference_model", None) is None:
         reference = "adapters"
     else:
         reference = "precomputed"
@@ -284,8 +284,8 @@ def resolve_grad_clip(grad_clip: Optional[float], optimizer: str, in_backward: b
 
 def resolve_grpo(args: Any, trainable: str) -> Optional[GRPOSpec]:
     """The GRPO settings of a run whose flags name ``--num_generations`` (finetune/grpo.py), else None. With
-    ``--beta`` > 0 the reference is LoRA's base (its adapters off); full fine-tuning has no reference to keep
-    without a second model, so it takes beta 0."""
+    ``--beta`` > 0 the reference is the base with LoRA's or LLaMA-Adapter's adapters off; full fine-tuning has no
+    reference to keep without a second model, so it takes beta 0."""
     generations = getattr(args, "num_generations", None)
     if generations is None:
         return None
@@ -305,10 +305,10 @@ def resolve_grpo(args: Any, trainable: str) -> Optional[GRPOSpec]:
                          f"--epsilon_high ({args.epsilon_high}) positive (TRL: 0.2).")
     if args.beta < 0:
         raise UsageError(f"--beta {args.beta} must be 0 (no reference, the default) or positive.")
-    if args.beta > 0 and trainable != "lora":
+    if args.beta > 0 and trainable == "full":
         raise UsageError(f"--beta {args.beta} keeps the policy near a reference, which --method full would need a "
                          "second model for (rollouts are new every step, so nothing can be computed in advance). Use "
-                         "--method lora (the reference is the base with its adapters off) or --beta 0.")
+                         "--method lora or adapter (the reference is the base with its adapters off) or --beta 0.")
     refuse_sophia(args, "GRPO's loss")
     if getattr(args, "packing", False):
         raise UsageError("--packing does not apply to GRPO: each completion is its own row, generated during the run. "

@@ -1,6 +1,7 @@
-"""finetune/dpo.py end to end on a tiny checkpoint: LoRA-DPO (the reference is the base with its adapters off) and
-full DPO (the reference's log-probabilities computed once and cached, verified and rebuilt), what is logged, exact
-resume, the plan, --packing (the unpacked run's metrics, less padding), and one clear message for bad input."""
+"""finetune/dpo.py end to end on a tiny checkpoint: LoRA-DPO and adapter-DPO (the reference is the base with its
+adapters off) and full DPO (the reference's log-probabilities computed once and cached, verified and rebuilt), what
+is logged and saved, exact resume, the plan, --packing (the unpacked run's metrics, less padding), and one clear
+message for bad input."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import read_metrics
@@ -112,6 +114,67 @@ def test_full_dpo_computes_the_reference_once_and_rebuilds_a_damaged_cache(pairs
     assert losses(tmp_path / "c") == losses(tmp_path / "a")
 
 
+ADAPTER = ("--method", "adapter", "--adapter_start_layer", "1", "--adapter_prompt_length", "4")
+ADAPTER_KEYS = {"blocks.1.attn.adapter_prefix", "blocks.1.attn.adapter_gate"}
+
+
+@pytest.fixture(scope="module")
+def adapter_dpo(pairs) -> Path:
+    out = pairs["root"] / "adapter"
+    proc = dpo(pairs, out, *ADAPTER, "--max_steps", "2", "--eval_interval", "2", "--save_interval", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "reference: the model with its adapter prefixes off" in proc.stdout and "step 2/2" in proc.stdout
+    return out
+
+
+def test_adapter_dpo_saves_what_finetune_adapter_saves_and_generate_loads_it(pairs, adapter_dpo):
+    rows = read_metrics(adapter_dpo)
+    # the gates start at zero: the policy is its reference (the prefixes off), every pair's loss ln 2
+    assert float(rows[0]["train_loss"]) == pytest.approx(math.log(2), abs=1e-4) and len(rows) == 2
+    final = adapter_dpo / "final"
+    adapter = load_file(str(final / "adapter.safetensors"))
+    assert set(adapter) == ADAPTER_KEYS and adapter["blocks.1.attn.adapter_gate"].abs().max() > 0  # the gate opened
+    assert (final / "adapter.yaml").is_file() and (final / "prompt_style.yaml").is_file()
+    assert not (final / "lora.safetensors").exists()
+    base, saved = load_file(str(pairs["base"] / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert base.keys() == saved.keys() and all(torch.equal(base[k], saved[k]) for k in base)  # the base untouched
+    state = torch.load(adapter_dpo / "checkpoints" / "step-00000001" / "state.pt", map_location="cpu", weights_only=True)
+    assert set(state["model"]) == ADAPTER_KEYS  # resumable checkpoints hold the prefixes and gates alone
+    assert json.loads((adapter_dpo / "summary.json").read_text())["method"] == "dpo (adapter)"
+    generated = run("generate/base.py", "--checkpoint_dir", final, "--prompt", "Add 1 and 2.", "--max_new_tokens", "4",
+                    cache=pairs["cache"])
+    assert generated.returncode == 0, generated.stderr
+
+
+@pytest.mark.slow  # ~10 s: another DPO run, and its reference computed
+def test_adapter_dpo_continuing_a_saved_adapter_takes_it_as_the_reference(pairs, adapter_dpo, tmp_path):
+    """The prefixes a checkpoint carries are the model the run starts from: the base with them off is not its
+    reference, so the checkpoint's log-probabilities are computed once, and the first step's loss is ln 2."""
+    proc = run("finetune/dpo.py", "--checkpoint_dir", adapter_dpo / "final", "--data_path", pairs["data"], "--out_dir",
+               tmp_path / "out", *ADAPTER, "--max_steps", "1", "--micro_batch_size", "2", "--global_batch_size", "2",
+               "--eval_iters", "1", cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+    assert f"reference: {adapter_dpo / 'final'}, computed once" in proc.stdout
+    assert float(read_metrics(tmp_path / "out")[0]["train_loss"]) == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_plan_of_a_lora_and_an_adapter_dpo_run(pairs, capsys, monkeypatch):
+    from lit_model.recipes.finetune_dpo import cli
+
+    monkeypatch.setenv("LIT_MODEL_CACHE", str(pairs["cache"]))
+    plans = {}
+    for method in ("lora", "adapter"):
+        cli(["--checkpoint_dir", str(pairs["base"]), "--data_path", str(pairs["data"]), "--plan", "json",
+             "--micro_batch_size", "2", "--method", method])
+        plans[method] = json.loads(capsys.readouterr().out)
+    assert all(plan["peak_bytes"] > 0 for plan in plans.values())
+    assert plans["adapter"]["run"]["trainable"] == "adapter" and plans["lora"]["run"]["trainable"] == "lora"
+    assert "lora_r" not in plans["adapter"]["run"]
+    # the default adapter: 10 prefix vectors and 4 gates in the upper block, far fewer than LoRA's r=8 matrices
+    gradients = {method: plan["by_category"]["gradients"] for method, plan in plans.items()}
+    assert 0 < gradients["adapter"] < gradients["lora"], gradients
+
+
 @pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo"])
 def test_the_other_losses_train(pairs, tmp_path, loss):
     proc = dpo(pairs, tmp_path / loss, "--loss", loss, "--max_steps", "2", "--eval_interval", "2")
@@ -178,7 +241,7 @@ def test_packed_full_dpo_computes_its_reference_packed_and_logs_the_unpacked_met
 
 
 @pytest.mark.parametrize("extra, code, needle", [
-    (("--data", "alpaca"), 2, "reads preference pairs from --data_path"),
+    (("--data", "alpaca"), 2, "--data alpaca and --data_path"),  # and the wrong kind: test_data_sources.py
     (("--loss", "kto"), 2, "loss"),
     (("--method", "full", "--quantize", "bnb.nf4"), 2, "--method full trains every weight"),
     (("--beta", "0"), 2, "--beta 0.0 must be positive"),

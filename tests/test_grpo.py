@@ -1,6 +1,7 @@
 """GRPO (finetune/grpo.py): the loss and its gradient against TRL's own GRPOTrainer._compute_loss, TRL's group
 advantages, the per-token readout, rewards from files and built-ins (and one paragraph for each bad one), rollouts
-that leave no KV cache behind, an end-to-end run that is reproducible and resumes exactly, and the plan."""
+that leave no KV cache behind, an end-to-end run that is reproducible and resumes exactly, LLaMA-Adapter with its
+reference, and the plan."""
 
 from __future__ import annotations
 
@@ -263,6 +264,24 @@ def test_grpo_is_reproducible_and_resumes_exactly(prompts, lora_grpo, tmp_path):
     assert without_timing(interrupted) == without_timing(lora_grpo)
 
 
+def test_adapter_grpo_with_a_reference_trains_and_saves_the_adapter(prompts, tmp_path):
+    """--method adapter with --beta > 0: the reference is the base with the prefixes off (its KL logged, 0 at the
+    start: the gates are 0), and final/ is finetune/adapter.py's, the base weights untouched beside the adapter."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "adapter"
+    proc = grpo(prompts, out, "--method", "adapter", "--adapter_start_layer", "1", "--beta", "0.04",
+                "--max_steps", "2", "--eval_interval", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "reference: the model with its adapter prefixes off" in proc.stdout and "step 2/2" in proc.stdout
+    rows = read_metrics(out)
+    assert len(rows) == 2 and float(rows[0]["kl"]) == pytest.approx(0.0, abs=1e-6) and rows[1]["val_reward"]
+    adapter = load_file(str(out / "final" / "adapter.safetensors"))
+    assert set(adapter) == {"blocks.1.attn.adapter_prefix", "blocks.1.attn.adapter_gate"}
+    assert not (out / "final" / "lora.safetensors").exists()
+    assert json.loads((out / "summary.json").read_text())["method"] == "grpo (adapter)"
+
+
 @pytest.mark.slow
 def test_the_mean_reward_rises_with_a_reward_the_model_can_learn(prompts, tmp_path):
     """30 steps of full GRPO with a reward for vowels: the policy learns to write them (0.2 -> 0.7 here)."""
@@ -356,12 +375,13 @@ def test_a_rollout_that_runs_out_of_memory_recomputes_to_the_same_completions(pr
     assert all(block.attn.kv_cache is None for block in model.blocks)
 
 
-def test_plan_of_a_grpo_run_counts_the_rollout(prompts):
+@pytest.mark.parametrize("method", ["lora", "adapter"])
+def test_plan_of_a_grpo_run_counts_the_rollout(prompts, method):
     proc = run("finetune/grpo.py", "--checkpoint_dir", prompts["base"], "--data_path", prompts["data"], "--plan", "json",
-               "--max_new_tokens", "16", cache=prompts["cache"])
+               "--max_new_tokens", "16", "--method", method, cache=prompts["cache"])
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["peak_bytes"] > 0
+    assert plan["peak_bytes"] > 0 and plan["run"]["trainable"] == method
     head_size = MODEL["n_embd"] // MODEL["n_head"]
     # 4 completions x (the longest prompt that fits + 16 new tokens = the block size) positions, keys and values
     kv_cache = 4 * MODEL["block_size"] * MODEL["n_layer"] * 2 * MODEL["n_query_groups"] * head_size * 4
@@ -378,7 +398,10 @@ def test_lit_model_finetune_grpo_is_the_script():
 @pytest.mark.parametrize("extra, needle", [
     (("--num_generations", "1"), "needs at least 2"),
     (("--global_batch_size", "6", "--micro_batch_size", "2"), "make it a multiple of --num_generations 4"),
-    (("--method", "full", "--beta", "0.1"), "Use --method lora (the reference is the base"),
+    (("--method", "full", "--beta", "0.1"), "Use --method lora or adapter (the reference is the base"),
+    (("--checkpoint_dir", "ADAPTER", "--method", "adapter", "--beta", "0.1"), "carries a trained LLaMA-Adapter, so "
+     "the base with its prefixes off is another model. Use --beta 0"),
+    (("--method", "full", "--quantize", "bnb.nf4"), "Use --method lora (QLoRA) or --method adapter with --quantize"),
     (("--temperature", "0"), "use a positive temperature"),
     (("--packing", "true"), "--packing does not apply to GRPO"),
     (("--max_tokens", "1000"), "Give the run's length in steps with --max_steps"),
@@ -392,8 +415,14 @@ def test_lit_model_finetune_grpo_is_the_script():
 def test_bad_flags_are_one_paragraph(prompts, tmp_path, capsys, extra, needle):
     from lit_model.recipes.finetune_grpo import cli
 
+    from lit_model.methods.adapter import AdapterConfig
+
+    adapter = tmp_path / "adapter"  # a LLaMA-Adapter fine-tune's checkpoint: its config is what marks it
+    shutil.copytree(prompts["base"], adapter)
+    AdapterConfig(prompt_length=2, start_layer=1).save(adapter)
+    replace = {"REWARDS": str(prompts["rewards"]), "ADAPTER": str(adapter)}
     argv = ["--checkpoint_dir", prompts["base"], "--data_path", prompts["data"], "--out_dir", tmp_path / "out",
-            *[a.replace("REWARDS", str(prompts["rewards"])) for a in extra]]
+            *[replace.get(a, a.replace("REWARDS", replace["REWARDS"])) for a in extra]]
     with pytest.raises(SystemExit) as exit_info:
         cli([str(a) for a in argv])
     message = " ".join(capsys.readouterr().err.split())

@@ -21,6 +21,7 @@ from lit_model.data.instruct import padded_length
 from lit_model.data.preference import collate_pairs, load_preference_data, pack_rows
 from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
+from lit_model.methods.adapter import AdapterConfig, apply_adapter
 from lit_model.methods.lora import LoRAConfig, adapters_disabled, apply_lora
 from lit_model.methods.preference import Preference, pair_rows, sequence_log_probs
 
@@ -177,6 +178,30 @@ def test_lora_reference_is_the_base_and_dpo_starts_at_ln2():
     assert total.item() / count.item() == pytest.approx(math.log(2), abs=1e-6)
     total.backward()
     assert all(p.grad is not None for n, p in fresh.named_parameters() if n.endswith("lora_A"))
+
+
+def test_adapter_reference_is_exactly_the_base_and_dpo_starts_at_ln2():
+    """With LLaMA-Adapter the reference is the model with its prefixes off: exactly the base model's
+    log-probabilities (the same operations, bit for bit); at the start (gates 0) the policy equals it, so DPO's loss
+    is ln 2 and its gradient reaches the gates."""
+    base, (ids, mask, _) = tiny_model(), pair_batch()
+    model = tiny_model()
+    apply_adapter(model, AdapterConfig(prompt_length=3, start_layer=0))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("adapter_gate"):
+                parameter.normal_(0, 0.5)  # open gates: prefixes that change the output
+    with adapters_disabled(model):
+        assert torch.equal(policy_log_probs(model, ids, mask), policy_log_probs(base, ids, mask))
+    assert all(block.attn.adapter_enabled for block in model.blocks)  # back on after the block
+    assert not torch.allclose(policy_log_probs(model, ids, mask), policy_log_probs(base, ids, mask))
+
+    fresh = tiny_model()
+    apply_adapter(fresh, AdapterConfig(prompt_length=3, start_layer=1))
+    total, count, _ = Preference(loss="dpo", reference=adapters_disabled, chunk_size=5).loss_sum(fresh, lit_batch(ids, mask))
+    assert total.item() / count.item() == pytest.approx(math.log(2), abs=1e-6)
+    total.backward()
+    assert fresh.blocks[1].attn.adapter_gate.grad.abs().sum() > 0
 
 
 def test_the_loss_of_a_batch_is_the_sum_of_its_pairs():

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lit_model.data.cache import cache_root, cached
-from lit_model.data.sources import TABLE_SUFFIXES, instruct_records, is_table, map_record
+from lit_model.data.sources import TABLE_SUFFIXES, Kind, is_table, map_record, table_records
 from lit_model.data.text import GlobalBatchSampler, json_records, split_by_file, stdlib_sources
 from lit_model.core.errors import UsageError, UserError
 from lit_model.io.prompts import Alpaca, PromptStyle
@@ -40,10 +40,12 @@ PAD_MULTIPLE = 64
 
 
 # ---- reading records -----------------------------------------------------------------------------------
-def read_records(path: Path, fields: Optional[dict[str, str]] = None) -> list[tuple[str, dict[str, Any]]]:
+def read_records(path: Path, fields: Optional[dict[str, str]] = None, kind: Kind = "instruct"
+                 ) -> list[tuple[str, dict[str, Any]]]:
     """``(where, record)`` pairs of a .json file (a list of records), a .jsonl file (one per line), a .parquet or
     .csv file or a save_to_disk directory (through ``datasets``), or of every such file in a directory (sorted);
-    field names mapped to ours (``fields``: ours -> theirs, then the common names of ``sources.FIELDS``)."""
+    field names mapped to ours (``fields``: ours -> theirs, then for instructions the common names of
+    ``sources.FIELDS``; ``kind``: whose records, ``sources.map_record``)."""
     path, fields = Path(path).expanduser(), fields or {}
     if not path.exists():
         raise UserError(
@@ -51,7 +53,7 @@ def read_records(path: Path, fields: Optional[dict[str, str]] = None) -> list[tu
             "them) with --data_path, or leave it out to fine-tune on instructions made from the Python standard library."
         )
     if is_table(path):
-        return instruct_records(None, path, fields)[0]
+        return table_records(None, path, fields, kind)[0]
     suffixes = (".json", ".jsonl") + TABLE_SUFFIXES
     files = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file()) if path.is_dir() else [path]
     if not files:
@@ -59,8 +61,8 @@ def read_records(path: Path, fields: Optional[dict[str, str]] = None) -> list[tu
                         "--data_path at your data.")
     example = '{"instruction": "...", "output": "..."}'
     return [item for file in files for item in (
-        instruct_records(None, file, fields)[0] if is_table(file) else
-        [(where, map_record(record, fields, where)) for where, record in json_records(file, example)])]
+        table_records(None, file, fields, kind)[0] if is_table(file) else
+        [(where, map_record(record, fields, where, kind)) for where, record in json_records(file, example)])]
 
 
 def segments(record: Any, where: str, style: PromptStyle) -> list[tuple[str, bool]]:
@@ -289,7 +291,7 @@ def load_instruct_data(data_path: Optional[Path], tokenizer: Any, style: PromptS
         what = f"{len(train_records) + len(val_records)} instructions made from the Python standard library"
     else:
         if data is not None:
-            records, source = instruct_records(data, None, fields or {})
+            records, source = table_records(data, None, fields or {})
         else:
             records, source = read_records(data_path, fields), str(data_path)
         train_records, val_records = split_records(records, source, val_fraction, seed)

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from lit_model.core.errors import UsageError, UserError
 from lit_model.data.instruct import (IGNORE_INDEX, PAD_MULTIPLE, cut_note, encode, padded_length, read_records, segments,
                                      split_records)
-from lit_model.data.sources import instruct_records
+from lit_model.data.sources import table_records
 from lit_model.io.prompts import PromptStyle
 
 PAIR_EXAMPLE = '{"prompt": "...", "chosen": "...", "rejected": "..."}'
@@ -195,9 +195,9 @@ def load_preference_data(data_path: Optional[Path], tokenizer: Any, style: Promp
         raise UsageError(f"Preference training needs data: --data_path FILE with records like {PAIR_EXAMPLE} (or "
                          "TRL's conversational form), or --data NAME.")
     if data is not None:
-        records, source = instruct_records(data, None, fields or {})
+        records, source = table_records(data, None, fields or {}, "preference")
     else:
-        records, source = read_records(Path(data_path), fields), str(data_path)
+        records, source = read_records(Path(data_path), fields, "preference"), str(data_path)
     train_records, val_records = split_records(records, source, val_fraction, seed)
     train, train_cut, train_dropped = build_pairs(train_records, tokenizer, style, seq_length)
     val, val_cut, val_dropped = build_pairs(val_records, tokenizer, style, seq_length)

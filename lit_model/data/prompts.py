@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from lit_model.core.errors import UsageError, UserError
 from lit_model.data.instruct import split_records
-from lit_model.data.sources import is_table, load_table
+from lit_model.data.sources import is_table, map_record, table_records
 from lit_model.data.text import json_records
 from lit_model.io.prompts import PromptStyle
 
@@ -42,16 +42,17 @@ class PromptData:
         return max(len(p.ids) for p in (*self.train, *self.val))
 
 
-def read_prompt_records(path: Path) -> list[tuple[str, Any]]:
+def read_prompt_records(path: Path, fields: dict[str, str]) -> list[tuple[str, Any]]:
     """``(where, record)`` of a .json/.jsonl file, or of a .parquet/.csv file or save_to_disk directory, with every
-    field as it is (the instruction loaders map fields to theirs and drop the rest)."""
+    field as it is but those ``fields`` renames (the instruction loaders map fields to theirs and drop the rest)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise UsageError(f"--data_path {path} does not exist. Pass a .json/.jsonl/.parquet/.csv file of prompt records "
                          f"like {PROMPT_EXAMPLE}.")
     if is_table(path):
-        return [(f"row {i} of {path}", dict(row)) for i, row in enumerate(load_table(path))]
-    return json_records(path, PROMPT_EXAMPLE)
+        return table_records(None, path, fields, "prompts")[0]
+    return [(where, map_record(record, fields, where, "prompts"))
+            for where, record in json_records(path, PROMPT_EXAMPLE)]
 
 
 def prompt_text(record: Any, where: str, style: PromptStyle) -> tuple[Any, str, dict[str, Any]]:
@@ -87,14 +88,18 @@ def build_prompts(records: list[tuple[str, Any]], tokenizer: Any, style: PromptS
     return prompts, dropped
 
 
-def load_prompt_data(data_path: Path, tokenizer: Any, style: PromptStyle, max_prompt_length: int,
-                     val_fraction: float = 0.05, seed: int = 42) -> PromptData:
-    """Train/val prompts of a local file, each at most ``max_prompt_length`` tokens (the context less the
-    completion's ``--max_new_tokens``): longer ones are dropped, and said so."""
+def load_prompt_data(data_path: Optional[Path], tokenizer: Any, style: PromptStyle, max_prompt_length: int,
+                     val_fraction: float = 0.05, seed: int = 42, data: Optional[str] = None,
+                     fields: Optional[dict[str, str]] = None) -> PromptData:
+    """Train/val prompts of a named hub dataset (``data``) or a local file, each at most ``max_prompt_length``
+    tokens (the context less the completion's ``--max_new_tokens``): longer ones are dropped, and said so."""
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val_split_fraction {val_fraction} must be between 0 and 1 (exclusive), e.g. 0.05.")
-    records = read_prompt_records(data_path)
-    train_records, val_records = split_records(records, str(data_path), val_fraction, seed)
+    if data is not None:
+        records, source = table_records(data, None, fields or {}, "prompts")
+    else:
+        records, source = read_prompt_records(data_path, fields or {}), str(data_path)
+    train_records, val_records = split_records(records, source, val_fraction, seed)
     train, train_dropped = build_prompts(train_records, tokenizer, style, max_prompt_length)
     val, val_dropped = build_prompts(val_records, tokenizer, style, max_prompt_length)
     dropped = train_dropped + val_dropped
@@ -104,7 +109,7 @@ def load_prompt_data(data_path: Path, tokenizer: Any, style: PromptStyle, max_pr
                         "--override_max_seq_length (up to the model's block size), or shorten the prompts.")
     lengths = np.asarray([len(p.ids) for p in train])
     note = f"; {dropped} prompts longer than {max_prompt_length} tokens were dropped" if dropped else ""
-    description = (f"{data_path}: {len(records)} records, {len(train)} train / {len(val)} val prompts in the "
+    description = (f"{source}: {len(records)} records, {len(train)} train / {len(val)} val prompts in the "
                    f"{style.name!r} prompt style, {int(lengths.mean())} tokens on average (max {lengths.max()}){note}")
     return PromptData(train, val, description, val[0].text)
 

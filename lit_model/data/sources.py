@@ -1,6 +1,8 @@
-"""Data read through Hugging Face ``datasets``: named hub datasets (``--data alpaca``), local ``.parquet`` and
-``.csv`` files and directories written by ``Dataset.save_to_disk``; and the one table that maps common sources'
-field names to the record shapes fine-tuning reads (instruction/input/output, or chat messages).
+"""Data read through Hugging Face ``datasets``: named hub datasets (``--data alpaca``; of each kind: instructions,
+text, preference pairs, GRPO prompts), local ``.parquet`` and ``.csv`` files and directories written by
+``Dataset.save_to_disk``; and the one table that maps common sources' field names to the record shapes fine-tuning
+reads (instruction/input/output, or chat messages; preference and prompt records take TRL's names, renamed only
+where a source or --data_fields says so).
 
 ``datasets`` is imported only when such data is asked for, so the default data and JSON files do not need it.
 """
@@ -21,7 +23,25 @@ from lit_model.core.errors import UsageError, UserError
 
 TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
 DELIMITERS = {".csv": ",", ".tsv": "\t"}  # the tables read as delimited text
-Kind = Literal["instruct", "text"]
+Kind = Literal["instruct", "text", "preference", "prompts"]
+
+
+@dataclass(frozen=True)
+class DataKind:
+    what: str  # what a message calls such data
+    scripts: str  # what trains on it
+    fields: tuple[str, ...]  # its records' fields (ours), which --data_fields may map
+    example: str  # a --data_fields value for it
+
+
+KINDS: dict[str, DataKind] = {
+    "instruct": DataKind("instruction", "finetune/lora.py, full.py or adapter.py",
+                         ("instruction", "input", "output", "messages"), "instruction=question,output=answer"),
+    "text": DataKind("plain text", "pretrain/main.py", (), ""),
+    "preference": DataKind("preference-pair", "finetune/dpo.py", ("prompt", "chosen", "rejected"),
+                           "prompt=question,chosen=better,rejected=worse"),
+    "prompts": DataKind("prompt", "finetune/grpo.py", ("prompt", "answer"), "prompt=question,answer=solution"),
+}
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,8 @@ class Named:
     kind: Kind
     fields: tuple[tuple[str, str], ...] = ()  # (ours, theirs) where the table's guess would be wrong
     gated: bool = False
+    config: Optional[str] = None  # the hub dataset's configuration (subset), where it has several
+    answer_after: Optional[str] = None  # "answer" is the text after this marker, which ends a worked solution
 
 
 NAMED: dict[str, Named] = {
@@ -39,6 +61,12 @@ NAMED: dict[str, Named] = {
     "lima": Named("GAIR/lima", "instruct", gated=True),  # conversations: alternating user/assistant strings
     "longform": Named("akoksal/LongForm", "instruct", fields=(("instruction", "input"),)),  # input, output
     "tinystories": Named("roneneldan/TinyStories", "text"),  # text
+    # TRL's conversational pairs: chosen and rejected whole conversations sharing their first messages (and scores)
+    "ultrafeedback": Named("trl-lib/ultrafeedback_binarized", "preference"),
+    "hh-rlhf": Named("trl-lib/hh-rlhf-helpful-base", "preference"),  # prompt, chosen, rejected: lists of messages
+    "orca_dpo": Named("Intel/orca_dpo_pairs", "preference", fields=(("prompt", "question"),)),  # system, question, ...
+    # question, answer: a worked solution ending "#### 72", the number exact_match compares
+    "gsm8k": Named("openai/gsm8k", "prompts", fields=(("prompt", "question"),), config="main", answer_after="####"),
 }
 
 # Our field -> the names sources use for it, tried in order (the one mapping table).
@@ -51,7 +79,6 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "bot": "assistant", "model": "assistant"}
-FIELDS_EXAMPLE = "--data_fields instruction=question,output=answer"
 
 
 # ---- flags -----------------------------------------------------------------------------------------------
@@ -61,7 +88,7 @@ def check_data_flags(data: Optional[str], data_path: Optional[Path], data_fields
         raise UsageError(f"--data {data} and --data_path {data_path} both name the training data; pass one of them.")
     if data is not None:
         check_kind(data, kind)
-    parse_fields(data_fields)
+    parse_fields(data_fields, kind)
 
 
 def named(name: str) -> Named:
@@ -75,38 +102,44 @@ def named(name: str) -> Named:
 
 
 def check_kind(name: str, kind: Kind) -> Named:
-    """The named dataset, if it is data of this kind (instruction records to fine-tune on, or text)."""
+    """The named dataset, if it is data of this kind (instruction records, text, preference pairs, prompts)."""
     source = named(name)
     if source.kind != kind:
-        use = "finetune/" if source.kind == "instruct" else "pretrain/main.py"
-        raise UsageError(f"--data {name} is {'instruction' if source.kind == 'instruct' else 'plain text'} data; "
-                         f"use it with {use}, or pick one of {', '.join(n for n, s in NAMED.items() if s.kind == kind)}.")
+        raise UsageError(f"--data {name} is {KINDS[source.kind].what} data; use it with {KINDS[source.kind].scripts}, "
+                         f"or pick one of {', '.join(n for n, s in NAMED.items() if s.kind == kind)}.")
     return source
 
 
-def parse_fields(spec: Optional[str]) -> dict[str, str]:
-    """``"instruction=question,output=answer"`` -> ``{"instruction": "question", "output": "answer"}``."""
+def parse_fields(spec: Optional[str], kind: Kind = "instruct") -> dict[str, str]:
+    """``"instruction=question,output=answer"`` -> ``{"instruction": "question", "output": "answer"}``, each of ours
+    a field of ``kind``'s records."""
     if not spec:
         return {}
+    ours, example = KINDS[kind].fields, f"--data_fields {KINDS[kind].example}"
     pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
     if not pairs or any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
-        raise UsageError(f"--data_fields {spec!r} must be OURS=THEIRS pairs separated by commas, e.g. {FIELDS_EXAMPLE}.")
+        raise UsageError(f"--data_fields {spec!r} must be OURS=THEIRS pairs separated by commas, e.g. {example}.")
     fields = {ours.strip(): theirs.strip() for ours, theirs in pairs}
-    if unknown := sorted(set(fields) - (set(FIELDS) - {"text"})):
-        raise UsageError(f"--data_fields maps {', '.join(unknown)}, which fine-tuning does not read; the fields are "
-                         f"{', '.join(f for f in FIELDS if f != 'text')}, e.g. {FIELDS_EXAMPLE}.")
+    if unknown := sorted(set(fields) - set(ours)):
+        raise UsageError(f"--data_fields maps {', '.join(unknown)}, which fine-tuning does not read in "
+                         f"{KINDS[kind].what} records; the fields are {', '.join(ours)}, e.g. {example}.")
     return fields
 
 
 # ---- field mapping ---------------------------------------------------------------------------------------
-def map_record(record: Any, fields: dict[str, str], where: str) -> Any:
-    """The record with its fields renamed to ours (``fields`` first, then the table); a record the table
-    cannot map is returned as it is, and ``instruct.segments`` reports the fields it has."""
+def map_record(record: Any, fields: dict[str, str], where: str, kind: Kind = "instruct") -> Any:
+    """The record with its fields renamed to ours (``fields`` first, then, for instructions, the table); a record
+    the table cannot map is returned as it is, and ``instruct.segments`` reports the fields it has. Preference and
+    prompt records keep every field ``fields`` does not rename (TRL's names are ours; a prompt's others go to the
+    rewards)."""
     if not isinstance(record, dict):
         return record
     if missing := sorted(theirs for theirs in fields.values() if theirs not in record):
         raise UserError(f"{where} has no field {', '.join(map(repr, missing))} (given with --data_fields); its fields "
-                        f"are {sorted(record)}. Map those, e.g. {FIELDS_EXAMPLE}.")
+                        f"are {sorted(record)}. Map those, e.g. --data_fields {KINDS[kind].example}.")
+    if kind != "instruct":
+        kept = {key: value for key, value in record.items() if key not in fields.values()}
+        return {**kept, **{ours: record[theirs] for ours, theirs in fields.items()}}
     found, taken = {}, set(fields.values())  # a field --data_fields maps is not also guessed as another
     for ours, aliases in FIELDS.items():
         key = fields.get(ours) or next((a for a in aliases if a not in taken and record.get(a) is not None), None)
@@ -195,14 +228,14 @@ def _text_columns(path: Path, delimiter: str) -> Any:
 
 
 def load_named(name: str, kind: Kind) -> Any:
-    """The named dataset's train split through ``datasets.load_dataset`` (downloaded once into its cache;
-    HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 read the cache only)."""
+    """The named dataset's train split (of its configuration) through ``datasets.load_dataset`` (downloaded once into
+    its cache; HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 read the cache only)."""
     source = check_kind(name, kind)
     datasets = _datasets()
     local = ("Download it where there is a network and pass the local copy (save_to_disk directory, .parquet or "
              ".jsonl) with --data_path.")
     try:
-        table = datasets.load_dataset(hub_repo(name), split="train")
+        table = datasets.load_dataset(hub_repo(name), source.config, split="train")
     except GatedRepoError:
         raise UserError(f"{source.repo} is gated: accept its terms on https://huggingface.co/datasets/{source.repo} "
                         f"and log in (hf auth login, or set HF_TOKEN). Or: {local}") from None
@@ -249,14 +282,27 @@ def _train_split(table: Any, what: str) -> Any:
     raise UserError(f"{what} has splits {sorted(table)} but no 'train' split. Save the split to train on by itself.")
 
 
-def instruct_records(data: Optional[str], path: Optional[Path], fields: dict[str, str]) -> tuple[list[tuple[str, Any]], str]:
-    """``(where, mapped record)`` pairs of a named dataset or a table file/directory, and what it is."""
+def table_records(data: Optional[str], path: Optional[Path], fields: dict[str, str], kind: Kind = "instruct"
+                  ) -> tuple[list[tuple[str, Any]], str]:
+    """``(where, mapped record)`` pairs of a named dataset or a table file/directory of ``kind``'s records, and what
+    it is."""
+    marker = None
     if data is not None:
-        table, what = load_named(data, "instruct"), f"{data} ({named(data).repo})"
-        fields = {**dict(named(data).fields), **fields}
+        table, source = load_named(data, kind), named(data)
+        what, fields, marker = f"{data} ({source.repo})", {**dict(source.fields), **fields}, source.answer_after
     else:
         table, what = load_table(path), str(path)
-    return [(f"{what} row {i}", map_record(row, fields, f"{what} row {i}")) for i, row in enumerate(table)], what
+    records = [(f"{what} row {i}", map_record(row, fields, f"{what} row {i}", kind)) for i, row in enumerate(table)]
+    return [(where, final_answer(record, marker)) for where, record in records], what
+
+
+def final_answer(record: Any, marker: Optional[str]) -> Any:
+    """The record with its "answer" cut to the text after ``marker`` (GSM8K's worked solutions end "#### 72": the
+    number, which exact_match compares); without a marker, or an answer that has none, the record as it is."""
+    answer = record.get("answer") if isinstance(record, dict) else None
+    if marker is None or not isinstance(answer, str) or marker not in answer:
+        return record
+    return {**record, "answer": answer.rsplit(marker, 1)[1].strip()}
 
 
 def text_file(data: Optional[str], path: Optional[Path]) -> Path:

@@ -58,9 +58,12 @@ class AdapterAttention(CausalSelfAttention):
 
     adapter_prefix: nn.Parameter  # (prompt_length, n_embd)
     adapter_gate: nn.Parameter  # (n_head,), zero at the start
+    adapter_enabled = True  # False: the base attention alone (lora.adapters_disabled: a preference run's reference)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         y = super().attend(q, k, v, mask)
+        if not self.adapter_enabled:
+            return y
         B, hs, n_kv = q.size(0), self.config.head_size, self.config.n_query_groups
         prefix = self.adapter_prefix.to(q.dtype)
         P = prefix.size(0)

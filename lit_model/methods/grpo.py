@@ -42,7 +42,7 @@ STD_EPSILON = 1e-4  # TRL's: advantages / (std + 1e-4)
 @dataclass(frozen=True)
 class GRPOSpec:
     """A run's GRPO settings as resolved from its flags (``run.resolve_grpo``). ``reference``: "adapters" (LoRA's
-    base, its adapters off) with ``beta > 0``, else "none"."""
+    or LLaMA-Adapter's base, its adapters off) with ``beta > 0``, else "none"."""
 
     rewards: tuple[str, ...] = ("exact_match",)
     reward_weights: Optional[tuple[float, ...]] = None
@@ -119,7 +119,7 @@ def token_losses(log_probs: torch.Tensor, advantages: torch.Tensor, epsilon: flo
 @dataclass(frozen=True)
 class GRPO:
     """GRPO's objective (see the module's docstring); its count is the batch's completions. ``reference``: a
-    context in which the model is the reference (LoRA's adapters off), needed when ``beta > 0``."""
+    context in which the model is the reference (LoRA's or LLaMA-Adapter's adapters off), needed when ``beta > 0``."""
 
     spec: GRPOSpec = GRPOSpec()
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE

@@ -46,6 +46,7 @@ from lit_model.io.checkpoint import (
 )
 from lit_model.kernels.ops import dropout_before_linear
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
+from lit_model.methods.adapter import AdapterAttention
 from lit_model.methods.quantize import dequantized_weight
 from lit_model.model.contracts import Step
 from lit_model.model.gpt import GPT
@@ -201,16 +202,18 @@ class LoRALayer:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Within this block ``model``'s LoRA layers compute their base layers alone: the model before fine-tuning (the
-    reference of preference training, with no second copy of the weights)."""
-    layers = [module for module in model.modules() if isinstance(module, LoRALayer)]
-    for layer in layers:
-        layer.lora_enabled = False
+    """Within this block ``model``'s LoRA layers compute their base layers alone, and its LLaMA-Adapter attention
+    without the prefixes: the model before fine-tuning (the reference of preference training and GRPO, with no second
+    copy of the weights)."""
+    switches = [(module, "lora_enabled" if isinstance(module, LoRALayer) else "adapter_enabled")
+                for module in model.modules() if isinstance(module, (LoRALayer, AdapterAttention))]
+    for module, switch in switches:
+        setattr(module, switch, False)
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.lora_enabled  # back to the class's True
+        for module, switch in switches:
+            delattr(module, switch)  # back to the class's True
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -4,12 +4,13 @@ and the rejected, from each completion's log-probability under the policy (summe
 A batch is ``(input_ids, targets)`` of shape (pairs, 2, time), the chosen completion first, targets IGNORE_INDEX
 outside the completion (prompt and padding); DPO and IPO also need the reference's log-probabilities, either in the
 batch as a third part of shape (pairs, 2) (computed before training) or from the model itself with its adapters
-switched off (``reference``: LoRA's base is the reference, no second model). The step splits a batch by pairs, and
-the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a time (checkpointed,
-recomputed in backward): the vocabulary-wide logits of a batch never exist. With --packing (``pack_length``) a micro
-batch's rows are packed into rows of up to the run's length before the forward (``pair_rows``), each attending only
-to itself, and each row's log-probability is summed over its own span of the packed rows: the same values, fewer
-padding tokens computed (packed in the objective, not the loader, so the step still splits a batch by pairs).
+switched off (``reference``: LoRA's or LLaMA-Adapter's base is the reference, no second model). The step splits a
+batch by pairs, and the loss is averaged over pairs. Log-probabilities come from the head a chunk of tokens at a
+time (checkpointed, recomputed in backward): the vocabulary-wide logits of a batch never exist. With --packing
+(``pack_length``) a micro batch's rows are packed into rows of up to the run's length before the forward
+(``pair_rows``), each attending only to itself, and each row's log-probability is summed over its own span of the
+packed rows: the same values, fewer padding tokens computed (packed in the objective, not the loader, so the step
+still splits a batch by pairs).
 
 The losses and logged rewards are TRL's (``DPOTrainer`` loss_type "sigmoid" and "ipo", ``CPOTrainer`` "simpo",
 ``ORPOTrainer``): tests/test_preference.py holds them to TRL's own functions.
@@ -158,8 +159,8 @@ class PreferenceSpec:
 @dataclass(frozen=True)
 class Preference:
     """A preference objective (``loss`` one of PREFERENCE_LOSSES, TRL's defaults). ``reference``: a context in which
-    the model is the reference (LoRA's adapters off, ``lora.adapters_disabled``); None: the reference's
-    log-probabilities come in the batch (or the loss needs none)."""
+    the model is the reference (LoRA's or LLaMA-Adapter's adapters off, ``lora.adapters_disabled``); None: the
+    reference's log-probabilities come in the batch (or the loss needs none)."""
 
     loss: str = "dpo"
     beta: float = 0.1

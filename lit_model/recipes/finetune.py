@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional, Union
 import torch
 import torch.nn as nn
 from lightning.fabric import Fabric
+from safetensors.torch import save_file
 
 from lit_model.core.errors import UsageError, UserError
 from lit_model.core.units import format_bytes
@@ -21,12 +22,13 @@ from lit_model.data.instruct import (InstructData, PackedDataset, collate, load_
                                      padding_fraction)
 from lit_model.data.preference import PreferenceData
 from lit_model.data.prompts import PromptData
-from lit_model.data.sources import parse_fields
+from lit_model.data.sources import NAMED, parse_fields
 from lit_model.infer.load import load_model as load_checkpoint_model
+from lit_model.io.checkpoint import derive_checkpoint_dir
 from lit_model.io.download import resolve_checkpoint
 from lit_model.io.prompts import PROMPT_STYLE_FILE, PromptStyle
 from lit_model.io.tokenizer import ByteCountTokenizer, Tokenizer, has_tokenizer
-from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig
+from lit_model.methods.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterAttention, AdapterConfig, apply_adapter
 from lit_model.methods.lora import LORA_CONFIG, LORA_WEIGHTS, LoRAConfig, apply_lora, save_merged_checkpoint
 from lit_model.methods.quantize import check_quantize
 from lit_model.model.gpt import GPT
@@ -137,8 +139,8 @@ def resolve(args: FinetuneArgs, method: Trainable, read_data: Optional[ReadData]
     if continues_adapter and method != "adapter":
         raise UsageError(
             f"{checkpoint_dir} holds a LLaMA-Adapter fine-tune ({ADAPTER_CONFIG}), whose prefixes cannot be merged "
-            f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py, "
-            "or start from its base checkpoint."
+            f"into the weights that {method} fine-tuning would start from. Continue it with finetune/adapter.py "
+            "(or dpo.py / grpo.py with --method adapter), or start from its base checkpoint."
         )
     run = resolve_run(args, config, method, checkpoint_dir=checkpoint_dir)
     check_quantize(run.quantize, run.device_type, run.param_dtype, run.autocast_dtype is not None)
@@ -149,9 +151,24 @@ def resolve(args: FinetuneArgs, method: Trainable, read_data: Optional[ReadData]
             "bnb.fp4: FSDP shards their packed weights), or keep bnb.int8 with --strategy ddp or one device."
         )
     if continues_adapter:  # its prefixes are continued as they were saved
-        run = run.replace(adapter=AdapterConfig.from_dir(checkpoint_dir))
+        run = continue_adapter(run, checkpoint_dir)
     if run.adapter is not None:
         run.adapter.check(run.config.n_layer)
+    return run
+
+
+def continue_adapter(run: Run, checkpoint_dir: Path) -> Run:
+    """The run continuing the LLaMA-Adapter ``checkpoint_dir`` carries. The model it starts from has those prefixes,
+    so the base with them off is not its reference: a preference loss takes the checkpoint's log-probabilities,
+    computed once; GRPO, whose rollouts are new every step, has no such reference."""
+    run = run.replace(adapter=AdapterConfig.from_dir(checkpoint_dir))
+    if run.preference is not None and run.preference.reference == "adapters":
+        run = run.replace(preference=dataclasses.replace(run.preference, reference="precomputed"))
+    if run.grpo is not None and run.grpo.reference == "adapters":
+        raise UsageError(f"--beta {run.grpo.beta} keeps the policy near the model it starts from, but "
+                         f"{checkpoint_dir} carries a trained LLaMA-Adapter, so the base with its prefixes off is "
+                         "another model. Use --beta 0, or start from a checkpoint without an adapter (a merged LoRA or "
+                         "a full fine-tune).")
     return run
 
 
@@ -186,19 +203,15 @@ def packs_whole_length(run: Run) -> bool:
 
 
 def check_own_data(args: Any, script: str, what: str, example: str) -> None:
-    """The flags of a fine-tune that reads its own kind of records (``what``, like ``example``) from --data_path
-    (finetune/dpo.py's pairs, grpo.py's prompts): no instruction data, some data unless it only plans, and
-    --quantize only with LoRA."""
-    if args.data is not None or args.data_fields is not None:
-        raise UsageError(f"{script} reads {what} from --data_path (TRL's formats: {example} or chat messages); --data "
-                         f"and --data_fields name instruction data. Save the {what} as .jsonl or .parquet and pass "
-                         "--data_path.")
-    if args.data_path is None and args.plan is None:
+    """The flags of a fine-tune that reads its own kind of records (``what``, like ``example``; finetune/dpo.py's
+    pairs, grpo.py's prompts): some data unless it only plans, and --quantize only with a frozen base."""
+    if args.data_path is None and args.data is None and args.plan is None:
+        names = ", ".join(name for name, source in NAMED.items() if source.kind == args.data_kind)
         raise UsageError(f"{script} needs {what}: --data_path FILE with records like {example} (or chat messages, as "
-                         "TRL takes them).")
+                         f"TRL takes them), or a named hub dataset with --data ({names}).")
     if args.method == "full" and args.quantize is not None:
         raise UsageError(f"--quantize {args.quantize} freezes the base weights, but --method full trains every weight. "
-                         "Use --method lora with --quantize (QLoRA), or drop --quantize.")
+                         "Use --method lora (QLoRA) or --method adapter with --quantize, or drop --quantize.")
 
 
 def prompt_style(run: Run, args: FinetuneArgs) -> PromptStyle:
@@ -352,25 +365,59 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def make_trainable(fabric: Fabric, run: Run, model: GPT) -> None:
-    """LoRA's adapters on the frozen model (``run.lora``), else every weight trainable: the preference and GRPO
-    fine-tunes, which take either."""
+    """LoRA's adapters (``run.lora``) or LLaMA-Adapter's prefixes (``run.adapter``) on the frozen model, else every
+    weight trainable: the preference and GRPO fine-tunes, which take any of them."""
     if run.lora is not None:
         layers = apply_lora(model, run.lora)
         fabric.print(f"LoRA r={run.lora.r} alpha={run.lora.alpha:g} on {len(layers)} layers")
+    elif run.adapter is not None:
+        add_adapter(fabric, run, model)
     else:
         model.requires_grad_(True)
 
 
-def save_trained(fabric: Fabric, run: Run, setup: Setup, model: nn.Module, final_dir: Path) -> None:
-    """final/ of a ``make_trainable`` model: LoRA's merged into the base weights, else the whole model."""
-    if run.lora is not None:
-        adapter_weights = gather_trainable(model)
-        if fabric.global_rank == 0:  # merged from the full-precision base weights, never from a quantized copy
-            save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, run.lora, final_dir, setup.style.save,
-                                   DERIVED_FILES, overwrite=True)  # this run's own final/ (check_out_dir)
-        fabric.barrier()
+def add_adapter(fabric: Fabric, run: Run, model: GPT) -> None:
+    """LLaMA-Adapter's prefixes and gates, the only trainable parameters: new ones, or those the checkpoint carries
+    (a saved adapter continued, ``resolve``)."""
+    if any(isinstance(block.attn, AdapterAttention) for block in model.blocks):
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.endswith((".adapter_prefix", ".adapter_gate")))
     else:
+        apply_adapter(model, run.adapter)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fabric.print(f"Adapter: {run.adapter.prompt_length} prefix vectors in blocks {run.adapter.start_layer}.."
+                 f"{run.config.n_layer - 1}: {trainable:,} trainable parameters")
+
+
+def adapters_off(run: Run) -> str:
+    """The reference of a LoRA or adapter run that takes it from the model itself (``lora.adapters_disabled``)."""
+    return f"the model with its {'LoRA adapters' if run.lora is not None else 'adapter prefixes'} off"
+
+
+def save_trained(fabric: Fabric, run: Run, setup: Setup, model: nn.Module, final_dir: Path) -> None:
+    """final/ of a ``make_trainable`` model: LoRA's merged into the base weights; the untouched base weights with the
+    LLaMA-Adapter beside them (what generate and evaluate load); else the whole model."""
+    if run.trainable == "full":
         save_final(fabric, model, run.config, final_dir, setup.checkpoint_dir, write_extra=setup.style.save)
+        return
+    adapter_weights = gather_trainable(model)  # a collective under FSDP: every rank
+    if fabric.global_rank == 0 and run.lora is not None:  # merged from the full-precision base weights
+        save_merged_checkpoint(setup.checkpoint_dir, adapter_weights, run.lora, final_dir, setup.style.save,
+                               DERIVED_FILES, overwrite=True)  # this run's own final/ (check_out_dir)
+    elif fabric.global_rank == 0:
+        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None,
+                              partial(write_adapter, adapter_weights, run.adapter, setup.style), DERIVED_FILES,
+                              overwrite=True)  # this run's own final/ (check_out_dir)
+    fabric.barrier()
+
+
+def write_adapter(weights: dict[str, torch.Tensor], adapter: AdapterConfig, style: PromptStyle, directory: Path
+                  ) -> None:
+    """The adapter's files in a checkpoint directory of the base weights: its prefixes and gates, its config and the
+    prompt style."""
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / ADAPTER_WEIGHTS))
+    adapter.save(directory)
+    style.save(directory)
 
 
 def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress: Progress, final_dir: Path) -> None:

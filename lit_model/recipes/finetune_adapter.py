@@ -14,12 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 from lightning.fabric import Fabric
-from safetensors.torch import save_file
 
 from lit_model.recipes.cli import parse
 from lit_model.core.errors import run_cli
-from lit_model.io.checkpoint import derive_checkpoint_dir
-from lit_model.methods.adapter import ADAPTER_WEIGHTS, AdapterAttention, apply_adapter
 from lit_model.recipes import common, finetune
 from lit_model.run import Run
 from lit_model.train import session
@@ -52,35 +49,16 @@ def train(fabric: Fabric, run: Run, args: AdapterArgs) -> None:
     run, setup = finetune.prepare(fabric, run, args)
     fabric.seed_everything(args.seed)  # the same prefixes on every rank
     model = finetune.load_model(fabric, run, setup)
-    adapter = run.adapter
-    if any(isinstance(block.attn, AdapterAttention) for block in model.blocks):  # continue a saved adapter
-        for name, parameter in model.named_parameters():
-            parameter.requires_grad_(name.endswith((".adapter_prefix", ".adapter_gate")))
-    else:
-        apply_adapter(model, adapter)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    fabric.print(f"Adapter: {adapter.prompt_length} prefix vectors in blocks {adapter.start_layer}.."
-                 f"{run.config.n_layer - 1}: {trainable:,} trainable parameters")
+    finetune.add_adapter(fabric, run, model)
     model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
     progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=True)
     if progress.stopped:  # saved and summarized by fit: no final/, no answer
         return
 
     final_dir = args.out_dir / "final"
-    adapter_weights = finetune.gather_trainable(model)
-
-    def write_adapter(directory: Path) -> None:
-        save_file({k: v.contiguous() for k, v in adapter_weights.items()}, str(directory / ADAPTER_WEIGHTS))
-        adapter.save(directory)
-        setup.style.save(directory)
-
-    if fabric.global_rank == 0:  # the untouched base weights, copied, with the adapter beside them
-        derive_checkpoint_dir(setup.checkpoint_dir, final_dir, None, write_adapter, finetune.DERIVED_FILES,
-                              overwrite=True)  # this run's own final/ (check_out_dir)
-    fabric.barrier()
+    finetune.save_trained(fabric, run, setup, model, final_dir)
     del model, optimizer  # the sample reloads final/: the trained copy and the optimizer state go first
     finetune.finish(fabric, run, args, setup, progress, final_dir)
-
 
 
 def cli(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:

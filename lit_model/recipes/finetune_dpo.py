@@ -2,15 +2,18 @@
 reference's log-probabilities (once, when the loss needs them and no adapters give them) -> fit -> save.
 
     python finetune/dpo.py --data_path pairs.jsonl                      # LoRA-DPO: the reference is the base
+    python finetune/dpo.py --data ultrafeedback                         # a named hub set of pairs
     python finetune/dpo.py --data_path pairs.jsonl --quantize bnb.nf4   # QLoRA-DPO
+    python finetune/dpo.py --data_path pairs.jsonl --method adapter     # LLaMA-Adapter prefixes
     python finetune/dpo.py --data_path pairs.jsonl --method full        # every weight; the reference computed once
     python finetune/dpo.py --data_path pairs.jsonl --loss simpo --beta 2.0   # reference-free
     python finetune/dpo.py --data_path pairs.jsonl --packing true       # each micro batch's rows packed
 
-The reference costs no second model during training: with LoRA it is the model with its adapters off; for full
-fine-tuning (or with --reference_model) its per-pair log-probabilities are computed before training, a batch at a
-time, and cached under $LIT_MODEL_CACHE keyed by the reference's weights and the data's tokens (checked on every
-read, rebuilt when it does not match).
+The reference costs no second model during training: with LoRA or LLaMA-Adapter it is the model with its adapters
+off; for full fine-tuning (or with --reference_model, or continuing a saved adapter, whose prefixes the reference
+keeps) its per-pair log-probabilities are computed before training, a batch at a time, and cached under
+$LIT_MODEL_CACHE keyed by the reference's weights and the data's tokens (checked on every read, rebuilt when it
+does not match).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.preference import reference_log_probs
 from lit_model.recipes import common, finetune
+from lit_model.data.sources import parse_fields
 from lit_model.recipes.cli import parse
+from lit_model.recipes.finetune_adapter import AdapterArgs
 from lit_model.recipes.finetune_lora import LoRAArgs
 from lit_model.run import Run
 from lit_model.train import session
@@ -50,30 +55,36 @@ REFERENCE_CACHE = "reference"  # under cache_root(): one file of float32 (pairs,
 
 
 @dataclass
-class DPOArgs(LoRAArgs):
-    """Fine-tune a checkpoint on preference pairs with DPO, IPO, SimPO or ORPO (LoRA, QLoRA or every weight).
+class DPOArgs(LoRAArgs, AdapterArgs):
+    """Fine-tune a checkpoint on preference pairs with DPO, IPO, SimPO or ORPO (LoRA, QLoRA, LLaMA-Adapter or every
+    weight).
 
     Args:
         data_path: .json/.jsonl/.parquet/.csv preference records, TRL's formats: {"prompt", "chosen", "rejected"}
             strings, or chat messages (a "prompt" list of messages and "chosen"/"rejected" assistant messages, or
             whole conversations sharing their first messages)
-        method: lora (with --quantize: QLoRA) or full (every weight)
+        data: a named hub dataset of preference pairs instead of --data_path: ultrafeedback, hh-rlhf, orca_dpo
+            (downloaded once into the datasets cache; needs `pip install datasets`)
+        data_fields: map the data's field names to ours, OURS=THEIRS pairs: e.g. prompt=question (ours: prompt,
+            chosen, rejected)
+        method: lora (with --quantize: QLoRA), adapter (LLaMA-Adapter, as finetune/adapter.py; with --quantize the
+            base in low precision) or full (every weight)
         loss: dpo (Rafailov et al. 2023), ipo (Azar et al. 2023), simpo (Meng et al. 2024; reference-free) or orpo
             (Hong et al. 2024; reference-free, adds the chosen completion's NLL)
         beta: the loss's temperature: DPO's and IPO's regularisation towards the reference (TRL's default 0.1),
             SimPO's reward scale (2.0-2.5 in its paper), ORPO's weight of the odds-ratio term (0.1)
         simpo_gamma: SimPO's target reward margin
         reference_model: checkpoint whose log-probabilities are DPO's/IPO's reference, computed once before
-            training (default: with LoRA the base model with its adapters off; for full fine-tuning the starting
-            checkpoint)
+            training (default: with LoRA or an adapter the base model with its adapters off; for full fine-tuning,
+            or continuing a saved adapter, the starting checkpoint)
         packing: pack each micro batch's chosen and rejected rows into rows of up to the run's sequence length,
             each attending only to itself with its positions from 0: the same log-probabilities, losses and rewards,
             less padding computed; --global_batch_size and --micro_batch_size still count pairs
     """
 
-    data_kind: ClassVar[Optional[str]] = None  # --data names instruction sets; pairs come from --data_path
+    data_kind: ClassVar[str] = "preference"  # what --data may name
     out_dir: Path = Path("out/finetune/dpo")
-    method: Literal["lora", "full"] = "lora"
+    method: Literal["lora", "adapter", "full"] = "lora"
     loss: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
     beta: float = 0.1
     simpo_gamma: float = 0.5
@@ -89,12 +100,14 @@ def main(args: DPOArgs) -> None:
     finetune.check_own_data(args, "finetune/dpo.py", "preference pairs", PAIR_EXAMPLE)
     if args.reference_model is not None and args.plan is None:
         check_checkpoint_dir(args.reference_model)
-    run = finetune.resolve(args, args.method, read_pairs if args.data_path is not None else None)
+    has_data = args.data_path is not None or args.data is not None
+    run = finetune.resolve(args, args.method, read_pairs if has_data else None)
     common.plan_or_train(run, args, train)
 
 
 def read_pairs(run: Run, args: DPOArgs, tokenizer: Any, style: PromptStyle) -> PreferenceData:
-    return load_preference_data(args.data_path, tokenizer, style, run.seq_len, args.val_split_fraction)
+    return load_preference_data(args.data_path, tokenizer, style, run.seq_len, args.val_split_fraction,
+                                data=args.data, fields=parse_fields(args.data_fields, "preference"))
 
 
 def prepare(fabric: Fabric, run: Run, args: DPOArgs) -> tuple[Run, finetune.Setup]:
@@ -187,12 +200,12 @@ def train(fabric: Fabric, run: Run, args: DPOArgs) -> None:
     model = finetune.load_model(fabric, run, setup)
     spec = run.preference
     finetune.make_trainable(fabric, run, model)
-    reference = {"adapters": "the model with its LoRA adapters off", "none": "none (a reference-free loss)",
+    reference = {"adapters": finetune.adapters_off(run), "none": "none (a reference-free loss)",
                  "precomputed": f"{args.reference_model or setup.checkpoint_dir}, computed once"}[spec.reference]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fabric.print(f"{spec.loss.upper()} beta={spec.beta:g}: {trainable:,} trainable parameters; reference: {reference}")
     model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
-    progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=run.lora is not None,
+    progress, run = finetune.train(fabric, run, args, setup, model, optimizer, trainable_only=run.trainable != "full",
                                    collate_fn=collate_pairs)
     if progress.stopped:  # saved and summarized by fit: no final/, no answer
         return

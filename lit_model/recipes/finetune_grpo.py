@@ -4,6 +4,8 @@ inference engine with the weights being trained -> save.
     python finetune/grpo.py --data_path prompts.jsonl                          # LoRA, exact match with "answer"
     python finetune/grpo.py --data_path prompts.jsonl --reward rewards.py:correct --reward 'format:^\\d+$' \\
         --reward_weights '[1.0, 0.2]'
+    python finetune/grpo.py --data gsm8k                                       # a named hub set of prompts
+    python finetune/grpo.py --data_path prompts.jsonl --method adapter         # LLaMA-Adapter prefixes
     python finetune/grpo.py --data_path prompts.jsonl --method full            # every weight (beta 0)
 
 The objective (methods/grpo.py) is TRL 1.16's GRPOTrainer with its defaults: DAPO's token-level loss, clipping at
@@ -32,7 +34,9 @@ from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.rewards import load_rewards
 from lit_model.plan.oom_report import out_of_memory_report
 from lit_model.recipes import common, finetune
+from lit_model.data.sources import parse_fields
 from lit_model.recipes.cli import parse
+from lit_model.recipes.finetune_adapter import AdapterArgs
 from lit_model.recipes.finetune_lora import LoRAArgs
 from lit_model.run import Run
 from lit_model.train import session
@@ -42,13 +46,18 @@ from lit_model.train.step import unwrap
 
 
 @dataclass
-class GRPOArgs(LoRAArgs):
-    """Fine-tune a checkpoint with GRPO on prompts and rewards (LoRA, QLoRA or every weight).
+class GRPOArgs(LoRAArgs, AdapterArgs):
+    """Fine-tune a checkpoint with GRPO on prompts and rewards (LoRA, QLoRA, LLaMA-Adapter or every weight).
 
     Args:
         data_path: .json/.jsonl/.parquet/.csv prompt records, TRL's formats: {"prompt": str} or a "prompt" (or
             "messages") list of chat messages, with any other fields (e.g. "answer") handed to the rewards
-        method: lora (with --quantize: QLoRA) or full (every weight)
+        data: a named hub dataset of prompts instead of --data_path: gsm8k (its "answer" the number after "####")
+            (downloaded once into the datasets cache; needs `pip install datasets`)
+        data_fields: map the data's field names to ours, OURS=THEIRS pairs: e.g. prompt=question,answer=solution
+            (ours: prompt, answer)
+        method: lora (with --quantize: QLoRA), adapter (LLaMA-Adapter, as finetune/adapter.py; with --quantize the
+            base in low precision) or full (every weight)
         reward: a built-in (exact_match: the completion equals the record's "answer"; format:REGEX; length: its
             tokens) or FILE.py:function, a function (prompts, completions, **fields) -> list[float]; repeat the flag
             for several, summed with --reward_weights
@@ -60,15 +69,15 @@ class GRPOArgs(LoRAArgs):
         top_p: nucleus sampling (1: off, as TRL)
         loss_type: dapo (token-level over the step, TRL's default), grpo (each completion's mean) or dr_grpo
         scale_rewards: group (advantages over the group's std, TRL's default), batch (the step's std) or none
-        beta: weight of the KL to the reference (0: none, TRL's default; > 0 needs --method lora, whose base with
-            its adapters off is the reference)
+        beta: weight of the KL to the reference (0: none, TRL's default; > 0 needs --method lora or adapter, whose
+            base with its adapters off is the reference)
         epsilon: the ratio's lower clip, 1 - epsilon
         epsilon_high: the ratio's upper clip, 1 + epsilon_high (DAPO's "clip higher" when above epsilon)
     """
 
-    data_kind: ClassVar[Optional[str]] = None  # --data names instruction sets; prompts come from --data_path
+    data_kind: ClassVar[str] = "prompts"  # what --data may name
     out_dir: Path = Path("out/finetune/grpo")
-    method: Literal["lora", "full"] = "lora"
+    method: Literal["lora", "adapter", "full"] = "lora"
     reward: list[str] = field(default_factory=lambda: ["exact_match"])
     reward_weights: Optional[list[float]] = None
     num_generations: int = 4
@@ -119,7 +128,8 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     spec = run.grpo
     tokenizer, style = Tokenizer(run.checkpoint_dir), finetune.prompt_style(run, args)
-    data = load_prompt_data(args.data_path, tokenizer, style, run.seq_len - spec.max_new_tokens, args.val_split_fraction)
+    data = load_prompt_data(args.data_path, tokenizer, style, run.seq_len - spec.max_new_tokens,
+                            args.val_split_fraction, data=args.data, fields=parse_fields(args.data_fields, "prompts"))
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
@@ -129,12 +139,12 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     model = finetune.load_model(fabric, run, setup)
     finetune.make_trainable(fabric, run, model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    reference = "the model with its LoRA adapters off" if spec.beta > 0 else "none (beta 0)"
+    reference = finetune.adapters_off(run) if spec.beta > 0 else "none (beta 0)"
     fabric.print(f"GRPO ({spec.loss_type}) with {', '.join(spec.rewards)}: {trainable:,} trainable parameters; "
                  f"reference: {reference}")
     model, optimizer = session.setup_model_and_optimizer(fabric, model, run, args)
     progress = Progress()
-    save_filter = finetune.resume(fabric, run, args, model, optimizer, progress, trainable_only=run.lora is not None)
+    save_filter = finetune.resume(fabric, run, args, model, optimizer, progress, trainable_only=run.trainable != "full")
 
     precision = Precision(run.precision, run.param_dtype, run.autocast_dtype)
     rollouts = Rollouts(unwrap(model), tokenizer, precision, spec, rewards, weights, run.seq_len, fabric.device,
