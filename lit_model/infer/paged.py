@@ -8,7 +8,9 @@ and key head: a block's scale only grows (a new token larger than what the block
 values once), so a block's values never clip.
 
 On every device the read is a gather of the batch's blocks into (batch, key heads, positions, head size) followed by
-the attention kernel the policy picks, masked per row by position: the blocks past a row's length are masked out."""
+the attention kernel the policy picks, masked per row by position: the blocks past a row's length are masked out. A
+batch of one sequence whose blocks follow each other in the pool (a chat's conversation: the pool hands out its lowest
+free blocks) reads them in place, without the gather's copy."""
 
 from __future__ import annotations
 
@@ -111,7 +113,8 @@ class BlockPool:
         self.block_of_prefix: dict[bytes, int] = {}
         self.prefix_of_block: dict[int, bytes] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()  # remembered blocks no sequence holds, oldest first
-        self.tables: dict[torch.device, torch.Tensor] = {}
+        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.span: Optional[slice] = None  # the bound batch's slots, where they are one run of consecutive slots
 
     @property
     def free_blocks(self) -> int:
@@ -175,6 +178,9 @@ class BlockPool:
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         read = (table[:, :, None] * self.spec.block_size + torch.arange(self.spec.block_size)).reshape(-1)
         self.tables = {torch.device("cpu"): (table, read)}
+        first = tables[0][0]
+        consecutive = len(tables) == 1 and tables[0] == list(range(first, first + width))
+        self.span = slice(first * self.spec.block_size, (first + width) * self.spec.block_size) if consecutive else None
 
     def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The bound tables (rows, blocks) on ``device``, and the slots a forward reads: every row's blocks in order."""
@@ -211,7 +217,9 @@ class PagedKVCache(nn.Module):
         if self.quantized_max is None:
             self.k.index_copy_(0, slots, new_k.to(self.k.dtype))
             self.v.index_copy_(0, slots, new_v.to(self.v.dtype))
-            keys, values = self.k.index_select(0, read), self.v.index_select(0, read)
+            span = self.pool.span
+            keys, values = ((self.k[span], self.v[span]) if span is not None else
+                            (self.k.index_select(0, read), self.v.index_select(0, read)))
         else:
             keys = self._write_quantized(self.k, self.k_scale, slots, new_k, read, k.dtype)
             values = self._write_quantized(self.v, self.v_scale, slots, new_v, read, k.dtype)
