@@ -20,6 +20,7 @@ from lit_model.data.instruct import IGNORE_INDEX, PAD_MULTIPLE, padded_length
 from lit_model.data.prompts import Prompt
 from lit_model.data.text import GlobalBatchSampler
 from lit_model.core.errors import UserError
+from lit_model.core.meter import Meter
 from lit_model.infer.batching import Engine, Request, complete
 from lit_model.infer.engine import Sampling
 from lit_model.infer.load import Precision
@@ -75,9 +76,11 @@ class Rollouts:
         eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
         return [list(done[r.id].tokens) + (eos if done[r.id].finish_reason == "stop" else []) for r in requests]
 
-    def __call__(self, prompts: Sequence[Prompt], seeds: Sequence[int], announce: bool = True) -> Batch:
+    def __call__(self, prompts: Sequence[Prompt], seeds: Sequence[int], announce: bool = True,
+                 meter: Optional[Meter] = None) -> Batch:
         """The batch of ``prompts``' completions: (input_ids, targets, advantages, weights, stats), G rows per prompt
-        in the prompts' order; ``announce``: tell ``self.announce`` how it went."""
+        in the prompts' order; ``announce``: tell ``self.announce`` how it went; ``meter``: add the rollout's prompt +
+        completion tokens and its seconds (generation, rewards and the batch) to it."""
         start = time.perf_counter()
         completion_ids = self.generate(prompts, seeds)
         seconds = time.perf_counter() - start
@@ -102,7 +105,10 @@ class Rollouts:
         input_ids, targets = self.rows([p.ids for p in rows], completion_ids)
         batch = (input_ids, targets, group_advantages(rewards, group, self.spec.scale_rewards),
                  row_weights(self.spec.loss_type, lengths, self.spec.max_new_tokens), stats)
-        return tuple(part.to(self.device) for part in batch)
+        batch = tuple(part.to(self.device) for part in batch)
+        if meter is not None:
+            meter.add(sum(len(p.ids) for p in rows) + int(lengths.sum()), time.perf_counter() - start)
+        return batch
 
     def rows(self, prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and targets of prompt + completion rows, right-padded: the completion's tokens the only targets."""
@@ -117,14 +123,15 @@ class Rollouts:
 
 
 def train_rollouts(rollouts: Rollouts, prompts: Sequence[Prompt], prompts_per_step: int, micro_batch_size: int,
-                   rank: int, world_size: int, seed: int, start_step: int) -> Iterator[Batch]:
+                   rank: int, world_size: int, seed: int, start_step: int, meter: Optional[Meter] = None) -> Iterator[Batch]:
     """An endless iterator of this rank's micro batches from optimizer step ``start_step`` on: each step's prompts
     (``GlobalBatchSampler``: the same for any world size, resumable by step) are rolled out when its first micro
-    batch is asked for, then handed out ``micro_batch_size`` completions at a time."""
+    batch is asked for, then handed out ``micro_batch_size`` completions at a time. ``meter`` hears each rollout's
+    tokens and seconds."""
     per_rank = prompts_per_step // world_size
     sampler = GlobalBatchSampler(len(prompts), prompts_per_step, per_rank, rank, world_size, seed, start_step)
     for step, indices in enumerate(sampler, start_step):
-        batch = rollouts([prompts[i] for i in indices], [rollout_seed(seed, step, rank, i) for i in indices])
+        batch = rollouts([prompts[i] for i in indices], [rollout_seed(seed, step, rank, i) for i in indices], meter=meter)
         yield from zip(*(part.split(micro_batch_size) for part in batch))
 
 
