@@ -354,6 +354,34 @@ def test_rollouts_leave_no_kv_cache_for_the_training_forward(prompts):
     assert torch.equal(rollouts(data.train[:2], [1, 2])[0], batch[0])  # the same seeds, the same completions
 
 
+def test_a_rollout_decodes_as_many_groups_at_a_time_as_a_micro_batch_holds(prompts):
+    """Two prompts' groups of 3 with a micro batch of 6 decode as one batch of 6 (a micro batch of 4 holds one group:
+    3 at a time), and draw the same completions either way: each is seeded by itself."""
+    from lit_model.data.prompts import load_prompt_data
+    from lit_model.infer.load import Precision
+    from lit_model.infer.rollout import Rollouts
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+    from lit_model.methods.load import load_gpt
+    from lit_model.methods.rewards import load_rewards
+
+    model, tokenizer = load_gpt(prompts["base"]), Tokenizer(prompts["base"])
+    data = load_prompt_data(prompts["data"], tokenizer, PromptStyle.from_name("alpaca"), 200)
+    spec = GRPOSpec(rewards=("length",), num_generations=3, max_new_tokens=5)
+    assert [spec.rollout_rows(m) for m in (1, 3, 4, 6, 8)] == [3, 3, 3, 6, 6]
+    rewards, weights = load_rewards(spec.rewards, None)
+    batches, widths = {}, []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[0]))
+    for micro in (4, 6):
+        widths.clear()
+        rollouts = Rollouts(model, tokenizer, Precision("32-true", torch.float32, None), spec, rewards, weights, 256,
+                            torch.device("cpu"), rows=spec.rollout_rows(micro))
+        batches[micro] = rollouts(data.train[:2], [1, 2])
+        assert max(widths) == spec.rollout_rows(micro)
+    hook.remove()
+    assert torch.equal(batches[4][0], batches[6][0])
+
+
 def test_a_rollout_that_runs_out_of_memory_recomputes_to_the_same_completions(prompts, monkeypatch):
     """An out-of-memory error inside a rollout's decoding step preempts the newest sequences (the engine's
     recovery): the completions are those of a rollout that never ran out."""

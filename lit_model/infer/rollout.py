@@ -1,7 +1,8 @@
 """GRPO's rollouts, generated in the training process by the continuous-batching engine with the training weights
-themselves (LoRA's adapters on their shared base, no copy): G completions decode at a time in a paged KV cache of
-G x (the longest prompt + --max_new_tokens) positions, allocated for the rollout and removed before anything else
-runs, so it never adds to the training step's memory. The completions are decoded, scored by the rewards and
+themselves (LoRA's adapters on their shared base, no copy): R completions decode at a time (as many whole groups of
+G as a micro batch holds: ``GRPOSpec.rollout_rows``) in a paged KV cache of R x (the longest prompt +
+--max_new_tokens) positions, allocated for the rollout and removed before anything else runs, so it never adds to
+the training step's memory. The completions are decoded, scored by the rewards and
 turned into a training batch (``methods/grpo.py``'s layout).
 
 Rollouts are seeded per (run seed, step, rank, prompt, completion): the same run draws the same completions, and a
@@ -41,21 +42,24 @@ def rollout_seed(*keys: int) -> int:
 
 class Rollouts:
     """Generates and scores groups of completions with ``model`` (the bare ``GPT`` that training updates) and
-    returns them as a training batch on ``device``. ``announce`` (if given) hears one line per call."""
+    returns them as a training batch on ``device``. ``announce`` (if given) hears one line per call. ``rows``: the
+    completions decoded at a time (``GRPOSpec.rollout_rows``; default one group)."""
 
     def __init__(self, model: GPT, tokenizer: Any, precision: Precision, spec: GRPOSpec, rewards: Sequence[Reward],
                  weights: torch.Tensor, seq_len: int, device: torch.device,
-                 announce: Optional[Callable[[str], Any]] = None) -> None:
+                 announce: Optional[Callable[[str], Any]] = None, rows: Optional[int] = None) -> None:
         self.model, self.tokenizer, self.precision, self.spec = model, tokenizer, precision, spec
         self.rewards, self.weights, self.seq_len, self.device, self.announce = rewards, weights, seq_len, device, announce
+        self.rows_at_a_time = rows or spec.num_generations
 
     def generate(self, prompts: Sequence[Prompt], seeds: Sequence[int]) -> list[list[int]]:
         """G completions' token ids per prompt (the eos that ended one kept: the policy is trained to stop), in
-        eval mode and without gradients, through the continuous-batching engine: G sequences decode at a time in a
-        pool of G x (the longest prompt + --max_new_tokens) positions, a group's completions joining as another's
-        end; a step that runs out of memory gives the newest sequences' blocks back and recomputes them later. The
-        cache is removed afterwards, whatever happens."""
+        eval mode and without gradients, through the continuous-batching engine: R (``rows``) sequences decode at a
+        time in a pool of R x (the longest prompt + --max_new_tokens) positions, others joining as some end; a step
+        that runs out of memory gives the newest sequences' blocks back and recomputes them later. The cache is
+        removed afterwards, whatever happens."""
         spec, model, group = self.spec, self.model, self.spec.num_generations
+        rows = min(self.rows_at_a_time, group * len(prompts))  # an evaluation's single group: no larger pool
         longest = max(len(prompt.ids) for prompt in prompts) + spec.max_new_tokens
         requests = [Request(f"{i}.{g}", tuple(int(t) for t in prompt.ids), spec.max_new_tokens,
                             Sampling(spec.temperature, spec.top_k, spec.top_p, rollout_seed(seed, g)),
@@ -64,7 +68,7 @@ class Rollouts:
         was_training = model.training
         model.eval()
         try:
-            engine = Engine(model, self.precision, PoolSpec(group * blocks_for(longest, DEFAULT_BLOCK_SIZE)), group)
+            engine = Engine(model, self.precision, PoolSpec(rows * blocks_for(longest, DEFAULT_BLOCK_SIZE)), rows)
             done, _ = complete(engine, requests)
         finally:
             model.clear_kv_cache()

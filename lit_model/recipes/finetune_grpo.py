@@ -139,7 +139,7 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
 
     precision = Precision(run.precision, run.param_dtype, run.autocast_dtype)
     rollouts = Rollouts(unwrap(model), tokenizer, precision, spec, rewards, weights, run.seq_len, fabric.device,
-                        announce=lambda line: fabric.print(line, flush=True))
+                        announce=lambda line: fabric.print(line, flush=True), rows=spec.rollout_rows(run.micro_batch_size))
     prompts_per_step = run.global_batch_size // spec.num_generations
     meter = Meter()  # the training rollouts' tokens and seconds, logged apart from the training's
     train_batches = train_rollouts(rollouts, data.train, prompts_per_step, run.micro_batch_size, fabric.global_rank,
