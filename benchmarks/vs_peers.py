@@ -43,9 +43,9 @@ What is measured, and how:
   so each side's per-step line carries them: lit-model's step line has `rollout T tok` (what its rollouts generated
   from and generated), TRL's is `trl-step N tokens T`, printed by a callback in the peer script from what the step
   added to GRPOTrainer's own `state.num_input_tokens_seen` (the same quantity). Both sides load the same prompts file
-  (alpaca-formatted, read as they are), the same reward file (benchmarks/_grpo_reward.py: the fraction of a completion's tokens that are distinct),
-  sample at temperature 1 with no top-k/top-p, and train with beta 0 (no reference), the DAPO loss and peft/lit-model
-  LoRA on the same layers; TRL generates with transformers' `generate` (`use_vllm=False`), all of a step's
+  (alpaca-formatted, read as they are) and the same reward file (benchmarks/_grpo_reward.py: the fraction of a
+  completion's tokens that are distinct), sample at temperature 1 with no top-k/top-p, and train with beta 0 (no
+  reference), the DAPO loss and peft/lit-model LoRA on the same layers; TRL generates with transformers' `generate` (`use_vllm=False`), all of a step's
   completions in one call; lit-model with its continuous-batching engine, a group of G at a time.
 - Generation tokens/s is new tokens over the time from the start of generation to the last token (the prefill
   of the short prompt included), from each implementation's own report: litgpt prints it; lit-model prints the
