@@ -45,8 +45,9 @@ What is measured, and how:
   added to GRPOTrainer's own `state.num_input_tokens_seen` (the same quantity). Both sides load the same prompts file
   (alpaca-formatted, read as they are) and the same reward file (benchmarks/_grpo_reward.py: the fraction of a
   completion's tokens that are distinct), sample at temperature 1 with no top-k/top-p, and train with beta 0 (no
-  reference), the DAPO loss and peft/lit-model LoRA on the same layers; TRL generates with transformers' `generate` (`use_vllm=False`), all of a step's
-  completions in one call; lit-model with its continuous-batching engine, a group of G at a time.
+  reference), the DAPO loss and peft/lit-model LoRA on the same layers; TRL generates with transformers'
+  `generate` (`use_vllm=False`), all of a step's completions in one call; lit-model with its continuous-batching
+  engine, as many whole groups at a time as a micro batch holds (here all 8 of a step's).
 - Generation tokens/s is new tokens over the time from the start of generation to the last token (the prefill
   of the short prompt included), from each implementation's own report: litgpt prints it; lit-model prints the
   time to the first token and the decode rate after it, from which the same quantity follows.
