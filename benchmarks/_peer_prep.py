@@ -7,6 +7,7 @@ the benchmark's own process imports neither torch nor a peer (its peak RSS stays
     _peer_prep.py lit_to_hf CHECKPOINT OUT_DIR            # lit-model's env: its converter to a transformers dir
     _peer_prep.py instruct CORPUS_DIR TOKENIZER N OUT     # lit-model's env: a deterministic instruction JSON
     _peer_prep.py pairs INSTRUCT TOKENIZER BLOCK OUT     # lit-model's env: preference pairs (.jsonl) from it
+    _peer_prep.py grpo_prompts INSTRUCT OUT               # lit-model's env: GRPO prompts (.jsonl) from it
     _peer_prep.py litgpt_data DATA_DIR TOKENIZER BLOCK    # litgpt's env: TextFiles.prepare_data (litdata chunks)
     _peer_prep.py litgpt_from_hf HF_DIR MODEL_YAML OUT    # litgpt's env: its own HF->litgpt weight copy
     _peer_prep.py serve_model CORPUS_DIR HF_DIR            # lit-model's env: serve_vs_peers.py's model (random) and prompts
@@ -112,6 +113,18 @@ def pairs(instruct_path: str, tokenizer_dir: str, block: str, out: str) -> None:
     Path(out).write_text("\n".join(lines) + "\n")
     Path(out).with_suffix(".stats.json").write_text(json.dumps({"mean_pair_tokens": statistics.mean(sizes),
                                                                 "max_pair_tokens": max(sizes), "pairs": len(lines)}))
+
+
+def grpo_prompts(instruct_path: str, out: str) -> None:
+    """GRPO's prompts: each record's instruction and input (as the pairs' prompts), written in lit-model's alpaca
+    template, so that both implementations read the same text as it is (about 110 tokens: with the 64-token
+    completions, within the block of 256)."""
+    from lit_model.io.prompts import PromptStyle
+
+    style = PromptStyle.from_name("alpaca")
+    records = json.loads(Path(instruct_path).read_text())
+    lines = [json.dumps({"prompt": style.apply(f"{r['instruction']}\n\n{r['input']}")}) for r in records]
+    Path(out).write_text("\n".join(lines) + "\n")
 
 
 def litgpt_data(data_dir: str, tokenizer_dir: str, block: str) -> None:

@@ -1,12 +1,14 @@
-"""The TRL peer of vs_peers.py's DPO rows: what a TRL user writes to DPO-fine-tune a small Llama with LoRA on the CPU.
+"""The TRL peer of vs_peers.py's DPO rows: what a TRL user writes to DPO-fine-tune a small Llama on the CPU, with LoRA
+or every weight.
 
-    _trl_dpo_peer.py --base_dir DIR --data_path PAIRS.jsonl --block N --precision 32-true ...
+    _trl_dpo_peer.py --base_dir DIR --data_path PAIRS.jsonl --block N --precision 32-true --method lora ...
 
 `load_dataset("json")` on {"prompt", "chosen", "rejected"} string records, the prompt written in the alpaca template
 (without input, as lit-model's --prompt_style alpaca writes a pair's string prompt) and each completion ended as
 that template ends a response; `AutoModelForCausalLM` from the base (bf16-true: created in bfloat16), peft's
 `LoraConfig` handed to `DPOTrainer`, which then takes the base with the adapters disabled as the reference (no
-second model). DPOConfig's defaults that differ from lit-model's run are set to lit-model's: no autocast (`bf16`
+second model); --method full: no peft config and no `ref_model`, so DPOTrainer loads a second copy of the model from
+the same directory as the reference (its default), run forward every step (`precompute_ref_log_probs` False). DPOConfig's defaults that differ from lit-model's run are set to lit-model's: no autocast (`bf16`
 is True by default: autocast over the model's dtype), no gradient checkpointing (on by default), dropout kept (the
 LoRA dropout; TRL's default zeroes every dropout), no gradient clipping. The learning rate: linear warmup, then
 cosine to --min_lr (`cosine_with_min_lr`), AdamW (the Trainer's default optimizer) with betas (0.9, 0.95).
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--data_path", required=True)
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
+    parser.add_argument("--method", default="lora", choices=["lora", "full"])
     parser.add_argument("--micro_batch_size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
@@ -77,7 +80,8 @@ def main() -> None:
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=args.grad_clip, seed=args.seed, logging_steps=1,
         dataloader_num_workers=0, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
     )
-    trainer = DPOTrainer(model=model, args=config, train_dataset=pairs, processing_class=tokenizer, peft_config=lora,
+    trainer = DPOTrainer(model=model, args=config, train_dataset=pairs, processing_class=tokenizer,
+                         peft_config=lora if args.method == "lora" else None,
                          callbacks=[StepStamps()])
     print(f"Model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters "
           f"({sum(p.numel() for p in trainer.model.parameters() if p.requires_grad):,} trainable), {dtype}", flush=True)

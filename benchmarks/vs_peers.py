@@ -10,8 +10,9 @@ default threads.
 
 Peers: litgpt (``litgpt pretrain``, ``litgpt finetune_lora``, ``litgpt generate``; pinned, in
 benchmarks/.venv-litgpt), Hugging Face ``Trainer`` on the equivalent ``LlamaForCausalLM`` (benchmarks/_hf_trainer_peer.py,
-with peft for LoRA; lit-model's environment), TRL's ``DPOTrainer`` with peft LoRA for DPO
-(benchmarks/_trl_dpo_peer.py; lit-model's environment), and torchtune (``tune run``, in benchmarks/.venv-torchtune) where it runs.
+with peft for LoRA; lit-model's environment), TRL's ``DPOTrainer`` for DPO, with peft LoRA or full fine-tuning
+(benchmarks/_trl_dpo_peer.py), and its ``GRPOTrainer`` with peft LoRA for GRPO (benchmarks/_trl_grpo_peer.py; both in
+lit-model's environment), and torchtune (``tune run``, in benchmarks/.venv-torchtune) where it runs.
 
 What is measured, and how:
 
@@ -32,7 +33,21 @@ What is measured, and how:
   Pretraining counts micro batch x block tokens a step (every sample is a full window). Fine-tuning counts
   micro batch x the mean tokenized length of a record (records are cut to equal token counts, so padding is
   small for every implementation): real tokens, whatever an implementation pads. DPO counts pairs x the mean
-  tokenized length of a pair's chosen row plus its rejected row (the same token sequences on both sides).
+  tokenized length of a pair's chosen row plus its rejected row (the same token sequences on both sides). Full DPO's
+  reference: TRL's DPOTrainer, as a TRL user runs it, loads a second copy of the model and runs it forward every
+  step; lit-model computes the reference's log-probabilities of every pair once before training (not in tokens/s)
+  and caches them under $LIT_MODEL_CACHE (the first run of a row computes them, later runs read them).
+- GRPO counts each step's rollouts, generation and training together: the prompt plus completion tokens of the
+  step's completions (prompts x G; a completion's tokens up to and including the eos that ended it) over the step's
+  time, summed over the steps after W as above. Those counts vary by step (completions end at different lengths),
+  so each side's per-step line carries them: lit-model's step line has `rollout T tok` (what its rollouts generated
+  from and generated), TRL's is `trl-step N tokens T`, printed by a callback in the peer script from what the step
+  added to GRPOTrainer's own `state.num_input_tokens_seen` (the same quantity). Both sides load the same prompts file
+  (alpaca-formatted, read as they are) and the same reward file (benchmarks/_grpo_reward.py: the fraction of a
+  completion's tokens that are distinct), sample at temperature 1 with no top-k/top-p, and train with beta 0 (no
+  reference), the DAPO loss and peft/lit-model LoRA on the same layers; TRL generates with transformers'
+  `generate` (`use_vllm=False`), all of a step's completions in one call; lit-model with its continuous-batching
+  engine, as many whole groups at a time as a micro batch holds (here all 8 of a step's).
 - Generation tokens/s is new tokens over the time from the start of generation to the last token (the prefill
   of the short prompt included), from each implementation's own report: litgpt prints it; lit-model prints the
   time to the first token and the decode rate after it, from which the same quantity follows.
@@ -76,7 +91,10 @@ ARCH = dict(vocab_size=4096, padded_vocab_size=4096, n_layer=4, n_embd=256, n_he
 PRETRAIN = dict(lr=3e-3, min_lr=3e-4, warmup=10, weight_decay=0.1, grad_clip=1.0, seed=1337)
 # No gradient clipping in fine-tuning: litgpt's finetune_lora has none (it refuses --train.max_norm), so none clips.
 FINETUNE = dict(lr=1e-3, min_lr=1e-4, warmup=10, weight_decay=0.0, grad_clip=0.0, seed=1337, r=8, alpha=16, dropout=0.05)
-DPO_BETA = 0.1  # TRL's default; the DPO rows take FINETUNE's schedule and LoRA settings
+DPO_BETA = 0.1  # TRL's default; the DPO and GRPO rows take FINETUNE's schedule and LoRA settings
+# GRPO: TRL's defaults where lit-model's are the same; G and the completion length lit-model's CPU defaults (TRL: 8
+# and 512); a step is 2 prompts x G completions (the rows' micro batch), trained in one micro batch
+GRPO = dict(num_generations=4, prompts_per_step=2, max_new_tokens=64, temperature=1.0)
 INSTRUCT_RECORDS = 2000
 GENERATE = dict(prompt="def fibonacci(n):\n", max_new_tokens=224)  # + the prompt: within the base's block of 256
 TORCHTUNE = ("torchtune==0.6.1", "torchao==0.11.0")  # torchao 0.12+ dropped the NF4 module torchtune 0.6.1 imports
@@ -92,22 +110,25 @@ GLIBC_DEFAULT_HEAP = {"MALLOC_PERTURB_": "0"}
 # ---- rows ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Row:
-    kind: str  # pretrain, lora, dpo, generate
+    kind: str  # pretrain, lora, dpo, grpo, generate
     block: int
     micro: int
     precision: str
+    method: str = "lora"  # dpo: lora or full (the other kinds' own)
 
     @property
     def name(self) -> str:
         if self.kind == "generate":
             return f"generate-{self.precision}"
-        return f"{self.kind}-b{self.block}-m{self.micro}-{self.precision}"
+        full = "-full" if self.method == "full" else ""
+        return f"{self.kind}{full}-b{self.block}-m{self.micro}-{self.precision}"
 
 
 PRECISIONS = ("32-true", "bf16-true")
 ROWS = [Row("pretrain", block, micro, p) for block in (256, 1024) for micro in (1, 8, 32) for p in PRECISIONS]
 ROWS += [Row("lora", 256, 8, p) for p in PRECISIONS] + [Row("generate", 256, 1, p) for p in PRECISIONS]
-ROWS += [Row("dpo", 256, 4, p) for p in PRECISIONS]  # micro = pairs (two rows each)
+ROWS += [Row("dpo", 256, 4, p, method) for method in ("lora", "full") for p in PRECISIONS]  # micro = pairs (2 rows each)
+ROWS += [Row("grpo", 256, GRPO["prompts_per_step"] * GRPO["num_generations"], p) for p in PRECISIONS]  # micro = completions
 # The default run: the issue's setup (block 256, micro = global 8) in both precisions, the long block at micro 8,
 # fine-tuning and generation: just under an hour on 2 idle cores at 60 steps x 3 repeats (--list prints the estimate;
 # --rows all, the whole matrix, about six hours).
@@ -254,7 +275,7 @@ class Setup:
             if "torchtune" in impls:
                 torchtune_init(block)
         self.instruct = WORK / "instruct.json"
-        if any(row.kind in ("lora", "dpo", "generate") for row in rows):
+        if any(row.kind in ("lora", "dpo", "grpo", "generate") for row in rows):
             self.base = base_checkpoint()
             self.base_hf = WORK / "base-hf"
             if not (self.base_hf / "model.safetensors").exists():
@@ -271,6 +292,9 @@ class Setup:
             if not self.pairs.exists():
                 prep(sys.executable, "pairs", self.instruct, TOKENIZER, 256, self.pairs)
             self.pair_tokens = json.loads(self.pairs.with_suffix(".stats.json").read_text())["mean_pair_tokens"]
+        self.prompts = WORK / "grpo-prompts.jsonl"  # the GRPO rows' prompts, read by both implementations
+        if any(row.kind == "grpo" for row in rows) and not self.prompts.exists():
+            prep(sys.executable, "grpo_prompts", self.instruct, self.prompts)
 
 
 def base_checkpoint() -> Path:
@@ -295,8 +319,8 @@ class Command:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
-    step_line: Optional[re.Pattern]  # a per-step log line; group 1: the optimizer step
-    tokens_per_step: float
+    step_line: Optional[re.Pattern]  # a per-step log line; group 1: the optimizer step, group 2 (GRPO): its tokens
+    tokens_per_step: float  # when the line does not say
 
 
 def commands(impl: str, row: Row, run_dir: Path, steps: int, setup: Setup, pythons: dict[str, str]) -> Command:
@@ -308,6 +332,8 @@ def commands(impl: str, row: Row, run_dir: Path, steps: int, setup: Setup, pytho
 
 
 def tokens_per_step(row: Row, setup: Setup) -> float:
+    if row.kind == "grpo":  # the step lines count them
+        return 0
     if row.kind == "dpo":
         return row.micro * setup.pair_tokens
     return row.micro * (row.block if row.kind == "pretrain" else setup.sample_tokens)
@@ -324,17 +350,24 @@ def lit_model_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons
             "--learning_rate", schedule["lr"], "--min_lr", schedule["min_lr"], "--warmup_steps", schedule["warmup"],
             "--weight_decay", schedule["weight_decay"], "--grad_clip", schedule["grad_clip"], "--seed", schedule["seed"],
             "--log_interval", 1, "--eval_interval", steps, "--eval_iters", 2, "--save_interval", 0]
+    step_line = re.compile(r"^step (\d+)/\d+ \|")
+    lora = ["--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"], "--lora_dropout", FINETUNE["dropout"],
+            *lora_targets("lit")] if row.method == "lora" else []
     if row.kind == "pretrain":
         argv = ["pretrain/main.py", "--model_config", model_yaml(row.block), "--tokenizer_dir", TOKENIZER,
                 "--data_path", CORPUS, *loop, *common]
+    elif row.kind == "grpo":  # the prompts are in the template already: the default style leaves them as they are
+        argv = ["finetune/grpo.py", "--checkpoint_dir", setup.base, "--data_path", setup.prompts, "--prompt_style",
+                "default", "--method", row.method, "--reward", f"{HERE / '_grpo_reward.py'}:distinct",
+                "--num_generations", GRPO["num_generations"], "--max_new_tokens", GRPO["max_new_tokens"],
+                "--temperature", GRPO["temperature"], "--beta", 0, "--loss_type", "dapo", *lora, *loop, *common]
+        step_line = re.compile(r"^step (\d+)/\d+ \|.* \| rollout (\d+) tok in ")
     else:
         script, data = ("finetune/dpo.py", setup.pairs) if row.kind == "dpo" else ("finetune/lora.py", setup.instruct)
-        dpo = ["--method", "lora", "--loss", "dpo", "--beta", DPO_BETA] if row.kind == "dpo" else []
+        dpo = ["--method", row.method, "--loss", "dpo", "--beta", DPO_BETA] if row.kind == "dpo" else []
         argv = [script, "--checkpoint_dir", setup.base, "--data_path", data, "--prompt_style", "alpaca", *dpo,
-                "--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"], "--lora_dropout", FINETUNE["dropout"],
-                *lora_targets("lit"), *loop, *common]
-    return Command(as_argv(pythons["lit_model"], argv), lit_env(), ROOT, re.compile(r"^step (\d+)/\d+ \|"),
-                   tokens_per_step(row, setup))
+                *lora, *loop, *common]
+    return Command(as_argv(pythons["lit_model"], argv), lit_env(), ROOT, step_line, tokens_per_step(row, setup))
 
 
 def lora_targets(style: str) -> list[str]:
@@ -393,13 +426,20 @@ def hf_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons: dict[
 
 
 def trl_command(row: Row, run_dir: Path, steps: int, setup: Setup, pythons: dict[str, str]) -> Command:
-    """TRL's DPOTrainer with peft LoRA (benchmarks/_trl_dpo_peer.py), in this interpreter as the HF Trainer runs."""
-    argv = [str(HERE / "_trl_dpo_peer.py"), "--base_dir", setup.base_hf, "--data_path", setup.pairs,
-            "--block", row.block, "--precision", row.precision, "--micro_batch_size", row.micro, "--steps", steps,
-            "--learning_rate", FINETUNE["lr"], "--min_lr", FINETUNE["min_lr"], "--warmup_steps", FINETUNE["warmup"],
-            "--weight_decay", FINETUNE["weight_decay"], "--grad_clip", FINETUNE["grad_clip"], "--seed", FINETUNE["seed"],
-            "--beta", DPO_BETA, "--lora_r", FINETUNE["r"], "--lora_alpha", FINETUNE["alpha"],
-            "--lora_dropout", FINETUNE["dropout"], *lora_targets("hf"), "--out_dir", run_dir]
+    """TRL's DPOTrainer (benchmarks/_trl_dpo_peer.py) or GRPOTrainer (_trl_grpo_peer.py), in this interpreter as the
+    HF Trainer runs."""
+    schedule = ["--steps", steps, "--learning_rate", FINETUNE["lr"], "--min_lr", FINETUNE["min_lr"],
+                "--warmup_steps", FINETUNE["warmup"], "--weight_decay", FINETUNE["weight_decay"],
+                "--grad_clip", FINETUNE["grad_clip"], "--seed", FINETUNE["seed"], "--lora_r", FINETUNE["r"],
+                "--lora_alpha", FINETUNE["alpha"], "--lora_dropout", FINETUNE["dropout"], *lora_targets("hf"),
+                "--precision", row.precision, "--base_dir", setup.base_hf, "--out_dir", run_dir]
+    if row.kind == "grpo":
+        argv = [str(HERE / "_trl_grpo_peer.py"), "--data_path", setup.prompts,
+                *(x for k, v in GRPO.items() for x in (f"--{k}", v)), *schedule]
+        return Command(as_argv(sys.executable, argv), lit_env(), run_dir, re.compile(r"^trl-step (\d+) tokens (\d+)$"),
+                       tokens_per_step(row, setup))
+    argv = [str(HERE / "_trl_dpo_peer.py"), "--data_path", setup.pairs, "--block", row.block, "--method", row.method,
+            "--micro_batch_size", row.micro, "--beta", DPO_BETA, *schedule]
     return Command(as_argv(sys.executable, argv), lit_env(), run_dir, re.compile(r"^trl-step (\d+)$"),
                    tokens_per_step(row, setup))
 
@@ -473,6 +513,7 @@ class Result:
     returncode: int
     output: str
     stamps: dict[int, float]
+    step_tokens: dict[int, float]  # the tokens the step lines say their step had (GRPO)
     peak_rss: int
     tree_peak: int
     processes: int
@@ -486,6 +527,7 @@ def run_process(command: Command, log_path: Path) -> Result:
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace")
     lines: list[str] = []
     stamps: dict[int, float] = {}
+    step_tokens: dict[int, float] = {}
     seen: set[int] = set()
     tree_peak = 0
     done = threading.Event()
@@ -496,6 +538,8 @@ def run_process(command: Command, log_path: Path) -> Result:
             lines.append(line)
             if command.step_line is not None and (match := command.step_line.search(line.strip())):
                 stamps.setdefault(int(match.group(1)), now)
+                if match.re.groups > 1:
+                    step_tokens.setdefault(int(match.group(1)), float(match.group(2)))
 
     def sample() -> None:
         nonlocal tree_peak
@@ -516,7 +560,7 @@ def run_process(command: Command, log_path: Path) -> Result:
     output = "".join(lines)
     log_path.write_text(f"$ {shlex.join(command.argv)}\n\n{output}")
     peak = usage.ru_maxrss * 1024
-    return Result(process.returncode, output, stamps, peak, max(tree_peak, peak), len(seen) + 1,
+    return Result(process.returncode, output, stamps, step_tokens, peak, max(tree_peak, peak), len(seen) + 1,
                   time.perf_counter() - start)
 
 
@@ -525,7 +569,12 @@ def training_rate(result: Result, command: Command, steps: int, warmup: int) -> 
     if first not in result.stamps or last not in result.stamps:
         raise RuntimeError(f"no per-step log line for step {first} or {last} (found steps "
                            f"{min(result.stamps, default=None)}..{max(result.stamps, default=None)})")
-    return (last - first) * command.tokens_per_step / (result.stamps[last] - result.stamps[first])
+    counted = range(first + 1, last + 1)
+    if command.step_line.groups > 1:  # each line says its step's tokens
+        tokens = sum(result.step_tokens[step] for step in counted if step in result.step_tokens)
+    else:
+        tokens = len(counted) * command.tokens_per_step
+    return tokens / (result.stamps[last] - result.stamps[first])
 
 
 
@@ -547,7 +596,7 @@ def generation_rate(impl: str, output: str) -> float:
 def impls_for(row: Row, impls: list[str]) -> list[str]:
     supported = {"pretrain": ("lit_model", "litgpt", "hf", "torchtune", "lit_model_glibc"),
                  "lora": ("lit_model", "litgpt", "hf", "lit_model_glibc"),
-                 "dpo": ("lit_model", "trl"),
+                 "dpo": ("lit_model", "trl"), "grpo": ("lit_model", "trl"),
                  "generate": ("lit_model", "litgpt")}[row.kind]
     return [impl for impl in impls if impl in supported]
 
@@ -613,6 +662,7 @@ EST_TOKENS_PER_SEC = {"32-true": 5000, "bf16-true": 7000}
 EST_FIXED_SECONDS = {"lit_model": 15, "litgpt": 40, "hf": 15, "torchtune": 20, "lit_model_glibc": 15, "trl": 20}
 # DPO: a pair is two rows of about 229 tokens; the reference's forward pass (no backward) adds a third to the work
 EST_PAIR_TOKENS, EST_DPO_COST = 457, 4 / 3
+EST_GRPO_STEP_SECONDS = 1.5  # a step's rollouts (G x 64 new tokens, one at a time) cost more than its training
 
 
 def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int, sample_tokens: float = 247) -> float:
@@ -623,6 +673,9 @@ def estimate_seconds(rows: list[Row], impls: list[str], steps: int, repeats: int
         for impl in impls_for(row, impls):
             if row.kind == "generate":
                 total += repeats * (EST_FIXED_SECONDS[impl] / 2 + 10)
+                continue
+            if row.kind == "grpo":
+                total += repeats * (EST_FIXED_SECONDS[impl] + steps * EST_GRPO_STEP_SECONDS)
                 continue
             tokens = steps * row.micro * {"pretrain": row.block, "dpo": EST_PAIR_TOKENS * EST_DPO_COST}.get(row.kind,
                                                                                                  sample_tokens)
@@ -670,8 +723,8 @@ def write_report(table: list[dict], commands_used: dict[str, dict[str, str]], fa
         "Threads: each implementation's default (OMP_NUM_THREADS and MKL_NUM_THREADS removed from the environment). "
         "Precision: 32-true and bf16-true are lit-model's and litgpt's own flags; the Hugging Face Trainer runs "
         "32-true in fp32 and bf16-true with the model created in bfloat16 (`dtype=torch.bfloat16`, formerly "
-        "`torch_dtype`; no autocast), as HF users train in bf16 on a CPU, and so does TRL's DPOTrainer (with `bf16=False`: "
-        "DPOConfig's default is autocast); torchtune's `dtype: fp32` / `bf16`.\n",
+        "`torch_dtype`; no autocast), as HF users train in bf16 on a CPU, and so do TRL's DPOTrainer and GRPOTrainer (with "
+        "`bf16=False`: their configs' default is autocast); torchtune's `dtype: fp32` / `bf16`.\n",
         f"CPU: {cpu_description()} (tokens/s and their ratios are of this machine).\n",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load[0])}; after: "
         f"{', '.join(f'{x:.2f}' for x in load[1])}. This benchmark's own peak RSS during the runs: {own_peak / 2**20:.0f} MB.\n",

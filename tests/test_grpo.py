@@ -24,6 +24,7 @@ from test_finetune import MODEL, make_checkpoint, run
 from lit_model.core.errors import UserError
 from lit_model.data.instruct import IGNORE_INDEX
 from lit_model.methods.grpo import GRPO, GRPOSpec, group_advantages, row_weights
+from lit_model.train.loop import ROLLOUT_COLUMNS
 
 REWARDS_FILE = '''
 def short(prompts, completions, completion_ids, answer, **fields):
@@ -214,8 +215,8 @@ def grpo(prompts: dict[str, Path], out_dir: Path, *extra: str):
 
 
 def without_timing(out_dir: Path) -> list[dict[str, str]]:
-    return [{k: v for k, v in row.items() if k not in ("tokens_per_sec", "peak_memory_bytes")}
-            for row in read_metrics(out_dir)]
+    timing = {"tokens_per_sec", "peak_memory_bytes", *ROLLOUT_COLUMNS} - {"rollout_tokens"}
+    return [{k: v for k, v in row.items() if k not in timing} for row in read_metrics(out_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,7 @@ def lora_grpo(prompts) -> Path:
     proc = grpo(prompts, out, "--save_interval", "1", "--keep_last", "10")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("Rollout: 2 prompt(s) x 4 completions") == 3 and "step 3/3" in proc.stdout
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -242,6 +244,35 @@ def test_grpo_logs_the_rewards_and_saves_the_merged_model(lora_grpo):
     assert (lora_grpo / "final" / "lora.safetensors").is_file()
     summary = json.loads((lora_grpo / "summary.json").read_text())
     assert summary["method"] == "grpo (lora)" and summary["steps"] == 3
+
+
+def test_grpo_logs_the_tokens_per_sec_of_rollouts_and_of_training_apart(lora_grpo, prompts):
+    """Each step's rollout and training time, each with its tokens/s, in metrics.csv, the step line and the summary:
+    the two phases fit in the step, and their tokens are the rollouts' prompts and completions."""
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+
+    rows = read_metrics(lora_grpo)
+    tokenizer, style = Tokenizer(prompts["base"]), PromptStyle.from_name("alpaca")  # a base model's prompts: alpaca's
+    prompt_tokens = [len(tokenizer.encode(style.apply(f"Add {a} and {b}."), bos=None)) for a in range(6) for b in range(5)]
+    stdout = (lora_grpo / "stdout.txt").read_text()
+    for row in rows:
+        values = {name: float(row[name]) for name in ROLLOUT_COLUMNS}
+        assert all(value > 0 for value in values.values()), row
+        assert values["rollout_seconds"] + values["train_seconds"] <= values["step_seconds"], row
+        for phase in ("rollout", "train"):
+            assert values[f"{phase}_tokens_per_sec"] == pytest.approx(
+                values["rollout_tokens"] / values[f"{phase}_seconds"], rel=0.01, abs=1)
+        # 2 prompts x 4 completions: 8 prompt rows and the completions
+        completions = 8 * float(row["completion_length"])
+        assert min(prompt_tokens) * 8 + completions <= values["rollout_tokens"] <= max(prompt_tokens) * 8 + completions
+        assert (f"step {row['step']}/3 | " in stdout
+                and f"| rollout {int(values['rollout_tokens'])} tok in {values['rollout_seconds']:.2f} s, " in stdout)
+    summary = json.loads((lora_grpo / "summary.json").read_text())
+    assert summary["rollout_tokens"] == sum(int(row["rollout_tokens"]) for row in rows)
+    assert 0 < summary["rollout_seconds"] + summary["train_seconds"] <= summary["wall_time_s"]
+    assert summary["rollout_tokens_per_sec"] > 0 and summary["train_tokens_per_sec"] > 0
+    assert f"rollouts {summary['rollout_tokens_per_sec']:,.0f} tok/s" in stdout
 
 
 def test_grpo_is_reproducible_and_resumes_exactly(prompts, lora_grpo, tmp_path):
@@ -340,6 +371,34 @@ def test_rollouts_leave_no_kv_cache_for_the_training_forward(prompts):
     for hook in hooks:
         hook.remove()
     assert torch.equal(rollouts(data.train[:2], [1, 2])[0], batch[0])  # the same seeds, the same completions
+
+
+def test_a_rollout_decodes_as_many_groups_at_a_time_as_a_micro_batch_holds(prompts):
+    """Two prompts' groups of 3 with a micro batch of 6 decode as one batch of 6 (a micro batch of 4 holds one group:
+    3 at a time), and draw the same completions either way: each is seeded by itself."""
+    from lit_model.data.prompts import load_prompt_data
+    from lit_model.infer.load import Precision
+    from lit_model.infer.rollout import Rollouts
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+    from lit_model.methods.load import load_gpt
+    from lit_model.methods.rewards import load_rewards
+
+    model, tokenizer = load_gpt(prompts["base"]), Tokenizer(prompts["base"])
+    data = load_prompt_data(prompts["data"], tokenizer, PromptStyle.from_name("alpaca"), 200)
+    spec = GRPOSpec(rewards=("length",), num_generations=3, max_new_tokens=5)
+    assert [spec.rollout_rows(m) for m in (1, 3, 4, 6, 8)] == [3, 3, 3, 6, 6]
+    rewards, weights = load_rewards(spec.rewards, None)
+    batches, widths = {}, []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[0]))
+    for micro in (4, 6):
+        widths.clear()
+        rollouts = Rollouts(model, tokenizer, Precision("32-true", torch.float32, None), spec, rewards, weights, 256,
+                            torch.device("cpu"), rows=spec.rollout_rows(micro))
+        batches[micro] = rollouts(data.train[:2], [1, 2])
+        assert max(widths) == spec.rollout_rows(micro)
+    hook.remove()
+    assert torch.equal(batches[4][0], batches[6][0])
 
 
 def test_a_rollout_that_runs_out_of_memory_recomputes_to_the_same_completions(prompts, monkeypatch):

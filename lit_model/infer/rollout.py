@@ -1,7 +1,8 @@
 """GRPO's rollouts, generated in the training process by the continuous-batching engine with the training weights
-themselves (LoRA's adapters on their shared base, no copy): G completions decode at a time in a paged KV cache of
-G x (the longest prompt + --max_new_tokens) positions, allocated for the rollout and removed before anything else
-runs, so it never adds to the training step's memory. The completions are decoded, scored by the rewards and
+themselves (LoRA's adapters on their shared base, no copy): R completions decode at a time (as many whole groups of
+G as a micro batch holds: ``GRPOSpec.rollout_rows``) in a paged KV cache of R x (the longest prompt +
+--max_new_tokens) positions, allocated for the rollout and removed before anything else runs, so it never adds to
+the training step's memory. The completions are decoded, scored by the rewards and
 turned into a training batch (``methods/grpo.py``'s layout).
 
 Rollouts are seeded per (run seed, step, rank, prompt, completion): the same run draws the same completions, and a
@@ -20,6 +21,7 @@ from lit_model.data.instruct import IGNORE_INDEX, PAD_MULTIPLE, padded_length
 from lit_model.data.prompts import Prompt
 from lit_model.data.text import GlobalBatchSampler
 from lit_model.core.errors import UserError
+from lit_model.core.meter import Meter
 from lit_model.infer.batching import Engine, Request, complete
 from lit_model.infer.engine import Sampling
 from lit_model.infer.load import Precision
@@ -40,21 +42,24 @@ def rollout_seed(*keys: int) -> int:
 
 class Rollouts:
     """Generates and scores groups of completions with ``model`` (the bare ``GPT`` that training updates) and
-    returns them as a training batch on ``device``. ``announce`` (if given) hears one line per call."""
+    returns them as a training batch on ``device``. ``announce`` (if given) hears one line per call. ``rows``: the
+    completions decoded at a time (``GRPOSpec.rollout_rows``; default one group)."""
 
     def __init__(self, model: GPT, tokenizer: Any, precision: Precision, spec: GRPOSpec, rewards: Sequence[Reward],
                  weights: torch.Tensor, seq_len: int, device: torch.device,
-                 announce: Optional[Callable[[str], Any]] = None) -> None:
+                 announce: Optional[Callable[[str], Any]] = None, rows: Optional[int] = None) -> None:
         self.model, self.tokenizer, self.precision, self.spec = model, tokenizer, precision, spec
         self.rewards, self.weights, self.seq_len, self.device, self.announce = rewards, weights, seq_len, device, announce
+        self.rows_at_a_time = rows or spec.num_generations
 
     def generate(self, prompts: Sequence[Prompt], seeds: Sequence[int]) -> list[list[int]]:
         """G completions' token ids per prompt (the eos that ended one kept: the policy is trained to stop), in
-        eval mode and without gradients, through the continuous-batching engine: G sequences decode at a time in a
-        pool of G x (the longest prompt + --max_new_tokens) positions, a group's completions joining as another's
-        end; a step that runs out of memory gives the newest sequences' blocks back and recomputes them later. The
-        cache is removed afterwards, whatever happens."""
+        eval mode and without gradients, through the continuous-batching engine: R (``rows``) sequences decode at a
+        time in a pool of R x (the longest prompt + --max_new_tokens) positions, others joining as some end; a step
+        that runs out of memory gives the newest sequences' blocks back and recomputes them later. The cache is
+        removed afterwards, whatever happens."""
         spec, model, group = self.spec, self.model, self.spec.num_generations
+        rows = min(self.rows_at_a_time, group * len(prompts))  # an evaluation's single group: no larger pool
         longest = max(len(prompt.ids) for prompt in prompts) + spec.max_new_tokens
         requests = [Request(f"{i}.{g}", tuple(int(t) for t in prompt.ids), spec.max_new_tokens,
                             Sampling(spec.temperature, spec.top_k, spec.top_p, rollout_seed(seed, g)),
@@ -63,7 +68,7 @@ class Rollouts:
         was_training = model.training
         model.eval()
         try:
-            engine = Engine(model, self.precision, PoolSpec(group * blocks_for(longest, DEFAULT_BLOCK_SIZE)), group)
+            engine = Engine(model, self.precision, PoolSpec(rows * blocks_for(longest, DEFAULT_BLOCK_SIZE)), rows)
             done, _ = complete(engine, requests)
         finally:
             model.clear_kv_cache()
@@ -75,9 +80,11 @@ class Rollouts:
         eos = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
         return [list(done[r.id].tokens) + (eos if done[r.id].finish_reason == "stop" else []) for r in requests]
 
-    def __call__(self, prompts: Sequence[Prompt], seeds: Sequence[int], announce: bool = True) -> Batch:
+    def __call__(self, prompts: Sequence[Prompt], seeds: Sequence[int], announce: bool = True,
+                 meter: Optional[Meter] = None) -> Batch:
         """The batch of ``prompts``' completions: (input_ids, targets, advantages, weights, stats), G rows per prompt
-        in the prompts' order; ``announce``: tell ``self.announce`` how it went."""
+        in the prompts' order; ``announce``: tell ``self.announce`` how it went; ``meter``: add the rollout's prompt +
+        completion tokens and its seconds (generation, rewards and the batch) to it."""
         start = time.perf_counter()
         completion_ids = self.generate(prompts, seeds)
         seconds = time.perf_counter() - start
@@ -102,7 +109,10 @@ class Rollouts:
         input_ids, targets = self.rows([p.ids for p in rows], completion_ids)
         batch = (input_ids, targets, group_advantages(rewards, group, self.spec.scale_rewards),
                  row_weights(self.spec.loss_type, lengths, self.spec.max_new_tokens), stats)
-        return tuple(part.to(self.device) for part in batch)
+        batch = tuple(part.to(self.device) for part in batch)
+        if meter is not None:
+            meter.add(sum(len(p.ids) for p in rows) + int(lengths.sum()), time.perf_counter() - start)
+        return batch
 
     def rows(self, prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and targets of prompt + completion rows, right-padded: the completion's tokens the only targets."""
@@ -117,14 +127,15 @@ class Rollouts:
 
 
 def train_rollouts(rollouts: Rollouts, prompts: Sequence[Prompt], prompts_per_step: int, micro_batch_size: int,
-                   rank: int, world_size: int, seed: int, start_step: int) -> Iterator[Batch]:
+                   rank: int, world_size: int, seed: int, start_step: int, meter: Optional[Meter] = None) -> Iterator[Batch]:
     """An endless iterator of this rank's micro batches from optimizer step ``start_step`` on: each step's prompts
     (``GlobalBatchSampler``: the same for any world size, resumable by step) are rolled out when its first micro
-    batch is asked for, then handed out ``micro_batch_size`` completions at a time."""
+    batch is asked for, then handed out ``micro_batch_size`` completions at a time. ``meter`` hears each rollout's
+    tokens and seconds."""
     per_rank = prompts_per_step // world_size
     sampler = GlobalBatchSampler(len(prompts), prompts_per_step, per_rank, rank, world_size, seed, start_step)
     for step, indices in enumerate(sampler, start_step):
-        batch = rollouts([prompts[i] for i in indices], [rollout_seed(seed, step, rank, i) for i in indices])
+        batch = rollouts([prompts[i] for i in indices], [rollout_seed(seed, step, rank, i) for i in indices], meter=meter)
         yield from zip(*(part.split(micro_batch_size) for part in batch))
 
 

@@ -68,6 +68,13 @@ class GRPOSpec:
     def metric_names(self) -> tuple[str, ...]:
         return (*self.rollout_metrics, "clip_ratio", *(("kl",) if self.beta > 0 else ()))
 
+    def rollout_rows(self, micro_batch_size: int) -> int:
+        """The completions a rollout decodes at a time: as many whole groups as a training micro batch holds, at
+        least one. Their KV cache is far smaller than the training step's activations over as many rows, so it
+        raises no peak the step does not reach; and a small model's decoding step (bound by per-step overhead and
+        reading the weights) costs little more for several groups than for one, so a step's rollouts take fewer."""
+        return max(1, micro_batch_size // self.num_generations) * self.num_generations
+
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") -> torch.Tensor:
     """TRL's advantages of ``rewards`` (completions,), consecutive groups of ``group`` completions of one prompt:

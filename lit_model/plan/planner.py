@@ -49,13 +49,15 @@ def _sample_phase(spec: Run) -> dict[str, int]:
 
 
 def _rollout_phase(spec: Run, after_step: dict[str, int]) -> dict[str, int]:
-    """GRPO (``spec.grpo``): a prompt's group of completions generated between steps with the training weights:
-    what a step leaves (the weights, the optimizer state) plus generate/base.py's plan of that batch without its
-    weights: the KV cache of G x (the longest prompt + --max_new_tokens) positions and the prefill's or a decoding
-    step's activations, whichever is larger. The cache is removed before the step (infer/rollout.py)."""
+    """GRPO (``spec.grpo``): R completions (``GRPOSpec.rollout_rows``: whole groups, as many as a micro batch
+    holds) generated between steps with the training weights: what a step leaves (the weights, the optimizer state)
+    plus generate/base.py's plan of that batch without its weights: the KV cache of R x (the longest prompt +
+    --max_new_tokens) positions and the prefill's or a decoding step's activations, whichever is larger. The cache
+    is removed before the step (infer/rollout.py)."""
     grpo = spec.grpo
+    rows = grpo.rollout_rows(spec.micro_batch_size)
     prompt = max(spec.seq_len - grpo.max_new_tokens, 1)
-    generation = plan_generation(spec.config, prompt, grpo.max_new_tokens, grpo.num_generations, spec.precision,
+    generation = plan_generation(spec.config, prompt, grpo.max_new_tokens, rows, spec.precision,
                                  spec.quantize, device_type=spec.device_type, detect=False).phase_categories
     kept = ("parameters", "quantization", "optimizer_state")
     largest = max(generation.values(), key=lambda c: sum(v for k, v in c.items() if k not in (*kept, "overhead")))
@@ -63,7 +65,7 @@ def _rollout_phase(spec: Run, after_step: dict[str, int]) -> dict[str, int]:
     # the engine's paged pool rounds each sequence up to whole blocks, and a decoding step gathers a layer's cache
     positions = blocks_for(spec.seq_len, DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
     phase["kv_cache"] += phase["kv_cache"] * (positions - spec.seq_len) // spec.seq_len
-    phase["activations"] += read_bytes(spec.config, grpo.num_generations, positions, "auto",
+    phase["activations"] += read_bytes(spec.config, rows, positions, "auto",
                                        generation_dtypes(spec.precision, spec.device_type)[1])
     return phase
 

@@ -37,7 +37,7 @@ from lit_model.recipes import common
 from lit_model.run import Run, Trainable, resolve_run
 from lit_model.train import session
 from lit_model.train.args import TrainArgs
-from lit_model.train.loop import Progress, fit, save_final, write_summary
+from lit_model.train.loop import Progress, fit, rollout_rates, save_final, write_summary
 from lit_model.train.resumable import STATE_NAME
 from lit_model.train.step import unwrap
 
@@ -428,9 +428,16 @@ def finish(fabric: Fabric, run: Run, args: FinetuneArgs, setup: Setup, progress:
     what = f"grpo ({what})" if run.grpo is not None else what
     answer = common.sample_text(fabric, final_dir, setup.tokenizer, setup.data.sample_instruction, max_new_tokens=100)
     # after the sample: peak_memory_bytes is the whole process's peak (the sample reloads the model in fp32)
-    summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding})
+    # GRPO: where the time went, rollouts or training (the same tokens over each phase's seconds)
+    phases = (rollout_rates(progress.rollout_tokens, progress.rollout_seconds, progress.train_seconds)
+              if run.grpo is not None else {})
+    summary = write_summary(fabric, run, progress, args, {"final_dir": str(final_dir), "method": what, **setup.padding,
+                                                          **phases})
+    phase_text = (f" | rollouts {phases['rollout_tokens_per_sec']:,.0f} tok/s ({phases['rollout_seconds']:.1f} s), "
+                  f"training {phases['train_tokens_per_sec']:,.0f} tok/s ({phases['train_seconds']:.1f} s) of "
+                  f"{phases['rollout_tokens']:,} prompt + completion tokens" if phases else "")
     fabric.print(
-        f"\nValidation loss {summary['val_loss']:.3f} | {summary['tokens_per_sec']:,.0f} tok/s | peak memory "
+        f"\nValidation loss {summary['val_loss']:.3f} | {summary['tokens_per_sec']:,.0f} tok/s{phase_text} | peak memory "
         f"{format_bytes(summary['peak_memory_bytes'])}\n"
         f"Saved {final_dir} (generate: python generate/base.py --checkpoint_dir {final_dir}), metrics in "
         f"{args.out_dir / 'metrics.csv'}, summary in {args.out_dir / 'summary.json'}\n"

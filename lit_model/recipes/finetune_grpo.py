@@ -26,6 +26,7 @@ from typing import ClassVar, Literal, Optional, Union
 from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, run_cli
+from lit_model.core.meter import Meter
 from lit_model.data.prompts import PROMPT_EXAMPLE, load_prompt_data
 from lit_model.infer.load import Precision
 from lit_model.infer.rollout import EvaluationRollouts, Rollouts, train_rollouts
@@ -148,10 +149,11 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
 
     precision = Precision(run.precision, run.param_dtype, run.autocast_dtype)
     rollouts = Rollouts(unwrap(model), tokenizer, precision, spec, rewards, weights, run.seq_len, fabric.device,
-                        announce=lambda line: fabric.print(line, flush=True))
+                        announce=lambda line: fabric.print(line, flush=True), rows=spec.rollout_rows(run.micro_batch_size))
     prompts_per_step = run.global_batch_size // spec.num_generations
+    meter = Meter()  # the training rollouts' tokens and seconds, logged apart from the training's
     train_batches = train_rollouts(rollouts, data.train, prompts_per_step, run.micro_batch_size, fabric.global_rank,
-                                   run.world_size, args.seed, progress.step)
+                                   run.world_size, args.seed, progress.step, meter)
     # every rank evaluates as many prompts (one group a batch), its own where there are enough
     count = max(1, min(args.eval_iters, len(data.val)) // run.world_size)
     first = fabric.global_rank * count
@@ -164,7 +166,8 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
                  f"of up to {spec.max_new_tokens} tokens (micro batch {run.micro_batch_size}, {run.accumulation} "
                  f"accumulation steps, {run.world_size} process(es), {run.precision})")
     progress, run = fit(fabric, run, model, optimizer, objective, train_batches, val_batches, args, args.max_steps,
-                        progress, out_of_memory_report, save_filter=save_filter, rehearsal_batch=rehearsal_batch)
+                        progress, out_of_memory_report, save_filter=save_filter, rehearsal_batch=rehearsal_batch,
+                        rollout_meter=meter)
     if progress.stopped:  # saved and summarized by fit: no final/, no answer
         return
     final_dir = args.out_dir / "final"

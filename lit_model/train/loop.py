@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
 from lit_model.core.files import atomic_open, atomic_write
+from lit_model.core.meter import Meter
 from lit_model.core.units import format_bytes, peak_rss_bytes
 from lit_model.io.checkpoint import save_checkpoint_dir
 from lit_model.kernels.ops import onednn_fp32_linear
@@ -67,6 +68,9 @@ class Progress:
         self.step = 0  # optimizer steps done
         self.tokens = 0  # training tokens seen (all ranks, excluding padding/ignored)
         self.fit_seconds = 0.0
+        self.train_seconds = 0.0  # of fit_seconds: the steps' forward, backward and update (no data, evaluation, save)
+        self.rollout_tokens = 0  # GRPO: prompt + completion tokens of the training rollouts (this rank's)
+        self.rollout_seconds = 0.0  # GRPO: their seconds (generation, rewards, batch), also within fit_seconds
         self.last_train_loss = float("nan")
         self.last_val_loss = float("nan")
         # A stop interrupted the evaluation of step ``step``: the resumed run evaluates and logs that step first.
@@ -82,14 +86,30 @@ class Progress:
 
 
 # ---- logging -------------------------------------------------------------------------------------
+# GRPO's split of a logged window's time: its rollouts' prompt + completion tokens over the rollouts' seconds and over
+# the training's (forward, backward, update); step_seconds, the window's wall time, also holds evaluation and logging
+ROLLOUT_COLUMNS = ("rollout_tokens", "rollout_seconds", "train_seconds", "step_seconds", "rollout_tokens_per_sec",
+                   "train_tokens_per_sec")
+
+
+def rollout_rates(tokens: int, rollout_seconds: float, train_seconds: float) -> dict[str, float]:
+    """The rollouts' tokens, the seconds of both phases and each phase's tokens/s (the same tokens for both: those
+    the rollouts generated from, which the training then runs forward and backward)."""
+    return {"rollout_tokens": tokens, "rollout_seconds": rollout_seconds, "train_seconds": train_seconds,
+            "rollout_tokens_per_sec": tokens / max(rollout_seconds, 1e-9),
+            "train_tokens_per_sec": tokens / max(train_seconds, 1e-9)}
+
+
 class MetricsWriter:
     COLUMNS = ["step", "tokens", "train_loss", "val_loss", "learning_rate", "tokens_per_sec", "peak_memory_bytes"]
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int, metric_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: Path, enabled: bool, resume_step: int, metric_names: tuple[str, ...] = (),
+                 extra_columns: tuple[str, ...] = ()) -> None:
         """``metric_names``: the objective's, logged after the loss columns for training and, prefixed ``val_``,
-        for evaluation."""
+        for evaluation; ``extra_columns`` (ROLLOUT_COLUMNS) last."""
         self.path, self.enabled = path, enabled
-        self.columns = [*self.COLUMNS[:4], *metric_names, *(f"val_{name}" for name in metric_names), *self.COLUMNS[4:]]
+        self.columns = [*self.COLUMNS[:4], *metric_names, *(f"val_{name}" for name in metric_names), *self.COLUMNS[4:],
+                        *extra_columns]
         if not enabled:
             return
         rows = []
@@ -182,13 +202,16 @@ def fit(
     oom_report: OutOfMemoryReport,
     save_filter: Optional[dict[str, Any]] = None,
     rehearsal_batch: Optional[tuple[torch.Tensor, ...]] = None,
+    rollout_meter: Optional[Meter] = None,
 ) -> tuple[Progress, Run]:
     """Train ``run`` until ``max_steps`` optimizer steps of ``objective``; evaluate, log, checkpoint and honour stop
     signals.
     ``oom_report`` writes the paragraph a step that ran out of memory ends with (the recipes hand in the planner's,
     ``lit_model.plan.oom_report``). ``save_filter`` selects what the resumable checkpoints hold (see
     ``save_resumable``). With ``--rehearse``,
-    ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. Returns the progress and the
+    ``rehearsal_batch`` (a micro batch of the longest samples) is rehearsed first. ``rollout_meter``: what
+    ``train_batches``' rollouts (GRPO) add to it is logged beside the training's own time (ROLLOUT_COLUMNS, and the
+    step line). Returns the progress and the
     run as it ended: with the smaller micro batch that out-of-memory recovery fell back to, if it did.
 
     A SIGTERM/SIGINT during the loop stops it within a micro batch or an evaluation batch (see TrainStep and
@@ -209,9 +232,11 @@ def fit(
     if args.rehearse and rehearsal_batch is not None:
         rehearse(fabric, train_step, rehearsal_batch, val_batches, state, config, out_dir, save_filter, progress.step == 0)
     names = objective.metric_names
-    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, progress.step, names)
+    metrics = MetricsWriter(out_dir / "metrics.csv", fabric.global_rank == 0, progress.step, names,
+                            ROLLOUT_COLUMNS if rollout_meter is not None else ())
     train_metrics: dict[str, float] = {}  # the last step's means of the objective's metrics
     window_start, window_tokens = time.perf_counter(), 0
+    window_train_seconds, window_rollout = 0.0, Meter()  # the logged window's training time and rollouts
     fit_start = time.perf_counter() - progress.fit_seconds
     steps_at_start = progress.step
     saved: Optional[tuple[int, Path]] = None  # the step and path of the checkpoint this run wrote last
@@ -227,13 +252,23 @@ def fit(
                 lr = lr_at(progress.step, args.learning_rate, args.warmup_steps, max_steps, args.min_lr)
                 set_lr(optimizer, lr)
                 try:
-                    sums = train_step([next(train_batches) for _ in range(run.accumulation)], f"at step {progress.step + 1}")
+                    batches = [next(train_batches) for _ in range(run.accumulation)]  # GRPO: the step's rollouts
+                    compute_start = time.perf_counter()
+                    sums = train_step(batches, f"at step {progress.step + 1}")
                 except StepStopped:  # nothing of this step was applied
                     optimizer.zero_grad(set_to_none=True)
                     stopped = True
                     break
                 train_step.update(run.grad_clip)
                 progress.step += 1
+                seconds = time.perf_counter() - compute_start
+                progress.train_seconds += seconds
+                window_train_seconds += seconds
+                if rollout_meter is not None:
+                    rollout_tokens, rollout_seconds = rollout_meter.take()
+                    window_rollout.add(rollout_tokens, rollout_seconds)
+                    progress.rollout_tokens += rollout_tokens
+                    progress.rollout_seconds += rollout_seconds
 
                 vector = torch.cat([sums_vector(LossSums(sums.loss, sums.count, sums.metrics), names),
                                     sums.tokens.float().view(1)])
@@ -272,6 +307,14 @@ def fit(
                     tokens_per_sec=f"{tokens_per_sec:.0f}", peak_memory_bytes=int(peak.item()),
                     **{name: f"{value:.4f}" for name, value in train_metrics.items()},
                 )
+                phases = ""
+                if rollout_meter is not None:
+                    rates = rollout_rates(*window_rollout.take(), window_train_seconds)
+                    row.update({k: f"{v:.4f}" if k.endswith("seconds") else f"{v:.0f}" for k, v in rates.items()},
+                               step_seconds=f"{now - window_start:.4f}")
+                    phases = (f" | rollout {rates['rollout_tokens']} tok in {rates['rollout_seconds']:.2f} s, "
+                              f"{rates['rollout_tokens_per_sec']:,.0f} tok/s | train {rates['train_seconds']:.2f} s, "
+                              f"{rates['train_tokens_per_sec']:,.0f} tok/s")
                 metrics.write(row)
                 log_row(row)
                 done = progress.step - steps_at_start
@@ -280,11 +323,11 @@ def fit(
                 logged = "".join(f" | {name} {value:.3f}" for name, value in train_metrics.items())
                 fabric.print(
                     f"step {progress.step}/{max_steps} | loss {progress.last_train_loss:.4f}{val_text}{logged} | "
-                    f"{tokens_per_sec:,.0f} tok/s | "
+                    f"{tokens_per_sec:,.0f} tok/s{phases} | "
                     f"peak {format_bytes(peak.item())} | ETA {format_duration(eta)}",
                     flush=True,
                 )
-                window_start, window_tokens = now, 0
+                window_start, window_tokens, window_train_seconds = now, 0, 0.0
             stopped = any_rank(fabric, stop_requested())
             if (args.save_interval and progress.step % args.save_interval == 0) or is_last or stopped:
                 progress.fit_seconds = time.perf_counter() - fit_start
