@@ -55,7 +55,8 @@ class Rollouts:
     def generate(self, prompts: Sequence[Prompt], seeds: Sequence[int]) -> list[list[int]]:
         """G completions' token ids per prompt (the eos that ended one kept: the policy is trained to stop), in
         eval mode and without gradients, through the continuous-batching engine: R (``rows``) sequences decode at a
-        time in a pool of R x (the longest prompt + --max_new_tokens) positions, others joining as some end; a step
+        time in a pool of R x (the longest prompt + --max_new_tokens) positions (a group sharing its prompt's blocks), others
+        joining as some end; a step
         that runs out of memory gives the newest sequences' blocks back and recomputes them later. The cache is
         removed afterwards, whatever happens."""
         spec, model, group = self.spec, self.model, self.spec.num_generations
@@ -68,7 +69,10 @@ class Rollouts:
         was_training = model.training
         model.eval()
         try:
-            engine = Engine(model, self.precision, PoolSpec(rows * blocks_for(longest, DEFAULT_BLOCK_SIZE)), rows)
+            # a group's completions share their prompt's full blocks (prefix caching): the prompt is computed once;
+            # the engine lives for this rollout only, so no block outlives the weights it was computed with
+            engine = Engine(model, self.precision, PoolSpec(rows * blocks_for(longest, DEFAULT_BLOCK_SIZE)), rows,
+                            prefix_caching=True)
             done, _ = complete(engine, requests)
         finally:
             model.clear_kv_cache()
