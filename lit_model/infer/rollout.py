@@ -55,10 +55,9 @@ class Rollouts:
     def generate(self, prompts: Sequence[Prompt], seeds: Sequence[int]) -> list[list[int]]:
         """G completions' token ids per prompt (the eos that ended one kept: the policy is trained to stop), in
         eval mode and without gradients, through the continuous-batching engine: R (``rows``) sequences decode at a
-        time in a pool of R x (the longest prompt + --max_new_tokens) positions (a group sharing its prompt's blocks), others
-        joining as some end; a step
-        that runs out of memory gives the newest sequences' blocks back and recomputes them later. The cache is
-        removed afterwards, whatever happens."""
+        time in a pool of R x (the longest prompt + --max_new_tokens) positions (a group sharing its prompt's blocks),
+        others joining as some end; a step that runs out of memory gives the newest sequences' blocks back and
+        recomputes them later. The cache is removed afterwards, whatever happens."""
         spec, model, group = self.spec, self.model, self.spec.num_generations
         rows = min(self.rows_at_a_time, group * len(prompts))  # an evaluation's single group: no larger pool
         longest = max(len(prompt.ids) for prompt in prompts) + spec.max_new_tokens
