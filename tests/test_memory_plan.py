@@ -27,7 +27,7 @@ from lit_model.plan.closed_form import CATEGORIES, param_counts, training_phases
 from lit_model.plan.planner import CLOSED_FORM_MARGIN
 from lit_model.model.gpt import GPT, default_dtype
 from lit_model.kernels.ops import cuda_attention_kernel
-from lit_model.run import Run, resolve_run
+from lit_model.run import CPU_HEAP_SHARDED, Run, resolve_run
 from lit_model.train.args import TrainArgs
 from lit_model.train.optimizers import build_optimizer
 from lit_model.plan.trace import optimizer_state_bytes, trace_training
@@ -1137,11 +1137,16 @@ def test_a_cpu_fsdp_plan_counts_the_heap_its_all_gathers_leave_and_an_adapter_ru
     assert gathered_bytes(run) == int(OVERHEAD.cpu_fsdp_gather_copies * param_counts(config).total * 2)
     assert gathered_bytes(resolved(config, args(devices=2, strategy="ddp"), "full", "cpu")) == 0
     plan = plan_training(config, fsdp, device_type="cpu", engine="analytic", suggest=False, detect=False)
+    # the heap settings an FSDP process gets (run.CPU_HEAP_SHARDED) map the gathered blocks apart and return them
+    sharded = run.cpu_heap == "lit_model"
+    assert run.heap_mode == ("lit_model_sharded" if sharded else run.cpu_heap)
+    assert run.heap_settings == (CPU_HEAP_SHARDED if sharded else ())
+    rate = OVERHEAD.cpu_allocator_retention_mmap if sharded else OVERHEAD.cpu_allocator_retention
     for phase, cats in plan.phase_categories.items():  # the step and the evaluation gather; the save and sample do not
         runtime = plan.overhead_terms["runtime"] - OVERHEAD.cpu_distributed
-        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2, cpu_heap=run.cpu_heap, runtime=runtime).values())
+        extra = cats["overhead"] - sum(cpu_overhead_terms(cats, 2, cpu_heap=run.heap_mode, runtime=runtime).values())
         runs_model = phase in ("train_step", "evaluation")
-        assert extra == pytest.approx(OVERHEAD.cpu_allocator_retention * gathered_bytes(run) if runs_model else 0, abs=2)
+        assert extra == pytest.approx(rate * gathered_bytes(run) if runs_model else 0, abs=2)
     for trainable in ("lora", "adapter"):
         adapted = plan_training(config, args(), trainable=trainable, device_type="cpu", engine="analytic", suggest=False,
                                 detect=False)

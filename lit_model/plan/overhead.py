@@ -117,14 +117,14 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     fine-tune takes the place of the eager run's (and does not grow with the activations, which the compiled
     adapters save fewer of). ``compiled_decode_parameters``: a generation process's parameter count when it compiles
     its decode step (generate --compile), else None. ``cpu_heap``: how glibc's heap behaves in the process
-    (``Run.cpu_heap``): where the run sets it ("lit_model"), what a trim leaves at the heap's top
-    (``run.CPU_HEAP_TOP_PAD``) is counted whole; where the user's mmap threshold returns freed blocks at once
-    ("returns_freed"), little is retained. ``runtime``: the training process's runtime (``cpu_runtime_bytes``)."""
+    (``Run.heap_mode``): where the run sets it ("lit_model", "lit_model_sharded"), what a trim leaves at the heap's
+    top (``run.CPU_HEAP_TOP_PAD``) is counted whole; where freed blocks go back at once (the user's mmap threshold,
+    "returns_freed", or an FSDP run's, "lit_model_sharded"), little is retained. ``runtime``: the training process's runtime (``cpu_runtime_bytes``)."""
     gradients = 0 if gradients_persist else categories.get("gradients", 0)
     transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
     after_backward = transient_high + gathered > transient
     transient = max(transient, transient_high + gathered)
-    if cpu_heap == "returns_freed":
+    if cpu_heap in ("returns_freed", "lit_model_sharded"):
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     elif generation:
         retained = OVERHEAD.cpu_generation_retention * transient
@@ -142,7 +142,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
         "data": OVERHEAD.cpu_data,
         "allocator_retention": int(retained),
     }
-    if cpu_heap == "lit_model":
+    if cpu_heap in ("lit_model", "lit_model_sharded"):
         terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
     if adapters:
         terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
@@ -247,7 +247,7 @@ def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optiona
     high = (transient_highs or {}).get(phase, 0)
     if phase == "train_step" and spec.ac_interval and spec.trainable == "full":
         high = max(high, recomputed_transient_bytes(spec))
-    return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.cpu_heap,
+    return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.heap_mode,
             "runtime": cpu_runtime_bytes()}
 
 

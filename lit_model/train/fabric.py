@@ -20,7 +20,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 from lit_model.core.errors import STOPS, UserError
 from lit_model.parallel.backend import fabric_strategy
-from lit_model.run import ALLOC_CONF_VARIABLES, CPU_HEAP, Run
+from lit_model.run import ALLOC_CONF_VARIABLES, Run
 
 
 @dataclass
@@ -71,12 +71,12 @@ def set_cuda_allocator(run: Run) -> None:
 
 
 def set_cpu_heap(run: Run) -> None:
-    """Give glibc's heap the run's settings (``Run.cpu_heap``, ``run.CPU_HEAP``): in this process, which each rank's
+    """Give glibc's heap the run's settings (``Run.heap_settings``): in this process, which each rank's
     process also runs, before the model is built."""
-    if run.cpu_heap != "lit_model":
+    if not run.heap_settings:
         return
     libc = ctypes.CDLL("libc.so.6")
-    for name, code, value in CPU_HEAP:
+    for name, code, value in run.heap_settings:
         if libc.mallopt(code, value) != 1:
             raise RuntimeError(f"glibc refused mallopt({name}, {value})")
 
