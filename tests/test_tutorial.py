@@ -36,8 +36,8 @@ NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?")
 MEASURED = re.compile(r"\d(?:[\d,]*\.\d+|[\d,]*)\s?(?:×|MB\b|tok/s|%)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 TRAINING_SCRIPTS = ("pretrain/main.py", "finetune/full.py", "finetune/lora.py", "finetune/adapter.py", "finetune/dpo.py")
-ENTRY_POINTS = (*TRAINING_SCRIPTS, "generate/base.py", "generate/chat.py", "serve/main.py", "lit_model.convert hf_to_lit",
-                "lit_model.convert lit_to_hf")
+ENTRY_POINTS = (*TRAINING_SCRIPTS, "finetune/grpo.py", "generate/base.py", "generate/chat.py", "serve/main.py",
+                "lit_model.convert hf_to_lit", "lit_model.convert lit_to_hf")
 # Being added to the training scripts by another change (micro batch auto is a value of an existing flag); until
 # it lands, a tutorial that already describes them must not fail on their absence.
 PENDING_FLAGS = {"--rehearse", "--oom_recovery"}
