@@ -25,6 +25,7 @@ from lit_model.plan.search import max_micro_batch_size
 from lit_model.plan.training import plan_training
 from lit_model.plan.closed_form import CATEGORIES, param_counts, training_phases
 from lit_model.plan.planner import CLOSED_FORM_MARGIN
+from lit_model.plan.calibration import OVERHEAD
 from lit_model.model.gpt import GPT, default_dtype
 from lit_model.kernels.ops import cuda_attention_kernel
 from lit_model.run import Run, resolve_run
@@ -143,6 +144,19 @@ def test_cpu_sample_phase_holds_only_the_fp32_copy():
     assert sample["parameters"] == param_counts(tiny()).total * 4 + 2 * 228 * tiny().rope_n_elem * 4
     assert sample["kv_cache"] == 2 * 2 * 2 * 228 * 32 * 4
     assert sum(plan.overhead_terms.values()) == plan.by_category["overhead"]
+
+
+def test_cpu_sample_phase_of_an_adapter_fine_tune_holds_none_of_its_trainings_heap():
+    """The sample gives back the heap glibc kept before it reloads final/ (recipes/common.py sample_text): a LoRA run's
+    sample holds what a full fine-tune's does, where its step holds the heap an adapter fine-tune keeps."""
+    def plan(trainable: str):
+        return plan_training(tiny(), args(), trainable=trainable, device_type="cpu", engine="analytic", suggest=False,
+                             detect=False).phase_categories
+
+    lora, full = plan("lora"), plan("full")
+    assert lora["sample"] == full["sample"]
+    # ... and until then it holds it (the save, without a trim)
+    assert lora["checkpoint_save"]["overhead"] == full["checkpoint_save"]["overhead"] + OVERHEAD.cpu_adapter_fine_tuning
 
 
 def test_json_and_text():
