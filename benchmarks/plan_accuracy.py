@@ -737,6 +737,12 @@ COLUMNS = ["label", "method", "model", "precision", "micro_batch", "seq_len", "a
            "predicted_phase", "predicted_tensors_mib", "predicted_overhead_mib", "engine", "wall_s"]
 
 
+def runs_of(rows: list[dict]) -> str:
+    """How many times the configurations ran: "3", or "1-3" where a grid was interrupted."""
+    counts = sorted({r["runs"] for r in rows})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 def stats(rows: list[dict]) -> dict[str, float]:
     errors = [r["error_pct"] for r in rows]
     return {"within_10": sum(abs(e) <= 10 for e in errors), "n": len(errors), "median": statistics.median(errors),
@@ -814,7 +820,7 @@ def write_results(rows: list[dict], published: list[dict], outcomes: list[dict],
         "2 optimizer steps, in the default environment (no `MALLOC_*` variables). Predicted: the peak of `--plan json` "
         "for the same command line (per rank). Error = (predicted - measured) / measured; MiB = 2^20 bytes. The same command "
         "peaks a few percent higher or lower from run to run (how much freed heap glibc keeps depends on the order in "
-        f"which the threads free it), so each configuration ran {max(r['runs'] for r in rows)} times (the whole grid, "
+        f"which the threads free it), so each configuration ran {runs_of(rows)} times (the whole grid, "
         "then again: interleaved) and the error is against the median of its peaks; the range is beside it, and the "
         "last error column is the plan against the highest peak of all runs. "
         "Targets (issue 14): every configuration within 10 %, median within 5 %, none under-predicted by more than 5 %.",
@@ -1013,7 +1019,10 @@ def accuracy(grid: list[Case], with_published: bool, out_dir: Path, work: Path, 
         for case in to_run:
             runs[case].append(measure(case, work, env, tokenizer_dir))
             print(json.dumps({"round": round_ + 1, "label": case.label, "measured_mib": round(runs[case][-1]["measured"] / MiB, 1),
-                              "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1)}), flush=True)
+                              "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1),
+                              "wall_s": round(runs[case][-1]["wall_s"], 1)}), flush=True)
+            # after each run: an interrupted grid keeps what it measured (the published figures come at the end)
+            write_results([row(c, runs[c], plans[c]) for c in grid if runs[c]], [], [], out_dir, table, flags)
     rows = [row(case, runs[case], plans[case]) for case in grid]
     published = published_rows() if with_published else []
     outcomes = published_outcome_rows() if with_published else []
