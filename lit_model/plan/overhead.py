@@ -144,8 +144,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     }
     if cpu_heap == "lit_model":
         terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
-    if adapters:
-        terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
+    if adapters:  # freed heap: what the phase allocates next (a LoRA save's reads of the base checkpoint) reuses it
+        terms["adapter_fine_tuning"] = max(OVERHEAD.cpu_adapter_fine_tuning - categories.get("checkpoint", 0), 0)
     if new_shapes:
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
     if optimizer_library:
@@ -216,7 +216,8 @@ def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
     evaluation) dequantize and all-gather weights; the save and the sample do not. The sample gives back the heap
     glibc kept (recipes/common.py sample_text trims it before reloading final/), so the heap an adapter fine-tune
     keeps (``adapters``) is gone by then: counted, it planned LoRA SmolLM2-135M bf16-true runs of lora.py and dpo.py,
-    which peak sampling, 14 % over (benchmarks/results/plan_accuracy_preference.md)."""
+    which peak sampling, 14 % over (benchmarks/results/plan_accuracy_preference.md); and the save, which reads the
+    base checkpoint into that freed heap, then peaked 12 % over (cpu_overhead_terms)."""
     runs_model = phase in ("train_step", "evaluation")
     return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
             "gathered": gathered_bytes(spec) if runs_model else 0,
