@@ -10,7 +10,7 @@
     python benchmarks/plan_accuracy.py --random 30 --seed 1  # 30 configurations drawn at random from the flag space
     python benchmarks/plan_accuracy.py --random 30 --seed 1 --replan  # its measurements re-planned (a planner change)
     python benchmarks/plan_accuracy.py --methods dpo grpo --table plan_accuracy_preference --no-published
-                                                  # dpo.py's and grpo.py's cases alone, their own table (~40 minutes)
+                                                  # dpo.py's and grpo.py's cases alone, their own table
 
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
 ``--quantize bnb.nf4``, adapter.py, dpo.py with LoRA and full) started as a user starts it, in the default environment (every ``MALLOC_*``
