@@ -9,11 +9,15 @@
     python benchmarks/plan_accuracy.py --generation --add   # its new cases only, the committed ones re-planned
     python benchmarks/plan_accuracy.py --random 30 --seed 1  # 30 configurations drawn at random from the flag space
     python benchmarks/plan_accuracy.py --random 30 --seed 1 --replan  # its measurements re-planned (a planner change)
+    python benchmarks/plan_accuracy.py --methods dpo grpo --table plan_accuracy_preference --no-published
+                                                  # dpo.py's and grpo.py's cases alone, their own table
 
 Whole runs: each configuration is a real script (pretrain/main.py, finetune/full.py, lora.py with and without
 ``--quantize bnb.nf4``, adapter.py, dpo.py with LoRA and full) started as a user starts it, in the default environment (every ``MALLOC_*``
 variable removed: the heap settings the training scripts give a CPU run, lit_model.run.CPU_HEAP), 2 optimizer
-steps with one evaluation, the final save of final/ and the sample at the end. ``measured`` is the run's
+steps with one evaluation, the final save of final/ and the sample at the end; grpo.py (LoRA and full, GRPO_GRID)
+rolls out one prompt's group of GRPO_GENERATIONS completions a step, its prompts made as long as fit the context less
+--max_new_tokens (``benchmark_prompts``). ``measured`` is the run's
 ``summary.json`` ``peak_memory_bytes``: the peak resident memory (VmHWM) of the largest rank over the whole process,
 the median of ``--repeats`` runs (3).
 ``predicted`` is the peak of ``--plan json`` for the same command line (per rank). The data and tokenizer caches
@@ -66,8 +70,10 @@ sys.path.insert(0, str(ROOT))
 
 SCRIPTS = {"pretrain": "pretrain/main.py", "full": "finetune/full.py", "lora": "finetune/lora.py",
            "qlora": "finetune/lora.py", "adapter": "finetune/adapter.py", "dpo": "finetune/dpo.py",
-           "dpo-full": "finetune/dpo.py"}
+           "dpo-full": "finetune/dpo.py", "grpo": "finetune/grpo.py", "grpo-full": "finetune/grpo.py"}
 PAIRS = 64  # preference pairs of the dpo cases (benchmark_pairs): each completion longer than any case's sequence
+PROMPTS = 64  # prompts of the grpo cases (benchmark_prompts)
+GRPO_GENERATIONS = 4  # --num_generations of the grpo cases: a step rolls out one prompt's group (the micro batch)
 TINYLLAMA = "TinyLlama-1.1B-intermediate-step-1431k-3T"
 
 
@@ -90,10 +96,12 @@ class Case:
     offload: Optional[str] = None  # --activation_offloading
     mlp_tiles: int = 1
     packing: bool = False
+    new_tokens: int = 0  # grpo: --max_new_tokens, the completions' length within seq_len
 
     @property
     def label(self) -> str:
         parts = [self.method, self.model, self.precision, f"mb{self.micro_batch}", f"T{self.seq_len}"]
+        parts += [f"G{GRPO_GENERATIONS}x{self.new_tokens}"] if self.new_tokens else []
         parts += ["AC" + (f"/{self.ac_interval}" if self.ac_interval > 1 else "") + ("-selective" if self.ac_selective else "")
                   ] if self.ac else []
         parts += [f"{self.devices}x {self.strategy}"] if self.devices > 1 else []
@@ -140,6 +148,15 @@ GRID = [
     Case("dpo", "pythia-70m", "32-true", 2, 256),
     Case("dpo", "SmolLM2-135M", "bf16-true", 2, 256, ac=True),
     Case("dpo-full", "pythia-70m", "32-true", 2, 128),
+]
+# finetune/grpo.py (issue 47): each step rolls out a prompt's group of completions with the training weights (a paged
+# KV cache of G x (prompt + completion) positions), then trains on them; LoRA and every weight. Not in GRID: their
+# table is plan_accuracy_preference.md with the dpo rows (--methods dpo grpo --table plan_accuracy_preference)
+GRPO_GRID = [
+    Case("grpo", "pythia-70m", "32-true", GRPO_GENERATIONS, 128, new_tokens=64),
+    Case("grpo", "SmolLM2-135M", "bf16-true", GRPO_GENERATIONS, 256, new_tokens=32),
+    Case("grpo-full", "pythia-70m", "32-true", GRPO_GENERATIONS, 128, new_tokens=32),
+    Case("grpo-full", "SmolLM2-135M", "bf16-true", GRPO_GENERATIONS, 128, new_tokens=64),
 ]
 QUICK = [GRID[0], GRID[10], GRID[15], GRID[18]]
 
@@ -452,8 +469,10 @@ def command(case: Case, source: list[str], out_dir: Path) -> list[str]:
         argv += ["--model_name", case.model]
     if case.method == "qlora":
         argv += ["--quantize", "bnb.nf4"]
-    if case.method.startswith("dpo"):
-        argv += ["--method", "full" if case.method == "dpo-full" else "lora"]
+    if case.method.startswith(("dpo", "grpo")):
+        argv += ["--method", "full" if case.method.endswith("-full") else "lora"]
+    if case.method.startswith("grpo"):
+        argv += ["--num_generations", str(GRPO_GENERATIONS), "--max_new_tokens", str(case.new_tokens)]
     if case.optimizer != "AdamW":
         argv += ["--optimizer", case.optimizer]
     if case.compile:
@@ -598,6 +617,27 @@ def benchmark_pairs(path: Path) -> None:
     atomic_write(path, "".join(json.dumps(record) + "\n" for record in records))
 
 
+def benchmark_prompts(path: Path, checkpoint: Path, model: str, tokens: int) -> None:
+    """PROMPTS prompt records with an "answer" (for the default exact-match reward), each of standard-library source
+    as long as fits ``tokens`` tokens in the checkpoint's tokenizer and the prompt style the script picks
+    (finetune.prompt_style), so that every rollout's prompt fills the context less --max_new_tokens: the plan's worst
+    case (a longer prompt would be dropped, data/prompts.py)."""
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(checkpoint)
+    style = PromptStyle.from_checkpoint(checkpoint, Config.from_name(model))
+    style = style if style.name != "default" else PromptStyle.from_name("alpaca")
+    source = tokenizer.encode((Path(os.__file__).parent / "argparse.py").read_text(), bos=False).tolist()
+    records = []
+    for i in range(PROMPTS):
+        cut = tokens
+        while len(tokenizer.encode(style.apply(text := tokenizer.decode(source[i * 97 : i * 97 + cut])), bos=None)) > tokens:
+            cut -= 1  # the template's tokens, and tokens that merge differently once decoded
+        records.append({"prompt": text, "answer": "42"})
+    atomic_write(path, "".join(json.dumps(record) + "\n" for record in records))
+
+
 def prepare(work: Path, env: dict[str, str]) -> Path:
     """Build the caches once (tokenizer, token arrays, instruction data) with two 1-step runs of the default
     model, and the preference pairs; returns the tokenizer (the warm-up checkpoint's directory)."""
@@ -615,11 +655,19 @@ def prepare(work: Path, env: dict[str, str]) -> Path:
 
 def case_source(case: Case, work: Path, env: dict[str, str], tokenizer_dir: Path) -> list[str]:
     """--tokenizer_dir (pretraining) or --checkpoint_dir (fine-tuning: a random checkpoint, made once; DPO: and
-    the preference pairs)."""
+    the preference pairs; GRPO: and prompts that fill the context less the completions, made once per length)."""
     if case.method == "pretrain":
         return ["--tokenizer_dir", str(tokenizer_dir)]
-    pairs = ["--data_path", str(work / "pairs.jsonl")] if case.method.startswith("dpo") else []
-    return ["--checkpoint_dir", str(random_checkpoint(case.model, work, env, tokenizer_dir)), *pairs]
+    data = []
+    if case.method.startswith("dpo"):
+        data = ["--data_path", str(work / "pairs.jsonl")]
+    if case.method.startswith("grpo"):
+        prompts = work / f"prompts-{case.model}-{case.seq_len - case.new_tokens}.jsonl"
+        if not prompts.is_file():
+            benchmark_prompts(prompts, random_checkpoint(case.model, work, env, tokenizer_dir), case.model,
+                              case.seq_len - case.new_tokens)
+        data = ["--data_path", str(prompts)]
+    return ["--checkpoint_dir", str(random_checkpoint(case.model, work, env, tokenizer_dir)), *data]
 
 
 def random_checkpoint(model: str, work: Path, env: dict[str, str], tokenizer_dir: Path) -> Path:
@@ -689,6 +737,12 @@ COLUMNS = ["label", "method", "model", "precision", "micro_batch", "seq_len", "a
            "predicted_phase", "predicted_tensors_mib", "predicted_overhead_mib", "engine", "wall_s"]
 
 
+def runs_of(rows: list[dict]) -> str:
+    """How many times the configurations ran: "3", or "1-3" where a grid was interrupted."""
+    counts = sorted({r["runs"] for r in rows})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 def stats(rows: list[dict]) -> dict[str, float]:
     errors = [r["error_pct"] for r in rows]
     return {"within_10": sum(abs(e) <= 10 for e in errors), "n": len(errors), "median": statistics.median(errors),
@@ -753,18 +807,20 @@ def report_heading(title: str, flags: str) -> list[str]:
             "what is measured).", ""]
 
 
-def write_results(rows: list[dict], published: list[dict], outcomes: list[dict], out_dir: Path) -> None:
+def write_results(rows: list[dict], published: list[dict], outcomes: list[dict], out_dir: Path, table: str = "plan_accuracy",
+                  flags: str = "") -> None:
+    """``table``.md/.csv/.png in out_dir; ``flags``: the command line's flags that made it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(out_dir / "plan_accuracy.csv", rows, COLUMNS)
+    write_csv(out_dir / f"{table}.csv", rows, COLUMNS)
     st = stats(rows)
     lines = [
-        *report_heading("Memory planner accuracy", ""),
+        *report_heading("Memory planner accuracy", flags),
         "Measured: whole-run peak resident memory (`summary.json` `peak_memory_bytes`: VmHWM of the largest rank, "
         "imports, data, training, evaluation, the final save and the sample at the end included) of the real script, "
         "2 optimizer steps, in the default environment (no `MALLOC_*` variables). Predicted: the peak of `--plan json` "
         "for the same command line (per rank). Error = (predicted - measured) / measured; MiB = 2^20 bytes. The same command "
         "peaks a few percent higher or lower from run to run (how much freed heap glibc keeps depends on the order in "
-        f"which the threads free it), so each configuration ran {max(r['runs'] for r in rows)} times (the whole grid, "
+        f"which the threads free it), so each configuration ran {runs_of(rows)} times (the whole grid, "
         "then again: interleaved) and the error is against the median of its peaks; the range is beside it, and the "
         "last error column is the plan against the highest peak of all runs. "
         "Targets (issue 14): every configuration within 10 %, median within 5 %, none under-predicted by more than 5 %.",
@@ -832,8 +888,8 @@ def write_results(rows: list[dict], published: list[dict], outcomes: list[dict],
         for o in outcomes:
             lines.append(f"| {o['figure']} | {o['published']} | {o['planned_peak_gb']:.2f} | {o['planned_tensors_gb']:.2f} | "
                          f"{o['verdict']} | {'yes' if o['agrees'] else 'no'} | {o['note']} |")
-    atomic_write(out_dir / "plan_accuracy.md", "\n".join(lines) + "\n")
-    plot_accuracy(rows, out_dir / "plan_accuracy.png")
+    atomic_write(out_dir / f"{table}.md", "\n".join(lines) + "\n")
+    plot_accuracy(rows, out_dir / f"{table}.png")
 
 
 RANDOM_COLUMNS = [*COLUMNS[:10], "compile", "ac_interval", "ac_selective", "offload", "mlp_tiles", "packing", *COLUMNS[10:]]
@@ -937,15 +993,15 @@ def plot_accuracy(rows: list[dict], path: Path) -> None:
 
 
 def accuracy(grid: list[Case], with_published: bool, out_dir: Path, work: Path, again: bool, repeats: int,
-             add: bool = False) -> list[dict]:
+             add: bool = False, table: str = "plan_accuracy", flags: str = "") -> list[dict]:
     """Plan every case and run it ``repeats`` times, the grid over and over (so a slow drift of the machine
-    spreads over every case); with ``again``, re-plan the measurements in out_dir's CSV; with ``add``, run the cases
-    the CSV lacks and re-plan the others. Then write the results."""
+    spreads over every case); with ``again``, re-plan the measurements in out_dir's ``table``.csv; with ``add``, run
+    the cases the CSV lacks and re-plan the others. Then write the results (``table``.md/.csv)."""
     env = default_env(work)
     tokenizer_dir = prepare(work, env)
     old: dict[str, dict] = {}
     if again or add:
-        with open(out_dir / "plan_accuracy.csv") as f:
+        with open(out_dir / f"{table}.csv") as f:
             old = {r["label"]: r for r in csv.DictReader(f)}
     measured = [case for case in grid if case.label in old]
     # a CSV from before --repeats has the one measurement only
@@ -956,18 +1012,21 @@ def accuracy(grid: list[Case], with_published: bool, out_dir: Path, work: Path, 
     plans = {case: replan(case, work, env, tokenizer_dir) for case in measured}
     to_run = [case for case in grid if case not in runs]
     if again and to_run:
-        raise SystemExit(f"--replan: {out_dir / 'plan_accuracy.csv'} has no measurement of {to_run[0].label} (--add runs it)")
+        raise SystemExit(f"--replan: {out_dir / f'{table}.csv'} has no measurement of {to_run[0].label} (--add runs it)")
     plans.update({case: plan_case(case, work, env, tokenizer_dir) for case in to_run})
     runs.update({case: [] for case in to_run})
     for round_ in range(repeats):
         for case in to_run:
             runs[case].append(measure(case, work, env, tokenizer_dir))
             print(json.dumps({"round": round_ + 1, "label": case.label, "measured_mib": round(runs[case][-1]["measured"] / MiB, 1),
-                              "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1)}), flush=True)
+                              "predicted_mib": round(plans[case]["peak_bytes"] / MiB, 1),
+                              "wall_s": round(runs[case][-1]["wall_s"], 1)}), flush=True)
+            # after each run: an interrupted grid keeps what it measured (the published figures come at the end)
+            write_results([row(c, runs[c], plans[c]) for c in grid if runs[c]], [], [], out_dir, table, flags)
     rows = [row(case, runs[case], plans[case]) for case in grid]
     published = published_rows() if with_published else []
     outcomes = published_outcome_rows() if with_published else []
-    write_results(rows, published, outcomes, out_dir)
+    write_results(rows, published, outcomes, out_dir, table, flags)
     print(json.dumps(stats(rows)))
     for p in published:
         print(f"{p['figure']:42s} T={p['seq_len']:5d} {p['metric']:9s} published {p['published_gb']:6.2f} GB  predicted "
@@ -1023,6 +1082,10 @@ def main() -> None:
     parser.add_argument("--replan", action="store_true", help="re-plan the measurements in --out_dir's CSV, run nothing")
     parser.add_argument("--add", action="store_true", help="run the grid's cases that --out_dir's CSV lacks, re-plan the rest")
     parser.add_argument("--only", help="the cases whose label contains this text")
+    parser.add_argument("--methods", nargs="+", choices=sorted({m.split("-")[0] for m in SCRIPTS}),
+                        help="the cases of these methods only, with the grpo cases (dpo: LoRA and full), e.g. dpo grpo")
+    parser.add_argument("--table", default="plan_accuracy",
+                        help="the results' name in --out_dir (e.g. plan_accuracy_preference for --methods dpo grpo)")
     parser.add_argument("--speed", action="store_true", help="measure the CPU step-time factors of the levers")
     parser.add_argument("--generation", action="store_true", help="generate/base.py's runs instead of the training grid")
     parser.add_argument("--no-published", action="store_true", help="skip the published GPU figures (~1 minute of tracing)")
@@ -1051,8 +1114,14 @@ def main() -> None:
         cases = [c for c in GENERATION_GRID if args.only is None or args.only in c.label]
         generation_accuracy(cases, args.out_dir, args.work, args.repeats, args.add)
         return
-    grid = [c for c in (QUICK if args.quick else GRID) if args.only is None or args.only in c.label]
-    accuracy(grid, not (args.quick or args.no_published), args.out_dir, args.work, args.replan, args.repeats, args.add)
+    grid = QUICK if args.quick else GRID
+    if args.methods:
+        grid = [c for c in (*GRID, *GRPO_GRID) if c.method.split("-")[0] in args.methods]
+    grid = [c for c in grid if args.only is None or args.only in c.label]
+    flags = (f" --methods {' '.join(args.methods)}" if args.methods else "") + \
+        (f" --table {args.table}" if args.table != "plan_accuracy" else "") + (" --no-published" if args.no_published else "")
+    accuracy(grid, not (args.quick or args.no_published), args.out_dir, args.work, args.replan, args.repeats, args.add,
+             args.table, flags)
 
 
 if __name__ == "__main__":

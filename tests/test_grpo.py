@@ -445,6 +445,15 @@ def test_plan_of_a_grpo_run_counts_the_rollout(prompts, method):
     # 4 completions x (the longest prompt that fits + 16 new tokens = the block size) positions, keys and values
     kv_cache = 4 * MODEL["block_size"] * MODEL["n_layer"] * 2 * MODEL["n_query_groups"] * head_size * 4
     assert plan["phase_categories"]["rollout"]["kv_cache"] == kv_cache
+    # the run's phases: training on the rollouts (the step, with no cache: the rollout removed it), the rollout between
+    # steps (the training weights and optimizer state, no gradients), the evaluation, the save and the sample
+    phases = plan["phase_categories"]
+    assert {"train_step", "rollout", "evaluation", "checkpoint_save", "sample"} <= set(phases)
+    step, rollout = phases["train_step"], phases["rollout"]
+    assert step["kv_cache"] == 0 and step["activations"] + step["logits_loss"] > 0
+    assert rollout["parameters"] == step["parameters"] and rollout["optimizer_state"] == step["optimizer_state"] > 0
+    assert rollout["gradients"] == 0 and rollout["activations"] > 0
+    assert plan["by_phase"]["rollout"] == sum(rollout.values())
 
 
 def test_lit_model_finetune_grpo_is_the_script():

@@ -25,6 +25,7 @@ from lit_model.plan.search import max_micro_batch_size
 from lit_model.plan.training import plan_training
 from lit_model.plan.closed_form import CATEGORIES, param_counts, training_phases
 from lit_model.plan.planner import CLOSED_FORM_MARGIN
+from lit_model.plan.calibration import OVERHEAD
 from lit_model.model.gpt import GPT, default_dtype
 from lit_model.kernels.ops import cuda_attention_kernel
 from lit_model.run import CPU_HEAP_SHARDED, Run, resolve_run
@@ -143,6 +144,25 @@ def test_cpu_sample_phase_holds_only_the_fp32_copy():
     assert sample["parameters"] == param_counts(tiny()).total * 4 + 2 * 228 * tiny().rope_n_elem * 4
     assert sample["kv_cache"] == 2 * 2 * 2 * 228 * 32 * 4
     assert sum(plan.overhead_terms.values()) == plan.by_category["overhead"]
+
+
+@pytest.mark.parametrize("layers", [2, 8])
+def test_cpu_sample_and_save_of_an_adapter_fine_tune_reuse_the_heap_its_training_kept(layers):
+    """The sample gives back the heap glibc kept before it reloads final/ (recipes/common.py sample_text): a LoRA run's
+    sample holds what a full fine-tune's does. Its save holds that heap until the merge's reads of the base
+    checkpoint take it: a base of 8 blocks of 1,024 (over 128 MiB in bf16) fills it, one of 2 narrow blocks not."""
+    config = tiny(n_layer=layers, n_embd=1024, n_head=8, n_query_groups=8, intermediate_size=4096) if layers > 2 else tiny()
+
+    def plan(trainable: str):
+        return plan_training(config, args(), trainable=trainable, device_type="cpu", engine="analytic", suggest=False,
+                             detect=False).phase_categories
+
+    lora, full = plan("lora"), plan("full")
+    assert lora["sample"] == full["sample"]
+    base_read = lora["checkpoint_save"]["checkpoint"]
+    assert (base_read > OVERHEAD.cpu_adapter_fine_tuning) == (layers > 2)
+    assert lora["checkpoint_save"]["overhead"] == full["checkpoint_save"]["overhead"] + max(
+        OVERHEAD.cpu_adapter_fine_tuning - base_read, 0)
 
 
 def test_json_and_text():

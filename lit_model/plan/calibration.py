@@ -137,7 +137,9 @@ class Overhead:
     # 125-152 MiB beyond those on 132-198 MiB of transient tensors (0.77-0.95 of them; pretraining 0.06-0.35); where
     # it peaks saving or sampling after training, 43-206 MiB that the phase's own tensors do not explain: heap kept
     # from training (2026-11-26 grid). Why a fine-tune of a frozen base keeps more is not isolated, so the term stays
-    # a measured constant, rounded up. Ruled out: MKL's buffer cache (MKL_DISABLE_FAST_MM=1), bitsandbytes' import
+    # a measured constant, rounded up. Not in the sample's phase: the sample trims the heap first (overhead._cpu_churn);
+    # a LoRA save's reads of the base checkpoint reuse it (overhead.cpu_overhead_terms).
+    # Ruled out: MKL's buffer cache (MKL_DISABLE_FAST_MM=1), bitsandbytes' import
     # (full.py imports it too), glibc's per-thread arenas (MALLOC_ARENA_MAX=1 or 2: 1,048-1,088 MiB against
     # 1,032-1,063 at the default, same run).
     cpu_adapter_fine_tuning: int = 128 * MiB

@@ -144,8 +144,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     }
     if cpu_heap in ("lit_model", "lit_model_sharded"):
         terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
-    if adapters:
-        terms["adapter_fine_tuning"] = OVERHEAD.cpu_adapter_fine_tuning
+    if adapters:  # freed heap: what the phase allocates next (a LoRA save's reads of the base checkpoint) reuses it
+        terms["adapter_fine_tuning"] = max(OVERHEAD.cpu_adapter_fine_tuning - categories.get("checkpoint", 0), 0)
     if new_shapes:
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
     if optimizer_library:
@@ -213,11 +213,16 @@ def _gradients_in_buckets(spec: Run) -> bool:
 
 def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
     """``cpu_overhead_terms``' keywords for a phase of this run: the phases that run the model (the step and the
-    evaluation) dequantize and all-gather weights; the save and the sample do not."""
+    evaluation) dequantize and all-gather weights; the save and the sample do not. The sample gives back the heap
+    glibc kept (recipes/common.py sample_text trims it before reloading final/), so the heap an adapter fine-tune
+    keeps (``adapters``) is gone by then: counted, it planned LoRA SmolLM2-135M bf16-true runs of lora.py and dpo.py,
+    which peak sampling, 14 % over (benchmarks/results/plan_accuracy_preference.md); and the save, which reads the
+    base checkpoint into that freed heap, then peaked 12 % over (cpu_overhead_terms)."""
     runs_model = phase in ("train_step", "evaluation")
     return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
             "gathered": gathered_bytes(spec) if runs_model else 0,
-            "gradients_persist": _gradients_in_buckets(spec), "adapters": spec.trainable in ("lora", "adapter"),
+            "gradients_persist": _gradients_in_buckets(spec),
+            "adapters": spec.trainable in ("lora", "adapter") and phase != "sample",
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer,
                                                              lambda: closed_form.model_bytes(spec).trainable,
