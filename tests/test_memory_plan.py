@@ -1274,3 +1274,26 @@ def test_cpu_plan_of_a_compiled_run_counts_the_compiler() -> None:
     assert terms["compiled_code"] == pytest.approx(max(compiler - terms["adapter_fine_tuning"], 0), abs=2)
     gpu = plan_training(tiny(), args(compile=True), device_type="cuda", suggest=False, detect=False)
     assert gpu.peak_bytes == plan_training(tiny(), args(), device_type="cuda", suggest=False, detect=False).peak_bytes
+
+
+@pytest.mark.parametrize("malloc_env", [{}, {"MALLOC_ARENA_MAX": "2"}], ids=["fsdp-heap", "user-heap"])
+def test_a_cpu_lora_fsdp_save_counts_the_merge_beside_the_gathered_copy_only_where_glibc_keeps_it(monkeypatch,
+                                                                                                 malloc_env):
+    """The merge reads the base after the checkpoint's gathered copy is freed: where an FSDP process's heap returns
+    freed blocks (run.CPU_HEAP_SHARDED) only the larger of the two is held; at glibc's own settings both are."""
+    from lit_model.plan.closed_form import checkpoint_gather_bytes
+    from lit_model.plan.planner import lora_merge_bytes
+
+    for name in [n for n in os.environ if n.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    for name, value in malloc_env.items():
+        monkeypatch.setenv(name, value)
+    config, settings = tiny(), args(devices=2, strategy="fsdp")
+    run = resolved(config, settings, "lora", "cpu")
+    plan = plan_training(config, settings, trainable="lora", device_type="cpu", engine="analytic", suggest=False,
+                         detect=False)
+    gathered, merge = checkpoint_gather_bytes(run), lora_merge_bytes(run)
+    assert gathered > 0 and merge > 0
+    expected = max(gathered, merge) if run.heap_mode == "lit_model_sharded" else gathered + merge
+    assert run.heap_mode == ("lit_model_sharded" if not malloc_env else "glibc")
+    assert plan.phase_categories["checkpoint_save"]["checkpoint"] == expected

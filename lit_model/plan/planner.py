@@ -267,8 +267,11 @@ def _assemble(spec: Run, phases: dict[str, dict[str, int]], device_memory: Optio
     merge = lora_merge_bytes(spec) if spec.trainable == "lora" else 0
     if spec.device_type == "cpu" and "checkpoint_save" in phases:  # the merge and the sample are in this process
         save = phases["checkpoint_save"]
-        phases = {**phases, "checkpoint_save": {**save, "checkpoint": save.get("checkpoint", 0) + merge},
-                  "sample": _sample_phase(spec)}
+        # the merge reads the base after the checkpoint's copies are freed: glibc keeps those for it to fill, unless
+        # freed blocks go back at once (an FSDP process's heap, or the user's threshold), where only the larger counts
+        returned = spec.heap_mode in ("returns_freed", "lit_model_sharded")
+        checkpoint = max(save.get("checkpoint", 0), merge) if returned else save.get("checkpoint", 0) + merge
+        phases = {**phases, "checkpoint_save": {**save, "checkpoint": checkpoint}, "sample": _sample_phase(spec)}
     if spec.grpo is not None and "checkpoint_save" in phases:
         phases = {**phases, "rollout": _rollout_phase(spec, phases["checkpoint_save"])}
     phases, terms = _finish_phases(phases, spec, transient_highs=transient_highs)
