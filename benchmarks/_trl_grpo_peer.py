@@ -20,54 +20,31 @@ the prompts' tokens and the completions' up to and including their eos), which v
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from pathlib import Path
+
+from _trl_common import load_base, peer_parser, train, trainer_settings
 
 HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base_dir", required=True)
-    parser.add_argument("--data_path", required=True)
-    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
+    parser = peer_parser(__doc__.split("\n")[0], "out/trl-grpo")
     parser.add_argument("--num_generations", type=int, default=4)
     parser.add_argument("--prompts_per_step", type=int, default=2)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
-    parser.add_argument("--min_lr", type=float, default=1e-4)
-    parser.add_argument("--warmup_steps", type=int, default=10)
-    parser.add_argument("--weight_decay", type=float, default=0.0)
-    parser.add_argument("--grad_clip", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--lora_r", type=int, default=8)
-    parser.add_argument("--lora_alpha", type=float, default=16)
-    parser.add_argument("--lora_dropout", type=float, default=0.05)
-    parser.add_argument("--lora_targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    parser.add_argument("--out_dir", default="out/trl-grpo")
     args = parser.parse_args()
 
-    import torch
     from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     spec = importlib.util.spec_from_file_location("_grpo_reward", HERE / "_grpo_reward.py")
     reward = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reward)
-
-    set_seed(args.seed)
-    dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(args.base_dir)
-    tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(args.base_dir, dtype=dtype)
+    dtype, tokenizer, model, lora = load_base(args)
     prompts = load_dataset("json", data_files=args.data_path, split="train")
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
-                      target_modules=args.lora_targets.split(","))
 
     class StepStamps(TrainerCallback):
         seen = 0
@@ -76,22 +53,12 @@ def main() -> None:
             print(f"trl-step {state.global_step} tokens {state.num_input_tokens_seen - self.seen}", flush=True)
             self.seen = state.num_input_tokens_seen
 
-    config = GRPOConfig(
-        output_dir=args.out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, use_vllm=False,
-        num_generations=args.num_generations, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, beta=0.0, loss_type="dapo",
-        per_device_train_batch_size=args.prompts_per_step * args.num_generations, gradient_accumulation_steps=1,
-        max_steps=args.steps, learning_rate=args.learning_rate, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": args.min_lr}, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=args.grad_clip, seed=args.seed, logging_steps=1,
-        dataloader_num_workers=0, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
-    )
+    config = GRPOConfig(**trainer_settings(args), use_vllm=False, num_generations=args.num_generations,
+                        max_completion_length=args.max_new_tokens, temperature=args.temperature, beta=0.0,
+                        loss_type="dapo", per_device_train_batch_size=args.prompts_per_step * args.num_generations)
     trainer = GRPOTrainer(model=model, reward_funcs=reward.distinct, args=config, train_dataset=prompts,
                           processing_class=tokenizer, peft_config=lora, callbacks=[StepStamps()])
-    print(f"Model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters "
-          f"({sum(p.numel() for p in trainer.model.parameters() if p.requires_grad):,} trainable), {dtype}", flush=True)
-    trainer.train()
-    trainer.save_model(str(Path(args.out_dir) / "final"))
+    train(trainer, args, dtype)
 
 
 if __name__ == "__main__":
