@@ -364,6 +364,9 @@ def test_rollouts_leave_no_kv_cache_for_the_training_forward(prompts):
     assert seen and all(seen)  # the rollout decodes through its cache ...
     assert model.training and all(block.attn.kv_cache is None for block in model.blocks)  # ... and removes it
     assert batch[0].shape[0] == 6 and ((batch[1] != IGNORE_INDEX).sum(dim=1) == batch[4][:, -1]).all()
+    # rows right-padded to the longest input rounded up to 8 tokens (not to the context of 256)
+    longest = max(len(data.train[row // 3].ids) + int(batch[4][row, -1]) - 1 for row in range(6))
+    assert batch[0].shape[1] == -(-longest // 8) * 8 < 256
     seen.clear()
     sums = GRPO(spec).loss_sum(model, batch)
     sums.loss.backward()

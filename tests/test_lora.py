@@ -156,22 +156,40 @@ def test_a_lora_layer_computes_the_published_formula_with_the_same_dropout_draws
             assert error <= 2 * (formula_value.double() - exact).abs().max().item() + 1e-6
 
 
-def test_dropout_before_linear_keeps_f_dropouts_mask_on_the_cpu_and_is_f_dropout_elsewhere():
-    from lit_model.kernels.ops import dropout_before_linear
+def test_dropout_linear_is_f_dropouts_map_and_keeps_the_input_and_a_boolean_mask_on_the_cpu():
+    from lit_model.kernels.ops import dropout_linear
 
-    x = torch.randn(64, 256) + 3  # no zeros of its own
+    x = (torch.randn(64, 256) + 3).requires_grad_(True)  # no zeros of its own
+    weight = torch.randn(8, 256, requires_grad=True)
+    grad = torch.randn(64, 8)
     torch.manual_seed(0)
-    dropped, factor = dropout_before_linear(x, 0.1, unscaled=True)
+    expected = torch.nn.functional.linear(torch.nn.functional.dropout(x, 0.1, training=True), weight)
+    expected_grads = torch.autograd.grad(expected, (x, weight), grad)
+    saved = []
     torch.manual_seed(0)
-    expected = torch.nn.functional.dropout(x, 0.1, training=True)
-    assert factor == pytest.approx(1 / 0.9) and torch.equal(dropped == 0, expected == 0)
-    torch.testing.assert_close(dropped * factor, expected)
-    assert 0.05 < (dropped == 0).float().mean().item() < 0.15
-    assert dropout_before_linear(x, 0.0, unscaled=True) == (x, 1.0)
-    # CUDA's policy: its fused kernel (a boolean mask for backward), F.dropout itself
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, factor = dropout_linear(x, weight, 0.1, unscaled=True)
+    assert factor == pytest.approx(1 / 0.9)
+    torch.testing.assert_close(out * factor, expected, rtol=1e-4, atol=1e-4)  # scaled after the sum, not before
+    for got, want in zip(torch.autograd.grad(out * factor, (x, weight), grad), expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # backward keeps x itself, the weight and a boolean mask: no masked copy, no mask of x's dtype
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
+        [("torch.float32", (64, 256)), ("torch.bool", (64, 256)), ("torch.float32", (8, 256))])
+    assert saved[0] is x
+    mask = saved[1]
+    assert 0.05 < (~mask).float().mean().item() < 0.15
+    # no dropout: the plain map; CUDA's policy: F.dropout itself, unscaled
+    torch.testing.assert_close(dropout_linear(x, weight, 0.0, unscaled=True)[0], x @ weight.t())
     torch.manual_seed(0)
-    dropped, factor = dropout_before_linear(x, 0.1, unscaled=False)
-    assert factor == 1.0 and torch.equal(dropped, expected)
+    out, factor = dropout_linear(x, weight, 0.1, unscaled=False)
+    assert factor == 1.0 and torch.equal(out, expected)
+    # autocast: the masked input's cast and a boolean mask
+    saved.clear()
+    with torch.autocast("cpu", torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t) or t, lambda t: t):
+        dropout_linear(x, weight, 0.1, unscaled=True)
+    assert sorted(str(t.dtype) for t in saved if t.shape == x.shape) == ["torch.bfloat16", "torch.bool"]
 
 
 @pytest.mark.slow

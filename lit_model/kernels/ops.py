@@ -1,7 +1,7 @@
 """Model operations arranged to do less work than PyTorch's own, with the same math: an RMSNorm with a
 hand-written backward, a rotary embedding without the rotated copy, causal attention on the CPU split so that
 its kernel skips the masked quarter (fp32) or computed by query blocks on the BLAS (bf16 training), dropout before a
-linear map without its division, and fp32 linear maps on oneDNN where PyTorch's BLAS is slow (x86 CPUs other than
+linear map without its division (its mask boolean), and fp32 linear maps on oneDNN where PyTorch's BLAS is slow (x86 CPUs other than
 Intel's). Against PyTorch's: benchmarks/results/ops.md, ops_attention_blocks.md and ops_linear.md
 (``python benchmarks/ops.py``)."""
 
@@ -188,19 +188,43 @@ def decoding_column_major(shape: Sequence[int], dtype: torch.dtype, device: torc
     return math.prod(shape) <= ONEDNN_LINEAR_MIN_MACS or not onednn_fp32_linear()
 
 
-def dropout_before_linear(x: torch.Tensor, p: float, unscaled: bool) -> tuple[torch.Tensor, float]:
-    """Dropout (training) of an input that a linear map takes next: ``(dropped, factor)`` such that ``factor`` times
-    the map of ``dropped`` is the map of ``F.dropout(x, p)``. Each value is kept with probability ``1 - p``, as
-    F.dropout keeps it. Where ``unscaled`` (the policy's, on the CPU) the kept values are not divided by ``1 - p``: ``factor`` carries it to the map's
-    scale, so the input is read once where F.dropout reads it twice (for the same mask memory, a 0/1 tensor of x's
-    dtype where F.dropout keeps a scaled one). Elsewhere F.dropout (CUDA's fused kernel keeps a boolean mask), and
-    under torch.compile, where the in-place ``bernoulli_`` on ``empty_like`` gave NaN (torch 2.13's CPU inductor: a
-    LoRA fine-tune with --compile lost its first step) and inductor fuses F.dropout anyway."""
+class _MaskedLinear(torch.autograd.Function):
+    """``F.linear(x * mask, weight)`` for a boolean ``mask`` that keeps its input and the mask (one byte an element)
+    for backward and recomputes the masked input there; autograd would keep the masked copy and the mask in x's
+    dtype. The input is often kept anyway: a norm's output that LoRA's query, key and value branches share."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, mask, weight)
+        return F.linear(x * mask, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, Optional[torch.Tensor]]:
+        x, mask, weight = ctx.saved_tensors
+        grad_x = (grad @ weight) * mask if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = grad.reshape(-1, grad.size(-1)).t() @ (x * mask).reshape(-1, x.size(-1))
+        return grad_x, None, grad_weight
+
+
+def dropout_linear(x: torch.Tensor, weight: torch.Tensor, p: float, unscaled: bool) -> tuple[torch.Tensor, float]:
+    """The linear map ``weight`` of ``x`` after dropout (training) as ``(out, factor)``: ``factor * out`` is
+    ``F.linear(F.dropout(x, p), weight)``, each value kept with probability ``1 - p`` as F.dropout keeps it. Where
+    ``unscaled`` (the policy's, on the CPU) the kept values are not divided by ``1 - p`` (``factor`` carries it to
+    the caller's scale, so the input is read once where F.dropout reads it twice) and the mask is boolean: with
+    ``x`` and ``weight`` of one dtype and no autocast, backward keeps ``x`` and the mask (``_MaskedLinear``), else
+    the masked input and the boolean mask. Elsewhere F.dropout (CUDA's fused kernel keeps a boolean mask), and under
+    torch.compile, where the in-place ``bernoulli_`` on ``empty_like`` gave NaN (torch 2.13's CPU inductor: a LoRA
+    fine-tune with --compile lost its first step) and inductor fuses F.dropout anyway."""
     if p == 0:
-        return x, 1.0
+        return F.linear(x.to(weight.dtype), weight), 1.0
     if not unscaled or torch.compiler.is_compiling():
-        return F.dropout(x, p, training=True), 1.0
-    return x * torch.empty_like(x).bernoulli_(1 - p), 1 / (1 - p)
+        return F.linear(F.dropout(x, p, training=True).to(weight.dtype), weight), 1.0
+    mask = torch.empty_like(x).bernoulli_(1 - p).bool()  # F.dropout's draws: the same mask for the same seed
+    if x.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        return _MaskedLinear.apply(x, mask, weight), 1 / (1 - p)
+    return F.linear((x * mask).to(weight.dtype), weight), 1 / (1 - p)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, by_hand: bool) -> torch.Tensor:

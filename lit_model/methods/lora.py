@@ -44,7 +44,7 @@ from lit_model.io.checkpoint import (
     WEIGHTS_NAME, SafetensorsReader, check_adapter_weights, check_checkpoint_dir, check_output_dir,
     derive_checkpoint_dir, read_safetensors, verify_manifest, write_manifest,
 )
-from lit_model.kernels.ops import dropout_before_linear
+from lit_model.kernels.ops import dropout_linear
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 from lit_model.methods.adapter import AdapterAttention
 from lit_model.methods.quantize import dequantized_weight
@@ -157,11 +157,9 @@ class LoRALayer:
         out = super().forward(x)  # type: ignore[misc]
         if not self.lora_enabled:
             return out
-        dropped, scaling = x, self.lora_scaling
-        if self.training and isinstance(self.lora_dropout, nn.Dropout):
-            dropped, factor = dropout_before_linear(x, self.lora_dropout.p, self.kernel_policy.unscaled_dropout)
-            scaling *= factor
-        low = F.linear(dropped.to(self.lora_A.dtype), self.lora_A)
+        p = self.lora_dropout.p if self.training and isinstance(self.lora_dropout, nn.Dropout) else 0.0
+        low, factor = dropout_linear(x, self.lora_A, p, self.kernel_policy.unscaled_dropout)
+        scaling = self.lora_scaling * factor
         if self.lora_magnitude is None and low.dtype == out.dtype:
             # one matrix product adds scaling * B @ low to the base output: no output-sized product, scaled copy and sum
             return torch.addmm(out.reshape(-1, out.size(-1)), low.reshape(-1, low.size(-1)), self.lora_B.t(),
@@ -191,10 +189,12 @@ class LoRALayer:
         kept = float(step.lora_r * dm)  # A's output, kept by the B matmul
         if step.lora_dora:  # base + low-rank output, kept by its product with the magnitudes' scale
             kept += out_dim * step.param_bytes
-        if step.lora_dropout > 0:
+        if step.lora_dropout > 0 and step.lora_keeps_input:
+            kept += in_dim  # the boolean mask beside the input (BlockLinears counts the input once)
+        elif step.lora_dropout > 0:
             kept += in_dim * dm  # dropout output (its half-precision cast under autocast), kept by the A matmul
-            if in_rg:  # the mask, kept for the input's gradient (bool on CUDA; a noise tensor on the CPU)
-                kept += in_dim * (1 if step.device_type == "cuda" else in_bytes)
+            if in_rg:  # the boolean mask, kept for the input's gradient
+                kept += in_dim
         elif step.autocast:
             kept += in_dim * dm  # the A matmul's own cast of its input
         return kept

@@ -34,6 +34,12 @@ class Step:
     lora_dropout: float = 0.0
     lora_dora: bool = False
 
+    @property
+    def lora_keeps_input(self) -> bool:
+        """Whether a LoRA branch keeps its input itself (kept once however many branches read it): without dropout,
+        or with the CPU's dropout without autocast (kernels/ops.dropout_linear keeps the input and a boolean mask)."""
+        return self.lora_dropout == 0 or (self.device_type == "cpu" and not self.autocast)
+
 
 @dataclass(frozen=True)
 class Saved:

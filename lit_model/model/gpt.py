@@ -832,8 +832,8 @@ class BlockLinears:
         return name in self.step.lora_names
 
     def keeps_input(self, name: str) -> bool:
-        """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch without dropout."""
-        return self.trains or (self.adapted(name) and self.step.lora_dropout == 0)
+        """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch that does (``Step``)."""
+        return self.trains or (self.adapted(name) and self.step.lora_keeps_input)
 
     def branch_kept(self, name: str, in_dim: int, out_dim: int, in_rg: bool, in_bytes: int) -> tuple[float, bool]:
         """Kept bytes of linear ``name``'s LoRA branch; whether it makes the output require grad."""
@@ -844,7 +844,7 @@ class BlockLinears:
     def shared_input(self, names: tuple[str, ...], in_dim: int, in_bytes: int) -> float:
         """The input shared by linears ``names``: kept once; under autocast one cast per keeping linear."""
         step, dm = self.step, self.step.compute_bytes
-        plain_branches = step.lora_dropout == 0 and not step.autocast
+        plain_branches = step.lora_keeps_input and not step.autocast
         if not (self.trains or (plain_branches and any(self.adapted(name) for name in names))):
             return 0.0
         if step.autocast and in_bytes != dm:

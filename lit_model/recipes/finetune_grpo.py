@@ -29,7 +29,7 @@ from lit_model.core.errors import UsageError, run_cli
 from lit_model.core.meter import Meter
 from lit_model.data.prompts import PROMPT_EXAMPLE, load_prompt_data
 from lit_model.infer.load import Precision
-from lit_model.infer.rollout import EvaluationRollouts, Rollouts, train_rollouts
+from lit_model.infer.rollout import EvaluationRollouts, Rollouts, row_length, train_rollouts
 from lit_model.infer.sampling import check_sampling
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.rewards import load_rewards
@@ -159,7 +159,7 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     first = fabric.global_rank * count
     val_batches = EvaluationRollouts(rollouts, [data.val[(first + i) % len(data.val)] for i in range(count)], args.seed)
     objective = session.objective(run, optimizer)
-    longest = min(data.longest + spec.max_new_tokens, run.seq_len)  # the longest prompt with the longest completion
+    longest = row_length(data.longest + spec.max_new_tokens, run.seq_len)  # the longest prompt and completion
     rehearsal_batch = tuple(part.to(fabric.device) for part in objective.example_batch(
         run.micro_batch_size, longest, run.config.padded_vocab_size))
     fabric.print(f"Training {args.max_steps} steps of {prompts_per_step} prompts x {spec.num_generations} completions "
