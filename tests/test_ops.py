@@ -136,6 +136,31 @@ def rope_tables(length, n_elem, dtype=torch.float32):
     return [t.to(dtype) for t in rope_cache(config, length, torch.device("cpu"))]
 
 
+@pytest.mark.parametrize("approximate", [None, "none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_product_equals_autograds_exactly_and_keeps_its_two_inputs_only(approximate, dtype):
+    generator = torch.Generator().manual_seed(0)
+    a, b, grad = (torch.randn(4, 7, 48, generator=generator).to(dtype) for _ in range(3))
+    activation = F.silu if approximate is None else lambda x: F.gelu(x, approximate=approximate)
+    results = []
+    for fused in (False, True):
+        x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = ops.gated_product(x, y, approximate) if fused else activation(x) * y
+        results.append((out, *torch.autograd.grad(out, (x, y), grad), len(saved)))
+    (plain, *plain_grads, plain_kept), (fused, *fused_grads, fused_kept) = results
+    assert torch.equal(fused, plain) and all(torch.equal(f, p) for f, p in zip(fused_grads, plain_grads))
+    assert (plain_kept, fused_kept) == (3, 2)  # autograd: a, act(a), b; fused: a and b
+
+
+def test_gated_product_is_differentiable_twice():
+    generator = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(3, 5, dtype=torch.float64, generator=generator).requires_grad_() for _ in range(2))
+    for approximate in (None, "tanh"):
+        assert torch.autograd.gradgradcheck(lambda x, y: ops.gated_product(x, y, approximate), (a, b))
+
+
 def test_rotate_equals_the_rotate_half_formula_in_values_gradient_and_layout():
     generator = torch.Generator().manual_seed(2)
     cos, sin = rope_tables(6, 8)

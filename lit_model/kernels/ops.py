@@ -227,6 +227,51 @@ def dropout_linear(x: torch.Tensor, weight: torch.Tensor, p: float, unscaled: bo
     return F.linear((x * mask).to(weight.dtype), weight), 1 / (1 - p)
 
 
+def _activation(x: torch.Tensor, approximate: Optional[str]) -> torch.Tensor:
+    return F.silu(x) if approximate is None else F.gelu(x, approximate=approximate)
+
+
+class _GatedProduct(torch.autograd.Function):
+    """``activation(a) * b`` keeping only ``a`` and ``b`` for backward, where the activation is recomputed (as Liger's
+    fused SwiGLU): autograd keeps ``a``, ``activation(a)`` and ``b``. Its gradients are autograd's, op for op: the
+    activation's own backward kernel on ``grad * b``, and ``grad * activation(a)``."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, approximate: Optional[str]) -> torch.Tensor:
+        ctx.approximate = approximate
+        ctx.save_for_backward(a, b)
+        return _activation(a, approximate) * b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            if ctx.approximate is None and torch.is_grad_enabled():  # a second backward: PyTorch's formula for it
+                sigmoid = torch.sigmoid(a)
+                grad_a = grad * b * sigmoid * (1 + a * (1 - sigmoid))
+            elif ctx.approximate is None:
+                grad_a = torch.ops.aten.silu_backward(grad * b, a)
+            else:
+                grad_a = torch.ops.aten.gelu_backward(grad * b, a, approximate=ctx.approximate)
+        if ctx.needs_input_grad[1]:
+            grad_b = grad * _activation(a, ctx.approximate)
+        return grad_a, grad_b, None
+
+
+def gated_product(a: torch.Tensor, b: torch.Tensor, approximate: Optional[str] = None) -> torch.Tensor:
+    """SwiGLU's ``silu(a) * b`` (``approximate`` None) or GeGLU's ``gelu(a, approximate) * b``: with gradients, backward
+    keeps ``a`` and ``b`` only (``_GatedProduct``); without, in place in the fresh ``a`` (the caller holds ``a`` and
+    ``b`` until it returns: a new product would hold a third and fourth tensor of their size); compiled, the plain
+    expression, which inductor fuses and whose saved tensors its partitioner chooses."""
+    if torch.compiler.is_compiling():
+        return _activation(a, approximate) * b
+    if not torch.is_grad_enabled() or not (a.requires_grad or b.requires_grad):
+        gated = F.silu(a, inplace=True) if approximate is None else F.gelu(a, approximate=approximate)
+        return gated.mul_(b)
+    return _GatedProduct.apply(a, b, approximate)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, by_hand: bool) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, for ``x`` and ``weight`` of one dtype. A
     16-bit ``x`` is normalised in fp32 and rounded to its dtype before the weight multiplies it (as Hugging Face's

@@ -20,8 +20,8 @@ from lit_model.model.contracts import ParamCounts, Saved, Step
 from lit_model.core.config import Config
 from lit_model.core.errors import STOPS, UserError
 from lit_model.kernels.attention import attention, attention_dtype, softcap
-from lit_model.kernels.ops import (ATTENTION_BLOCK, block_scores, cuda_attention_kernel, linear, rms_norm, rotate,
-                                   upcast_rms_norm)
+from lit_model.kernels.ops import (ATTENTION_BLOCK, block_scores, cuda_attention_kernel, gated_product, linear,
+                                   rms_norm, rotate, upcast_rms_norm)
 from lit_model.kernels.policy import KernelPolicy, kernel_policy
 
 # a layer built on its own (a test's, a bare MoE block) takes the CPU's kernels until a policy is handed in
@@ -577,11 +577,10 @@ class LLaMAMLP(nn.Module):
         self.fc_2 = linear_class(config.n_embd, config.intermediate_size, bias=config.bias)
         self.proj = linear_class(config.intermediate_size, config.n_embd, bias=config.bias)
 
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(x)
+    approximate: Optional[str] = None  # the gate's activation: SiLU (GemmaMLP: GELU, exact or tanh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.activation(self.fc_1(x)) * self.fc_2(x))
+        return self.proj(gated_product(self.fc_1(x), self.fc_2(x), self.approximate))
 
     @classmethod
     def linear_shapes(cls, config: Config) -> dict[str, tuple[int, int, bool]]:
@@ -600,10 +599,8 @@ class LLaMAMLP(nn.Module):
             per_token += kept
             h_rg[name] = h_rg[name] or linears.trains or branch_rg
         s_rg, h2_rg = h_rg["mlp.fc_1"], h_rg["mlp.fc_2"]
-        if s_rg:
-            per_token += 2 * I * dm  # the activation's input; h2, kept by the product for s's gradient
-        if h2_rg:
-            per_token += I * dm  # s, kept by the product for h2's gradient
+        if s_rg or h2_rg:
+            per_token += 2 * I * dm  # the gate's inputs, kept by the gated product (kernels/ops.gated_product)
         p_rg = s_rg or h2_rg
         if linears.keeps_input("mlp.proj"):
             per_token += I * dm  # product kept by proj
@@ -620,9 +617,6 @@ class GemmaMLP(LLaMAMLP):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.approximate = config.gelu_approximate
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate=self.approximate)
 
 
 @torch.library.custom_op("lit_model::expert_tokens", mutates_args=())
