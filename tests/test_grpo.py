@@ -439,14 +439,24 @@ def test_a_rollout_that_runs_out_of_memory_recomputes_to_the_same_completions(pr
 
 @pytest.mark.parametrize("method", ["lora", "adapter"])
 def test_plan_of_a_grpo_run_counts_the_rollout(prompts, method):
+    from lit_model.data.prompts import load_prompt_data
+    from lit_model.io.prompts import PromptStyle
+    from lit_model.io.tokenizer import Tokenizer
+
     proc = run("finetune/grpo.py", "--checkpoint_dir", prompts["base"], "--data_path", prompts["data"], "--plan", "json",
-               "--max_new_tokens", "16", "--method", method, cache=prompts["cache"])
+               "--max_new_tokens", "16", "--method", method, "--prompt_style", "alpaca", cache=prompts["cache"])
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["peak_bytes"] > 0 and plan["run"]["trainable"] == method
+    # planned at the data's longest prompt + 16 new tokens, padded to 8 as rollout rows are: not the whole context
+    data = load_prompt_data(prompts["data"], Tokenizer(prompts["base"]), PromptStyle.from_name("alpaca"),
+                            MODEL["block_size"] - 16)
+    seq_len = -(-(data.longest + 16) // 8) * 8
+    assert plan["run"]["seq_length"] == seq_len < MODEL["block_size"]
+    assert "the longest prompt of the data with --max_new_tokens 16" in plan["run"]["seq_length_source"]
     head_size = MODEL["n_embd"] // MODEL["n_head"]
-    # 4 completions x (the longest prompt that fits + 16 new tokens = the block size) positions, keys and values
-    kv_cache = 4 * MODEL["block_size"] * MODEL["n_layer"] * 2 * MODEL["n_query_groups"] * head_size * 4
+    # 4 completions x that many positions in whole blocks of 16, keys and values
+    kv_cache = 4 * -(-seq_len // 16) * 16 * MODEL["n_layer"] * 2 * MODEL["n_query_groups"] * head_size * 4
     assert plan["phase_categories"]["rollout"]["kv_cache"] == kv_cache
     # the run's phases: training on the rollouts (the step, with no cache: the rollout removed it), the rollout between
     # steps (the training weights and optimizer state, no gradients), the evaluation, the save and the sample

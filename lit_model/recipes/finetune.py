@@ -118,14 +118,22 @@ def read_instruct_data(run: Run, args: FinetuneArgs, tokenizer: Any, style: Prom
                               data=args.data, fields=parse_fields(args.data_fields))
 
 
-# A recipe's data: (run, args, tokenizer, style) -> train/val datasets with ``train.lengths`` and a description
-ReadData = Callable[[Run, Any, Any, PromptStyle], Union[InstructData, PreferenceData]]
+# A recipe's data: (run, args, tokenizer, style) -> train/val data with a description
+ReadData = Callable[[Run, Any, Any, PromptStyle], Union[InstructData, PreferenceData, PromptData]]
+# ... and the length of its longest micro batch as the run pads it (at most the run's), with what that length is
+BatchLength = Callable[[Any, Run], tuple[int, str]]
 
 
-def resolve(args: FinetuneArgs, method: Trainable, read_data: Optional[ReadData] = read_instruct_data) -> Run:
+def collated_length(data: Union[InstructData, PreferenceData], run: Run) -> tuple[int, str]:
+    """Instruction samples' or preference pairs' longest micro batch: the longest sample, padded as ``collate`` pads."""
+    return padded_length(max(data.train.lengths), max_length=run.seq_len), "the longest sample of the data"
+
+
+def resolve(args: FinetuneArgs, method: Trainable, read_data: Optional[ReadData] = read_instruct_data,
+            batch_length: BatchLength = collated_length) -> Run:
     """The run, resolved once in the script's main: every flag checked against the checkpoint and the device
-    before any process starts (a plan reads the architecture, and the data's lengths with ``read_data``: see
-    ``with_data_length``)."""
+    before any process starts (a plan reads the architecture, and the data's lengths with ``read_data`` and
+    ``batch_length``: see ``with_data_length``)."""
     if args.freeze_layers is not None and method != "full":
         raise UsageError(f"--freeze_layers applies to full fine-tuning (finetune/full.py); {method} already trains "
                          "only its own parameters. Drop --freeze_layers.")
@@ -134,7 +142,7 @@ def resolve(args: FinetuneArgs, method: Trainable, read_data: Optional[ReadData]
     checkpoint_dir, config = resolve_checkpoint(args.model_name, args.checkpoint_dir, DEFAULT_CHECKPOINT,
                                                 plan=args.plan is not None, model_config=args.model_config)
     if args.plan is not None:  # the architecture and the data's lengths only: no weights are read
-        return with_data_length(resolve_run(args, config, method), args, checkpoint_dir, read_data)
+        return with_data_length(resolve_run(args, config, method), args, checkpoint_dir, read_data, batch_length)
     continues_adapter = (checkpoint_dir / ADAPTER_CONFIG).is_file()
     if continues_adapter and method != "adapter":
         raise UsageError(
@@ -172,9 +180,11 @@ def continue_adapter(run: Run, checkpoint_dir: Path) -> Run:
     return run
 
 
-def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path], read_data: Optional[ReadData]) -> Run:
-    """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: the longest sample,
-    padded as ``collate`` pads it), not the model's whole context, with where that length comes from. Without the
+def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path], read_data: Optional[ReadData],
+                     batch_length: BatchLength = collated_length) -> Run:
+    """--plan: the run at the length of the longest micro batch its data makes (the rehearsal's: ``batch_length``,
+    e.g. the longest sample padded as ``collate`` pads it), not the model's whole context, with where that length
+    comes from. Without the
     checkpoint's tokenizer (a model not downloaded yet) the samples are counted in UTF-8 bytes, an upper bound of any
     tokenizer's count. Packed samples' sequences (``packs_whole_length``), a recipe without data to read, data not
     there yet and data the run would stop on (noted) are planned at the run's length."""
@@ -189,11 +199,11 @@ def with_data_length(run: Run, args: FinetuneArgs, checkpoint_dir: Optional[Path
         data = read_data(counted, args, tokenizer or ByteCountTokenizer(), prompt_style(counted, args))
     except UserError as error:  # the run would stop on it; the plan is of its memory, and says why it assumed more
         return run.replace(seq_len_source=f"planned at the whole length: the run would stop on its data: {error}")
-    length = padded_length(max(data.train.lengths), max_length=run.seq_len)
+    length, what = batch_length(data, run)
     unit = "tokens" if tokenizer is not None else "UTF-8 bytes (no tokenizer yet: an upper bound of its tokens)"
     packed = "; --packing packs a micro batch's rows into at most as many tokens" if run.packing else ""
-    return run.replace(seq_len=length, seq_len_source=f"the longest sample of the data, counted in {unit} and padded "
-                                                      f"as batches are ({data.description}){packed}")
+    return run.replace(seq_len=length, seq_len_source=f"{what}, counted in {unit} and padded as batches are "
+                                                      f"({data.description}){packed}")
 
 
 def packs_whole_length(run: Run) -> bool:

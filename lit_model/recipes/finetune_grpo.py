@@ -21,16 +21,17 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from lightning.fabric import Fabric
 
 from lit_model.core.errors import UsageError, run_cli
 from lit_model.core.meter import Meter
-from lit_model.data.prompts import PROMPT_EXAMPLE, load_prompt_data
+from lit_model.data.prompts import PROMPT_EXAMPLE, PromptData, load_prompt_data
 from lit_model.infer.load import Precision
 from lit_model.infer.rollout import EvaluationRollouts, Rollouts, row_length, train_rollouts
 from lit_model.infer.sampling import check_sampling
+from lit_model.io.prompts import PromptStyle
 from lit_model.io.tokenizer import Tokenizer
 from lit_model.methods.rewards import load_rewards
 from lit_model.plan.oom_report import out_of_memory_report
@@ -110,7 +111,8 @@ def main(args: GRPOArgs) -> None:
                          "and GRPO learns nothing: use a positive temperature (TRL's default is 1.0).")
     if args.plan is None:
         load_rewards(args.reward, args.reward_weights)  # the user's files run once now: their errors before any output
-    run = finetune.resolve(args, args.method, read_data=None)  # planned at the context: prompts + completions
+    has_data = args.data_path is not None or args.data is not None
+    run = finetune.resolve(args, args.method, read_prompts if has_data else None, rollout_length)
     if run.parallel.fsdp:
         raise UsageError("GRPO generates its rollouts with the whole model in each process, and FSDP shards it "
                          "(--strategy fsdp, or --cpu_offload): use one device or --strategy ddp.")
@@ -125,12 +127,23 @@ def main(args: GRPOArgs) -> None:
     common.plan_or_train(run, args, train)
 
 
+def read_prompts(run: Run, args: GRPOArgs, tokenizer: Any, style: PromptStyle) -> PromptData:
+    """The prompts this run rolls out, each at most the context less --max_new_tokens."""
+    return load_prompt_data(args.data_path, tokenizer, style, run.seq_len - args.max_new_tokens,
+                            args.val_split_fraction, data=args.data, fields=parse_fields(args.data_fields, "prompts"))
+
+
+def rollout_length(data: PromptData, run: Run) -> tuple[int, str]:
+    """The longest rollout row: the longest prompt with the longest completion, padded as rows are (the rehearsal's)."""
+    return (row_length(data.longest + run.grpo.max_new_tokens, run.seq_len),
+            f"the longest prompt of the data with --max_new_tokens {run.grpo.max_new_tokens}")
+
+
 def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     run = common.choose_loss_chunk_size(fabric, common.choose_micro_batch_size(fabric, run, args), args)
     spec = run.grpo
     tokenizer, style = Tokenizer(run.checkpoint_dir), finetune.prompt_style(run, args)
-    data = load_prompt_data(args.data_path, tokenizer, style, run.seq_len - spec.max_new_tokens,
-                            args.val_split_fraction, data=args.data, fields=parse_fields(args.data_fields, "prompts"))
+    data = read_prompts(run, args, tokenizer, style)
     if args.sample_instruction is not None:
         data.sample_instruction = style.apply(args.sample_instruction)
     fabric.print(f"Data: {data.description}")
@@ -159,7 +172,7 @@ def train(fabric: Fabric, run: Run, args: GRPOArgs) -> None:
     first = fabric.global_rank * count
     val_batches = EvaluationRollouts(rollouts, [data.val[(first + i) % len(data.val)] for i in range(count)], args.seed)
     objective = session.objective(run, optimizer)
-    longest = row_length(data.longest + spec.max_new_tokens, run.seq_len)  # the longest prompt and completion
+    longest, _ = rollout_length(data, run)
     rehearsal_batch = tuple(part.to(fabric.device) for part in objective.example_batch(
         run.micro_batch_size, longest, run.config.padded_vocab_size))
     fabric.print(f"Training {args.max_steps} steps of {prompts_per_step} prompts x {spec.num_generations} completions "
