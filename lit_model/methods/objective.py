@@ -76,6 +76,10 @@ class CausalLM:
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     differentiable_twice: bool = False
     packed: bool = False  # batches of packed samples carry each token's position (their documents' masks)
+    # every chunk's logits recomputed in backward, even where the fused loss would run: for several losses over one
+    # batch (a preference objective's rows), each of whose fused losses would keep the head's gradient (vocabulary x
+    # embedding) until backward
+    recompute_head: bool = False
     metric_names: ClassVar[tuple[str, ...]] = ()
 
     def count(self, batch: Batch) -> torch.Tensor:
@@ -99,13 +103,14 @@ class CausalLM:
         """The summed loss of the final hidden states (batch, time, embedding) against ``targets``."""
         x, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
         chunk = self.chunk_size if self.chunk_size > 0 else x.size(0)
-        if plain_linear(model.lm_head) and not self.differentiable_twice:
+        if plain_linear(model.lm_head) and not self.differentiable_twice and not self.recompute_head:
             return linear_cross_entropy(x, model.lm_head.weight, model.lm_head.bias, targets, chunk,
                                         model.config.final_logit_softcapping,
                                         onednn=model.kernel_policy.onednn_fp32_linear)
-        # A head with adapters (LoRA), or a double backward: checkpointed chunks, recomputed in backward.
+        # A head with adapters (LoRA), a double backward or recompute_head: checkpointed chunks, recomputed in backward.
         total = x.new_zeros((), dtype=torch.float32)
-        for chunk_sum in over_chunks(partial(token_losses, reduction="sum"), model, x, targets, chunk):
+        for chunk_sum in over_chunks(partial(token_losses, reduction="sum"), model, x, targets, chunk,
+                                     recompute=self.recompute_head):
             total = total + chunk_sum
         return total
 
@@ -117,13 +122,14 @@ def token_losses(model: GPT, x: torch.Tensor, targets: torch.Tensor, reduction: 
 
 
 def over_chunks(function: Callable[[GPT, torch.Tensor, torch.Tensor], torch.Tensor], model: GPT, x: torch.Tensor,
-                targets: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+                targets: torch.Tensor, chunk: int, recompute: bool = False) -> list[torch.Tensor]:
     """``function(model, rows of x, their targets)`` ``chunk`` rows at a time; with gradients each chunk is
-    checkpointed (its logits recomputed in backward), so one chunk's (chunk x vocab) logits are alive at a time."""
+    checkpointed (its logits recomputed in backward) when there are several, or always with ``recompute``, so one
+    chunk's (chunk x vocab) logits are alive at a time."""
     results = []
     for start in range(0, x.size(0), chunk):
         x_chunk, t_chunk = x[start : start + chunk], targets[start : start + chunk]
-        if chunk < x.size(0) and torch.is_grad_enabled():
+        if (recompute or chunk < x.size(0)) and torch.is_grad_enabled():
             results.append(checkpoint(function, model, x_chunk, t_chunk, use_reentrant=False))
         else:
             results.append(function(model, x_chunk, t_chunk))

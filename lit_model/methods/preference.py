@@ -48,11 +48,14 @@ def sequence_log_probs(model: GPT, hidden: torch.Tensor, targets: torch.Tensor, 
                        spans: Optional[list[Span]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed log-probability of each row's targets (rows, time) and each row's number of targets, from the
     final hidden states (rows, time, embedding): a readout of ``GPT.forward``. Each row's is the language-model
-    loss's own fused chunked head and cross-entropy (``CausalLM.readout``) over that row, negated: a row's logits
-    never exist whole, and the step's memory is that of the loss whose plan is measured most. ``spans``: each row's
+    loss's own chunked head and cross-entropy (``CausalLM.readout``; fused where the head is frozen) over that row,
+    negated: a row's logits never exist whole. ``spans``: each row's
     place in packed hidden states (``pair_rows``), read in the same chunks from the row's first token."""
     spans = spans if spans is not None else [(row, 0, targets.size(1)) for row in range(targets.size(0))]
-    language_model = CausalLM(chunk_size)
+    # a trained head: each row's fused loss would keep a gradient of the head's weight until backward (rows x
+    # vocabulary x embedding); its logits recomputed in backward keep the rows' hidden states only
+    head_trains = torch.is_grad_enabled() and any(p.requires_grad for p in model.lm_head.parameters())
+    language_model = CausalLM(chunk_size, recompute_head=head_trains)
     log_probs = torch.stack([-language_model.readout(model, hidden[at, start : start + length], targets[row, :length])
                              for row, (at, start, length) in enumerate(spans)])
     return log_probs, (targets != IGNORE_INDEX).sum(dim=1)
