@@ -215,6 +215,37 @@ def test_the_loss_of_a_batch_is_the_sum_of_its_pairs():
     assert whole.item() == pytest.approx(sum(p.item() for p in parts), abs=1e-5)
 
 
+def test_a_trained_head_keeps_no_gradient_of_its_weight_per_row_and_gives_the_fused_losss_gradients():
+    """Full DPO: the fused loss would keep each row's gradient of the head's weight until backward (rows x vocabulary x
+    embedding); recomputing each row's logits in backward keeps none, with the same gradients."""
+    from lit_model.methods import preference
+
+    (ids, mask, _), objective = pair_batch(), Preference(loss="dpo", chunk_size=5)
+    inputs, targets = lit_batch(ids, mask)
+    ref = policy_log_probs(tiny_model(1), ids, mask).view(PAIRS, 2)
+    results = []
+    for recompute in (True, False):
+        model = tiny_model()
+        head = model.lm_head.weight
+        saved = []
+        original = preference.CausalLM
+        if not recompute:  # the fused loss per row, as before
+            preference.CausalLM = lambda chunk_size, recompute_head: original(chunk_size)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                loss = objective.loss_sum(model, (inputs, targets, ref)).loss
+        finally:
+            preference.CausalLM = original
+        loss.backward()
+        head_sized = [t for t in saved if t.shape == head.shape and t.data_ptr() != head.data_ptr()]
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], len(head_sized)))
+    (loss, grads, kept), (fused_loss, fused_grads, fused_kept) = results
+    assert (kept, fused_kept) == (0, 2 * PAIRS)
+    torch.testing.assert_close(loss, fused_loss, rtol=1e-5, atol=1e-6)
+    for grad, fused in zip(grads, fused_grads):
+        torch.testing.assert_close(grad, fused, rtol=1e-4, atol=1e-6)
+
+
 # ---- --packing: a micro batch's rows packed into rows of up to the run's length ----------------------------------
 @pytest.mark.parametrize("loss, reference", [("dpo", "precomputed"), ("dpo", "adapters"), ("simpo", "none")])
 def test_packed_rows_give_the_unpacked_loss_rewards_and_gradients(loss, reference):
