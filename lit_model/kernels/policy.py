@@ -25,7 +25,7 @@ class KernelPolicy:
 
     # fp32 linear maps on oneDNN's inner product instead of the BLAS (ops.onednn_fp32_linear; the CPU only)
     onednn_fp32_linear: bool
-    # dropout before a linear map keeps undivided values (ops.dropout_before_linear; the CPU only)
+    # dropout before a linear map keeps undivided values (ops.dropout_linear; the CPU only)
     unscaled_dropout: bool
     # RMSNorm by hand above this many input elements (ops.rms_norm); None: PyTorch's own norm always
     norm_by_hand_above: Optional[int]
