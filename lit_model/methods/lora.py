@@ -182,9 +182,9 @@ class LoRALayer:
         return [r * in_features, out_features * r] + ([out_features] if dora else [])
 
     @staticmethod
-    def memory_contract(step: Step, in_dim: int, out_dim: int, in_rg: bool, in_bytes: int) -> float:
-        """Kept bytes per token of the branch on an input of ``in_dim`` channels of ``in_bytes`` (``in_rg``: it
-        requires grad); the base layer's are its neighbours' business (``gpt.BlockLinears``)."""
+    def memory_contract(step: Step, in_dim: int, out_dim: int, in_rg: bool) -> float:
+        """Kept bytes per token of the branch on an input of ``in_dim`` channels (``in_rg``: it requires grad); the
+        base layer's, and the input where the branch keeps it, are its neighbours' business (``gpt.BlockLinears``)."""
         dm = step.compute_bytes
         kept = float(step.lora_r * dm)  # A's output, kept by the B matmul
         if step.lora_dora:  # base + low-rank output, kept by its product with the magnitudes' scale

@@ -414,7 +414,7 @@ class CausalSelfAttention(nn.Module):
         per_token = 0.0
         out_rg = {}
         for name, out in (("query", Hq), ("key", Hkv), ("value", Hkv)):
-            kept, branch_rg = linears.branch_kept(f"attn.{name}", C, out, x_rg, d)
+            kept, branch_rg = linears.branch_kept(f"attn.{name}", C, out, x_rg)
             per_token += kept
             out_rg[name] = x_rg or linears.trains or branch_rg
         if config.qk_norm is not None:  # RMSNorm of the query and key projections (per head, or as a whole)
@@ -436,7 +436,7 @@ class CausalSelfAttention(nn.Module):
         # output projection: keeps its input (the attention output, or its reshaped copy)
         if linears.keeps_input("attn.proj") and (y_copy or not y_rg):
             per_token += Hq * dm
-        kept, branch_rg = linears.branch_kept("attn.proj", Hq, C, y_rg, dm)
+        kept, branch_rg = linears.branch_kept("attn.proj", Hq, C, y_rg)
         per_token += kept
         return Saved(per_token, core.per_sample_t2, per_layer, y_rg or linears.trains or branch_rg,
                      core.transient_per_token, core.transient_floor, core.selective_per_token,
@@ -555,13 +555,13 @@ class GptNeoxMLP(nn.Module):
     def memory_contract(cls, config: Config, step: Step, x_rg: bool, linears: BlockLinears, input_kept: bool) -> Saved:
         """``input_kept``: its input is already kept by the attention that reads it too."""
         d, dm, C, I = step.param_bytes, step.compute_bytes, config.n_embd, config.intermediate_size
-        per_token, branch_rg = linears.branch_kept("mlp.fc", C, I, x_rg, d)
+        per_token, branch_rg = linears.branch_kept("mlp.fc", C, I, x_rg)
         h_rg = x_rg or linears.trains or branch_rg
         if h_rg:
             per_token += I * dm  # gelu input
         if linears.keeps_input("mlp.proj"):
             per_token += I * dm  # gelu output kept by proj
-        kept, branch_rg = linears.branch_kept("mlp.proj", I, C, h_rg, dm)
+        kept, branch_rg = linears.branch_kept("mlp.proj", I, C, h_rg)
         per_token += kept
         if not input_kept:
             per_token += linears.shared_input(("mlp.fc",), C, d)
@@ -595,7 +595,7 @@ class LLaMAMLP(nn.Module):
         per_token = 0.0
         h_rg = {name: x_rg for name in names}
         for name in names:
-            kept, branch_rg = linears.branch_kept(name, C, I, x_rg, d)
+            kept, branch_rg = linears.branch_kept(name, C, I, x_rg)
             per_token += kept
             h_rg[name] = h_rg[name] or linears.trains or branch_rg
         s_rg, h2_rg = h_rg["mlp.fc_1"], h_rg["mlp.fc_2"]
@@ -604,7 +604,7 @@ class LLaMAMLP(nn.Module):
         p_rg = s_rg or h2_rg
         if linears.keeps_input("mlp.proj"):
             per_token += I * dm  # product kept by proj
-        kept, branch_rg = linears.branch_kept("mlp.proj", I, C, p_rg, dm)
+        kept, branch_rg = linears.branch_kept("mlp.proj", I, C, p_rg)
         per_token += kept
         if not input_kept:
             per_token += linears.shared_input(names, C, d)
@@ -829,11 +829,11 @@ class BlockLinears:
         """Whether linear ``name`` keeps its input: a trainable weight, or a LoRA branch that does (``Step``)."""
         return self.trains or (self.adapted(name) and self.step.lora_keeps_input)
 
-    def branch_kept(self, name: str, in_dim: int, out_dim: int, in_rg: bool, in_bytes: int) -> tuple[float, bool]:
+    def branch_kept(self, name: str, in_dim: int, out_dim: int, in_rg: bool) -> tuple[float, bool]:
         """Kept bytes of linear ``name``'s LoRA branch; whether it makes the output require grad."""
         if not self.adapted(name):
             return 0.0, False
-        return self.branch(self.step, in_dim, out_dim, in_rg, in_bytes), True
+        return self.branch(self.step, in_dim, out_dim, in_rg), True
 
     def shared_input(self, names: tuple[str, ...], in_dim: int, in_bytes: int) -> float:
         """The input shared by linears ``names``: kept once; under autocast one cast per keeping linear."""
