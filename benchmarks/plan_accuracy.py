@@ -641,6 +641,7 @@ def benchmark_prompts(path: Path, checkpoint: Path, model: str, tokens: int) -> 
 def prepare(work: Path, env: dict[str, str]) -> Path:
     """Build the caches once (tokenizer, token arrays, instruction data) with two 1-step runs of the default
     model, and the preference pairs; returns the tokenizer (the warm-up checkpoint's directory)."""
+    work.mkdir(parents=True, exist_ok=True)
     if not (work / "pairs.jsonl").is_file():
         benchmark_pairs(work / "pairs.jsonl")
     warm = work / "warmup"

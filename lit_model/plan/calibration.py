@@ -136,13 +136,23 @@ class Overhead:
     # tensors plus runtime and data to 2 MiB (1,029 at the defaults). Where such a run peaks in training it holds
     # 125-152 MiB beyond those on 132-198 MiB of transient tensors (0.77-0.95 of them; pretraining 0.06-0.35); where
     # it peaks saving or sampling after training, 43-206 MiB that the phase's own tensors do not explain: heap kept
-    # from training (2026-11-26 grid). Why a fine-tune of a frozen base keeps more is not isolated, so the term stays
-    # a measured constant, rounded up. Not in the sample's phase: the sample trims the heap first (overhead._cpu_churn);
-    # a LoRA save's reads of the base checkpoint reuse it (overhead.cpu_overhead_terms).
+    # from training (2026-11-26 grid). The mechanism (benchmarks/results/heap_reuse.md): glibc before 2.38 does not
+    # give a freed block of PyTorch's posix_memalign(64) allocations to a later request of the same size (only to
+    # smaller ones), so a step's tensors of one shape take new heap each time one is freed before the next is made:
+    # the vs_peers GRPO LoRA step (5.26M parameters, 8 x 200 tokens) with 134 MB of tensors alive at most grew the
+    # heap by 246 MB (by 22 MB where blocks of 1 MiB or more are mapped apart). Why a full fine-tune's order of
+    # allocations keeps less is not isolated, so the term stays a measured constant, rounded up, bounded by
+    # cpu_adapter_fine_tuning_rate of the step's transient bytes (a step cannot leave more freed heap than it
+    # allocates: small runs were planned 18-35 % over with the whole constant, plan_accuracy_random-5/-6). Not in
+    # the sample's phase: the sample trims the heap first (overhead._cpu_churn); a LoRA save's reads of the base
+    # checkpoint reuse it (overhead.cpu_overhead_terms).
     # Ruled out: MKL's buffer cache (MKL_DISABLE_FAST_MM=1), bitsandbytes' import
     # (full.py imports it too), glibc's per-thread arenas (MALLOC_ARENA_MAX=1 or 2: 1,048-1,088 MiB against
     # 1,032-1,063 at the default, same run).
     cpu_adapter_fine_tuning: int = 128 * MiB
+    # ... at most this fraction of the training step's transient bytes: the grid's runs held 0.77-0.95 of theirs
+    # beyond the other terms (above), the GRPO step 0.84 (246 MB of heap for 134 MB of tensors); rounded up
+    cpu_adapter_fine_tuning_rate: float = 0.95
     # data: the token cache's pages (a read-only memmap that the unigram baseline reads whole: 18 MiB for the
     # stdlib's 8.6M tokens), what tokenizing left in the heap (18 MiB cached, ~90 MiB when the corpus is
     # tokenized in the same run) and the instruction records of a fine-tune; 48 MiB (estimate: the default data;

@@ -94,7 +94,8 @@ def bitsandbytes_import_bytes() -> int:
 
 
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
-                       gradients_persist: bool = False, gathered: int = 0, adapters: bool = False,
+                       gradients_persist: bool = False, gathered: int = 0,
+                       adapter_step_transient: Optional[int] = None,
                        new_shapes: bool = False, optimizer_library: int = 0, generation: bool = False,
                        transient_high: int = 0, compiled_trainable_bytes: Optional[int] = None,
                        compiled_decode_parameters: Optional[int] = None, cpu_heap: str = "glibc",
@@ -104,7 +105,8 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     the weights a quantized model dequantizes and frees in each pass, when the phase runs the model; ``gathered``:
     what FSDP's all-gathers allocate and free in that pass). ``gradients_persist``: the gradients live in buffers
     allocated once (DDP's buckets; each gradient autograd makes is copied in and freed at once), so the step frees no
-    gradient-sized heap for glibc to keep. ``adapters``: a LoRA or adapter fine-tune (a term of its own).
+    gradient-sized heap for glibc to keep. ``adapter_step_transient``: a LoRA or adapter fine-tune's training step's
+    transient bytes (a term of its own, which that step bounds), None for other runs.
     ``new_shapes``: the products change shape from step to step (a mixture of experts' routed rows in 16 bits, on
     oneDNN), so oneDNN's kernel caches fill up: counted full (``ops.onednn_kernel_cache_bytes``).
     ``optimizer_library``: what the optimizer's library adds to the process (``calibration.cpu_optimizer_library_bytes``).
@@ -144,8 +146,11 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     }
     if cpu_heap in ("lit_model", "lit_model_sharded"):
         terms["heap_top_pad"] = CPU_HEAP_TOP_PAD
-    if adapters:  # freed heap: what the phase allocates next (a LoRA save's reads of the base checkpoint) reuses it
-        terms["adapter_fine_tuning"] = max(OVERHEAD.cpu_adapter_fine_tuning - categories.get("checkpoint", 0), 0)
+    if adapter_step_transient is not None:
+        # freed heap: at most what the step's transient tensors leave; what the phase allocates next (a LoRA save's
+        # reads of the base checkpoint) reuses it
+        kept = min(OVERHEAD.cpu_adapter_fine_tuning, OVERHEAD.cpu_adapter_fine_tuning_rate * adapter_step_transient)
+        terms["adapter_fine_tuning"] = int(max(kept - categories.get("checkpoint", 0), 0))
     if new_shapes:
         terms["kernel_cache"] = onednn_kernel_cache_bytes()
     if optimizer_library:
@@ -153,6 +158,7 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     if compiled_trainable_bytes is not None:
         # an adapter fine-tune's compiled blocks save fewer activations than its eager ones (calibration.py), so
         # only a full training's compiler grows with them
+        adapters = adapter_step_transient is not None
         activations = 0 if adapters else categories.get("activations", 0) + categories.get("logits_loss", 0)
         compiler = (OVERHEAD.cpu_compile_runtime + OVERHEAD.cpu_compile_per_parameter_byte * compiled_trainable_bytes
                     + OVERHEAD.cpu_compile_per_activation_byte * activations)
@@ -211,18 +217,20 @@ def _gradients_in_buckets(spec: Run) -> bool:
     return spec.parallel.ddp
 
 
-def _cpu_churn(phase: str, spec: Run) -> dict[str, Any]:
+def _cpu_churn(phase: str, spec: Run, step_transient: int) -> dict[str, Any]:
     """``cpu_overhead_terms``' keywords for a phase of this run: the phases that run the model (the step and the
     evaluation) dequantize and all-gather weights; the save and the sample do not. The sample gives back the heap
     glibc kept (recipes/common.py sample_text trims it before reloading final/), so the heap an adapter fine-tune
     keeps (``adapters``) is gone by then: counted, it planned LoRA SmolLM2-135M bf16-true runs of lora.py and dpo.py,
     which peak sampling, 14 % over (benchmarks/results/plan_accuracy_preference.md); and the save, which reads the
-    base checkpoint into that freed heap, then peaked 12 % over (cpu_overhead_terms)."""
+    base checkpoint into that freed heap, then peaked 12 % over (cpu_overhead_terms). ``step_transient``: the
+    training step's transient bytes, which bound that heap."""
     runs_model = phase in ("train_step", "evaluation")
     return {"dequantized": dequantized_bytes(spec) if runs_model else 0,
             "gathered": gathered_bytes(spec) if runs_model else 0,
             "gradients_persist": _gradients_in_buckets(spec),
-            "adapters": spec.trainable in ("lora", "adapter") and phase != "sample",
+            "adapter_step_transient": (step_transient if spec.trainable in ("lora", "adapter") and phase != "sample"
+                                       else None),
             "new_shapes": bool(spec.config.n_expert) and spec.compute_bytes == 2,  # fp32 experts stay on BLAS
             "optimizer_library": cpu_optimizer_library_bytes(spec.optimizer,
                                                              lambda: closed_form.model_bytes(spec).trainable,
@@ -243,16 +251,18 @@ def recomputed_transient_bytes(spec: Run) -> int:
     return int(plain.kept + plain.loss_forward)
 
 
-def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None) -> dict[str, Any]:
+def _cpu_terms(phase: str, spec: Run, generation: bool, transient_highs: Optional[dict[str, int]] = None,
+               step_transient: int = 0) -> dict[str, Any]:
     """``cpu_overhead_terms``' keywords for a phase of a training run (``transient_highs``: the trace's most transient
-    bytes of any stretch of each phase), or of a generation process."""
+    bytes of any stretch of each phase; ``step_transient``: the training step's transient bytes), or of a generation
+    process."""
     if generation:
         return {"generation": True, "cpu_heap": spec.cpu_heap,
                 "compiled_decode_parameters": closed_form.param_counts(spec.config).total if spec.compile else None}
     high = (transient_highs or {}).get(phase, 0)
     if phase == "train_step" and spec.ac_interval and spec.trainable == "full":
         high = max(high, recomputed_transient_bytes(spec))
-    return {**_cpu_churn(phase, spec), "transient_high": high, "cpu_heap": spec.heap_mode,
+    return {**_cpu_churn(phase, spec, step_transient), "transient_high": high, "cpu_heap": spec.heap_mode,
             "runtime": cpu_runtime_bytes()}
 
 
@@ -260,10 +270,17 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: boo
                    transient_highs: Optional[dict[str, int]] = None) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Each phase's categories with its overhead added, and (CPU) that overhead by term, per phase."""
     out, terms = {}, {}
+    step = phases.get("train_step", {})
+    step_gradients = 0 if _gradients_in_buckets(spec) else step.get("gradients", 0)
+    step_transient = max(step.get("activations", 0) + step.get("logits_loss", 0) + step_gradients,
+                         (transient_highs or {}).get("train_step", 0))
+    if spec.ac_interval and "train_step" in phases:  # the recompute allocates the blocks' activations again
+        step_transient = max(step_transient, recomputed_transient_bytes(spec))
     for name, cats in phases.items():
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
         if spec.device_type == "cpu":
-            terms[name] = cpu_overhead_terms(cats, spec.world_size, **_cpu_terms(name, spec, generation, transient_highs))
+            terms[name] = cpu_overhead_terms(cats, spec.world_size,
+                                             **_cpu_terms(name, spec, generation, transient_highs, step_transient))
             cats["overhead"] = sum(terms[name].values())
         else:
             fresh = cuda_step_fresh_bytes(spec) if name == "train_step" and not generation else 0
