@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from lit_model.core.files import atomic_write
 from lit_model.run import CPU_HEAP
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +38,6 @@ MB = 1e6
 
 def reused_blocks(libc: ctypes.CDLL, size: int, aligned: bool) -> int:
     """Of two blocks of ``size`` allocated after two adjacent ones of that size were freed, how many took their place."""
-    libc.malloc.restype = ctypes.c_void_p
-
     def allocate() -> int:
         if not aligned:
             return libc.malloc(ctypes.c_size_t(size))
@@ -58,6 +57,7 @@ def reused_blocks(libc: ctypes.CDLL, size: int, aligned: bool) -> int:
 
 def allocator_rows() -> list[str]:
     libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
     for _, code, value in CPU_HEAP:
         libc.mallopt(code, value)
     rows = []
@@ -113,7 +113,7 @@ def write(allocator: list[str], rows: list[str], commands: list[str]) -> None:
         *commands,
         "",
     ]
-    RESULTS.write_text("\n".join(text))
+    atomic_write(RESULTS, "\n".join(text))
 
 
 def main() -> None:

@@ -93,6 +93,15 @@ def bitsandbytes_import_bytes() -> int:
     return _probe()[1]
 
 
+def transient_bytes(categories: dict[str, int], gradients_persist: bool = False, gathered: int = 0,
+                    transient_high: int = 0) -> int:
+    """A phase's transient bytes (its activations, logits and gradients, and what FSDP's all-gathers free), or its
+    most transient bytes of any stretch (``transient_high``) where that is more: see ``cpu_overhead_terms``."""
+    gradients = 0 if gradients_persist else categories.get("gradients", 0)
+    plain = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
+    return max(plain, transient_high + gathered)
+
+
 def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequantized: int = 0,
                        gradients_persist: bool = False, gathered: int = 0,
                        adapter_step_transient: Optional[int] = None,
@@ -122,10 +131,9 @@ def cpu_overhead_terms(categories: dict[str, int], world_size: int = 1, dequanti
     (``Run.heap_mode``): where the run sets it ("lit_model", "lit_model_sharded"), what a trim leaves at the heap's
     top (``run.CPU_HEAP_TOP_PAD``) is counted whole; where freed blocks go back at once (the user's mmap threshold,
     "returns_freed", or an FSDP run's, "lit_model_sharded"), little is retained. ``runtime``: the training process's runtime (``cpu_runtime_bytes``)."""
-    gradients = 0 if gradients_persist else categories.get("gradients", 0)
-    transient = categories.get("activations", 0) + categories.get("logits_loss", 0) + gradients + gathered
-    after_backward = transient_high + gathered > transient
-    transient = max(transient, transient_high + gathered)
+    plain = transient_bytes(categories, gradients_persist, gathered)
+    transient = transient_bytes(categories, gradients_persist, gathered, transient_high)
+    after_backward = transient > plain
     if cpu_heap in ("returns_freed", "lit_model_sharded"):
         retained = OVERHEAD.cpu_allocator_retention_mmap * (transient + dequantized)
     elif generation:
@@ -270,10 +278,8 @@ def _finish_phases(phases: dict[str, dict[str, int]], spec: Run, generation: boo
                    transient_highs: Optional[dict[str, int]] = None) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Each phase's categories with its overhead added, and (CPU) that overhead by term, per phase."""
     out, terms = {}, {}
-    step = phases.get("train_step", {})
-    step_gradients = 0 if _gradients_in_buckets(spec) else step.get("gradients", 0)
-    step_transient = max(step.get("activations", 0) + step.get("logits_loss", 0) + step_gradients,
-                         (transient_highs or {}).get("train_step", 0))
+    step_transient = transient_bytes(phases.get("train_step", {}), _gradients_in_buckets(spec),
+                                     transient_high=(transient_highs or {}).get("train_step", 0))
     if spec.ac_interval and "train_step" in phases:  # the recompute allocates the blocks' activations again
         step_transient = max(step_transient, recomputed_transient_bytes(spec))
     for name, cats in phases.items():
